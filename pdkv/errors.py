@@ -1,0 +1,76 @@
+"""The one error tree of pdkv and of the transfer layer built on it.
+
+Every failure a caller can act on is a `PdkvError`. Errors from NIXL, UCX, HTTP and
+torch.distributed are translated into this tree at the boundary that sees them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PdkvError",
+    "LayoutError",
+    "IncompatibleLayoutError",
+    "PageRangeError",
+    "CapacityError",
+    "MetadataError",
+    "TransferError",
+    "PeerLostError",
+    "UnknownRoomError",
+    "DeadlineExceeded",
+    "AuthError",
+]
+
+
+class PdkvError(Exception):
+    """Base class of every error pdkv raises on purpose."""
+
+
+class LayoutError(PdkvError, ValueError):
+    """A KV layout (geometry) that cannot exist: zero pages, a bad shard plan, ..."""
+
+
+class IncompatibleLayoutError(LayoutError):
+    """Two sides of a transfer disagree on the KV geometry."""
+
+    def __init__(self, message: str, differing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.differing = differing
+
+
+class PageRangeError(PdkvError, IndexError):
+    """A token location, page index or layer id lies outside the pool."""
+
+
+class CapacityError(PdkvError):
+    """No free pages (or other pool capacity) left for a request."""
+
+
+class MetadataError(PdkvError, ValueError):
+    """A wire message that is malformed, of another schema version, or inconsistent."""
+
+
+class TransferError(PdkvError):
+    """A UCX transfer failed or could not be set up."""
+
+
+class PeerLostError(TransferError):
+    """A peer (prefill owner, registry, decode) died or stopped answering."""
+
+    def __init__(self, message: str, peer: str = "") -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class UnknownRoomError(PdkvError, KeyError):
+    """A room that the prefill side does not know or has already released."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DeadlineExceeded(PdkvError, TimeoutError):
+    """An operation did not finish before its deadline."""
+
+
+class AuthError(PdkvError, PermissionError):
+    """A request without the shared secret the service was started with."""

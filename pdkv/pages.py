@@ -1,0 +1,69 @@
+"""Page bookkeeping: a free-list allocator and the fragmented page orders of a busy pool."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import numpy as np
+
+from pdkv.errors import CapacityError, PageRangeError
+
+__all__ = ["PageAllocator", "fragmented_page_order"]
+
+logger = logging.getLogger(__name__)
+
+
+def fragmented_page_order(
+    pages: np.ndarray, rng: np.random.Generator, mean_run: float = 4.0
+) -> np.ndarray:
+    """`pages` cut into runs of geometric length (mean `mean_run`), runs shuffled.
+
+    What a paged allocator's free list looks like after some churn: consecutive pages
+    come in short runs, and the runs come in no order.
+    """
+    if mean_run < 1:
+        raise ValueError(f"mean_run must be >= 1, got {mean_run}")
+    lengths = rng.geometric(1.0 / mean_run, size=len(pages))
+    cuts = np.cumsum(lengths)
+    cuts = cuts[cuts < len(pages)]
+    runs = np.split(pages, cuts)
+    order = rng.permutation(len(runs))
+    return np.concatenate([runs[i] for i in order]) if runs else pages
+
+
+class PageAllocator:
+    """Hands out page indices of one pool; page 0 stays reserved as SGLang's padding page."""
+
+    def __init__(self, num_pages: int, rng: np.random.Generator | None = None) -> None:
+        if num_pages < 2:
+            raise CapacityError(f"a pool needs at least 2 pages, got {num_pages}")
+        self.num_pages = num_pages
+        pages = np.arange(1, num_pages, dtype=np.int64)
+        if rng is not None:
+            pages = fragmented_page_order(pages, rng)
+        self._free: deque[int] = deque(pages.tolist())
+        self._used: set[int] = set()
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_count(self) -> int:
+        return len(self._used)
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > len(self._free):
+            raise CapacityError(f"asked for {n} pages, {len(self._free)} free")
+        out = np.fromiter((self._free.popleft() for _ in range(n)), dtype=np.int64, count=n)
+        self._used.update(out.tolist())
+        return out
+
+    def free(self, pages: np.ndarray | list[int]) -> None:
+        items = [int(p) for p in pages]
+        unknown = [p for p in items if p not in self._used]
+        if unknown:
+            raise PageRangeError(f"freeing pages that are not allocated: {unknown[:8]}")
+        self._used.difference_update(items)
+        self._free.extend(items)

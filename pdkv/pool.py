@@ -1,0 +1,251 @@
+"""The DSA KV pool: MLA latent KV plus the sparse-attention indexer cache, per layer.
+
+`DSAKVPool` holds every layer. `LayerSplitDSAKVPool` (in `pdkv.layer_split`) holds only
+the layers its CP rank owns and serves reads of the others through an owner broadcast.
+Both keep `kv_buffer[i]` / `index_buffer[i]` indexed by local layer, so a non-owned
+layer is a 0-row placeholder rather than a gap.
+
+Owned layers of one kind live in one contiguous slab: a transfer engine registers that
+slab once, and pages of adjacent layers can never alias.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdkv.buffers import (
+    alloc_zeros,
+    as_store_rows,
+    check_locations,
+    gather_index_k,
+    gather_index_scale,
+    move_index_tokens,
+    scatter_index_k_and_scale,
+)
+from pdkv.errors import PageRangeError
+from pdkv.layout import KVLayout
+
+__all__ = ["DSAKVPool", "BufferInfos", "CpuKVCopy"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BufferInfos:
+    """Owned buffers of one kind, as a transfer layer registers them (SGLang's triple)."""
+
+    layer_ids: tuple[int, ...]
+    data_ptrs: tuple[int, ...]
+    data_lens: tuple[int, ...]
+    item_lens: tuple[int, ...]
+
+    def as_tuple(self) -> tuple[list[int], list[int], list[int]]:
+        return list(self.data_ptrs), list(self.data_lens), list(self.item_lens)
+
+
+@dataclass
+class CpuKVCopy:
+    """A host copy of some pages of every owned layer; None for a layer not owned."""
+
+    kv: list[torch.Tensor | None]
+    index: list[torch.Tensor | None]
+
+
+class DSAKVPool:
+    """A DSA KV pool that holds the layers in `owned` (by default all of them)."""
+
+    def __init__(self, layout: KVLayout, owned: range | None = None) -> None:
+        self.layout = layout
+        self.owned = owned if owned is not None else range(layout.start_layer, layout.end_layer)
+        if self.owned.step != 1 or (
+            len(self.owned) and (self.owned.start < layout.start_layer or self.owned.stop > layout.end_layer)
+        ):
+            raise PageRangeError(f"owned layers {self.owned} outside the layout's layers")
+        self.device = torch.device(layout.device)
+        n = len(self.owned)
+        self.kv_slab = alloc_zeros(
+            (n, layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device
+        )
+        self.index_slab = alloc_zeros(
+            (n, layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device
+        )
+        self.kv_buffer = [self._layer_view(self.kv_slab, i) for i in self._layer_range()]
+        self.index_buffer = [self._layer_view(self.index_slab, i) for i in self._layer_range()]
+        logger.debug("pool %s owns layers [%d, %d)", layout.fingerprint, self.owned.start, self.owned.stop)
+
+    # ---- layer bookkeeping ----------------------------------------------------------------
+    def _layer_range(self) -> range:
+        return range(self.layout.start_layer, self.layout.end_layer)
+
+    def _layer_view(self, slab: torch.Tensor, layer_id: int) -> torch.Tensor:
+        if layer_id in self.owned:
+            return slab[layer_id - self.owned.start]
+        return slab.new_empty((0, *slab.shape[2:]))
+
+    def _local(self, layer_id: int) -> int:
+        if not self.layout.start_layer <= layer_id < self.layout.end_layer:
+            raise PageRangeError(
+                f"layer {layer_id} outside the pool's layers "
+                f"[{self.layout.start_layer}, {self.layout.end_layer})"
+            )
+        return layer_id - self.layout.start_layer
+
+    def is_owned(self, layer_id: int) -> bool:
+        return self._local(layer_id) + self.layout.start_layer in self.owned
+
+    @property
+    def layer_shard_start(self) -> int:
+        """First global layer this pool owns: the label of its contiguous owned range."""
+        return self.owned.start
+
+    # ---- read hooks: a full pool reads its own buffers -------------------------------------
+    def _kv_for_read(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[self._local(layer_id)]
+
+    def _index_for_read(self, layer_id: int) -> torch.Tensor:
+        return self.index_buffer[self._local(layer_id)]
+
+    def _before_write(self, layer_id: int, kind: str) -> None:
+        """Called before any write of `layer_id`; the layer-split pool invalidates here."""
+
+    def _owned_kv(self, layer_id: int) -> torch.Tensor | None:
+        """The owned buffer to write, or None when this pool does not hold `layer_id`."""
+        return self.kv_buffer[self._local(layer_id)] if self.is_owned(layer_id) else None
+
+    def _owned_index(self, layer_id: int) -> torch.Tensor | None:
+        return self.index_buffer[self._local(layer_id)] if self.is_owned(layer_id) else None
+
+    # ---- latent KV ----------------------------------------------------------------------------
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """The layer's latent KV, (rows, 1, kv_cache_dim) in the model dtype."""
+        buf = self._kv_for_read(layer_id)
+        return buf if self.layout.store_dtype == self.layout.dtype else buf.view(self.layout.torch_dtype)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """The layer's latent KV without the rope part: the first kv_lora_rank elements."""
+        return self.get_key_buffer(layer_id)[..., : self.layout.kv_lora_rank]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
+        """Store whole latent rows (tokens x kv_cache_dim, model dtype) at token `loc`."""
+        check_locations(loc, self.layout.kv_rows, "set_kv_buffer loc")
+        self._before_write(layer_id, "kv")
+        buf = self._owned_kv(layer_id)
+        if buf is None:
+            return
+        rows = as_store_rows(cache_k.to(self.layout.torch_dtype), self.layout, self.layout.kv_cache_dim)
+        buf[loc.to(self.device).long(), 0] = rows.to(self.device)
+
+    def set_mla_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+    ) -> None:
+        """Store the nope and rope parts, each already in its stored representation."""
+        check_locations(loc, self.layout.kv_rows, "set_mla_kv_buffer loc")
+        self._before_write(layer_id, "kv")
+        buf = self._owned_kv(layer_id)
+        if buf is None:
+            return
+        nope = as_store_rows(cache_k_nope, self.layout)
+        rope = as_store_rows(cache_k_rope, self.layout, self.layout.kv_cache_dim - nope.shape[1])
+        buf[loc.to(self.device).long(), 0] = torch.cat([nope, rope], dim=1).to(self.device)
+
+    # ---- indexer ------------------------------------------------------------------------------
+    def get_index_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._index_for_read(layer_id)
+
+    def get_index_k(self, layer_id: int, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
+        return gather_index_k(self._index_for_read(layer_id), self.layout, seq_len, page_indices)
+
+    def get_index_k_scale(self, layer_id: int, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
+        return gather_index_scale(self._index_for_read(layer_id), self.layout, seq_len, page_indices)
+
+    def get_index_k_and_scale(
+        self, layer_id: int, seq_len: int, page_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self._index_for_read(layer_id)
+        return (
+            gather_index_k(buf, self.layout, seq_len, page_indices),
+            gather_index_scale(buf, self.layout, seq_len, page_indices),
+        )
+
+    def set_index_k_and_scale(
+        self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale: torch.Tensor
+    ) -> None:
+        check_locations(loc, self.layout.index_num_pages * self.layout.page_size, "set_index loc")
+        self._before_write(layer_id, "index")
+        buf = self._owned_index(layer_id)
+        if buf is not None:
+            scatter_index_k_and_scale(buf, self.layout, loc, index_k, index_k_scale)
+
+    # ---- whole-pool operations ----------------------------------------------------------------
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy the KV of tokens `src_loc` to tokens `tgt_loc` in every owned layer."""
+        for loc, what in ((tgt_loc, "move_kv_cache tgt_loc"), (src_loc, "move_kv_cache src_loc")):
+            check_locations(loc, self.layout.kv_rows, what)
+        if tgt_loc.numel() != src_loc.numel():
+            raise PageRangeError(f"move_kv_cache: {tgt_loc.numel()} targets, {src_loc.numel()} sources")
+        if tgt_loc.numel() == 0:
+            return
+        tgt, src = tgt_loc.reshape(-1).long().to(self.device), src_loc.reshape(-1).long().to(self.device)
+        for layer_id in self.owned:
+            self._before_write(layer_id, "kv")
+            self._before_write(layer_id, "index")
+        self.kv_slab[:, tgt] = self.kv_slab[:, src]
+        for buf in self.index_slab:
+            move_index_tokens(buf, self.layout, tgt, src)
+
+    def _page_indices(self, indices: torch.Tensor) -> torch.Tensor:
+        return (indices.reshape(-1)[:: self.layout.page_size] // self.layout.page_size).long()
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> CpuKVCopy:
+        """Copy the tokens `indices` (whole pages) of every owned layer to host memory."""
+        check_locations(indices, self.layout.kv_rows, "get_cpu_copy indices")
+        tok = indices.reshape(-1).long().to(self.device)
+        pages = self._page_indices(tok)
+        pin = self.device.type == "cuda"
+        kv = self.kv_slab[:, tok].to("cpu", non_blocking=pin) if pin else self.kv_slab[:, tok].clone()
+        idx = self.index_slab[:, pages].to("cpu", non_blocking=pin) if pin else self.index_slab[:, pages].clone()
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        return CpuKVCopy(
+            kv=[kv[layer - self.owned.start] if layer in self.owned else None for layer in self._layer_range()],
+            index=[idx[layer - self.owned.start] if layer in self.owned else None for layer in self._layer_range()],
+        )
+
+    def load_cpu_copy(self, copy: CpuKVCopy, indices: torch.Tensor) -> None:
+        """Write a `get_cpu_copy` result back to the tokens `indices` of every owned layer."""
+        check_locations(indices, self.layout.kv_rows, "load_cpu_copy indices")
+        tok = indices.reshape(-1).long().to(self.device)
+        pages = self._page_indices(tok)
+        for layer_id in self.owned:
+            local = self._local(layer_id)
+            kv, idx = copy.kv[local], copy.index[local]
+            if kv is None or idx is None or kv.shape[0] != tok.numel() or idx.shape[0] != pages.numel():
+                raise PageRangeError(f"load_cpu_copy: the copy does not match layer {layer_id}")
+            self._before_write(layer_id, "kv")
+            self._before_write(layer_id, "index")
+            self.kv_buffer[local][tok] = kv.to(self.device, non_blocking=True)
+            self.index_buffer[local][pages] = idx.to(self.device, non_blocking=True)
+
+    # ---- what a transfer layer registers -----------------------------------------------------
+    def _infos(self, buffers: list[torch.Tensor], item_len: int) -> BufferInfos:
+        layers = tuple(self.owned)
+        return BufferInfos(
+            layer_ids=layers,
+            data_ptrs=tuple(buffers[self._local(i)].data_ptr() for i in layers),
+            data_lens=tuple(buffers[self._local(i)].nbytes for i in layers),
+            item_lens=tuple(item_len for _ in layers),
+        )
+
+    def get_contiguous_buf_infos(self) -> BufferInfos:
+        """Latent KV buffers of owned layers; item_len is one page of one layer."""
+        return self._infos(self.kv_buffer, self.layout.kv_page_bytes)
+
+    def get_state_buf_infos(self) -> BufferInfos:
+        """Indexer buffers of owned layers; item_len is one indexer page."""
+        return self._infos(self.index_buffer, self.layout.index_page_bytes)
+
+    def get_kv_size_bytes(self) -> int:
+        return self.kv_slab.nbytes + self.index_slab.nbytes

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Make .venv in the checkout with torch's CPU build first (a bare `torch` would pull a
+# multi-GB CUDA build), then the project and its test extra. Idempotent and quiet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q torch==2.13.0
+fi
+.venv/bin/pip install -q -e ".[test]"

@@ -1,0 +1,84 @@
+"""Rank bodies for the layer-split pool tests (imported by spawned processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, tiny
+from pdkv.synthetic import SyntheticLayer
+
+PAGES = torch.tensor([3, 1, 7, 2, 9])  # deliberately out of order
+
+
+def _tokens(layout):
+    ps = layout.page_size
+    return (PAGES[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+
+def write_all(pool: LayerSplitDSAKVPool, seed: int) -> None:
+    """Every rank calls every write (collective order); non-owners keep nothing."""
+    loc = _tokens(pool.layout)
+    for layer in range(pool.layout.layer_num):
+        data = SyntheticLayer(pool.layout, seed, layer, loc)
+        pool.set_kv_buffer(layer, loc, data.kv_rows(pool.layout))
+        pool.set_index_k_and_scale(layer, loc, data.index_k, data.index_scale)
+
+
+def check_layer(pool: LayerSplitDSAKVPool, layer: int, seed: int) -> None:
+    layout = pool.layout
+    loc = _tokens(layout)
+    want = SyntheticLayer(layout, seed, layer, loc)
+    got_kv = pool.get_key_buffer(layer)[loc].reshape(loc.numel(), -1)
+    assert torch.equal(got_kv.contiguous().view(torch.uint8), want.kv), f"latent layer {layer}"
+    value = pool.get_value_buffer(layer)[loc].reshape(loc.numel(), -1)
+    assert torch.equal(value.contiguous().view(torch.uint8), want.kv[:, : value.shape[1] * value.element_size()])
+    k, s = pool.get_index_k_and_scale(layer, loc.numel(), PAGES)
+    assert torch.equal(k, want.index_k), f"index keys layer {layer}"
+    assert torch.equal(s, want.index_scale.view(torch.uint8).view(-1, 4)), f"index scales layer {layer}"
+    assert torch.equal(pool.get_index_k(layer, loc.numel() - 3, PAGES), want.index_k[:-3])
+    assert torch.equal(pool.get_index_k_scale(layer, 5, PAGES), s[:5])
+
+
+def owner_broadcast_reads(rank: int, world: int, layers: int) -> dict[str, int]:
+    layout = tiny(layer_num=layers)
+    plan = ShardPlan(rank, world, layers)
+    pool = LayerSplitDSAKVPool(layout, plan, OwnerBroadcaster())
+    for layer in range(layers):
+        expected_rows = layout.kv_rows if plan.owns(layer) else 0
+        assert pool.kv_buffer[layer].shape[0] == expected_rows
+    write_all(pool, seed=1)
+
+    # Blocking reads, prefetching layer l+1 while layer l is read.
+    for layer in range(layers):
+        if layer + 1 < layers:
+            pool.prefetch(layer + 1)
+        check_layer(pool, layer, seed=1)
+
+    # The asyncio face: await the broadcast, then read without blocking.
+    async def read_async() -> None:
+        for layer in range(layers):
+            pool.prefetch(layer)
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            t = asyncio.create_task(ticker())
+            await pool.wait_layer(layer)
+            t.cancel()
+            check_layer(pool, layer, seed=1)
+
+    asyncio.run(read_async())
+
+    # A write after a read invalidates the copy: the next read sees the new data.
+    last = layers - 1
+    pool.get_key_buffer(last)
+    write_all(pool, seed=2)
+    check_layer(pool, last, seed=2)
+    check_layer(pool, 0, seed=2)
+    return {"kv_broadcasts": pool.remote_kv.broadcasts, "owned": len(plan.owned)}

@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from pdkv import DSAKVPool, LayerSplitDSAKVPool, PageRangeError, ShardPlan, dsa_v32, tiny
+from pdkv.buffers import gather_index_k, gather_index_scale
+from pdkv.synthetic import SyntheticLayer
+
+
+def _fill(pool, seed, pages):
+    ps = pool.layout.page_size
+    loc = (torch.as_tensor(pages)[:, None] * ps + torch.arange(ps)).reshape(-1)
+    for layer in range(pool.layout.layer_num):
+        d = SyntheticLayer(pool.layout, seed, layer, loc)
+        pool.set_kv_buffer(layer, loc, d.kv_rows(pool.layout))
+        pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
+    return loc
+
+
+def _assert_holds(pool, seed, src_tokens, at_tokens, pages):
+    for layer in pool.owned:
+        want = SyntheticLayer(pool.layout, seed, layer, src_tokens)
+        got = pool.kv_buffer[layer][at_tokens].reshape(at_tokens.numel(), -1).contiguous()
+        assert torch.equal(got.view(torch.uint8), want.kv)
+        # Straight from the owned buffer: the pool's read API is collective on a CP group.
+        k = gather_index_k(pool.index_buffer[layer], pool.layout, at_tokens.numel(), torch.as_tensor(pages))
+        s = gather_index_scale(pool.index_buffer[layer], pool.layout, at_tokens.numel(), torch.as_tensor(pages))
+        assert torch.equal(k, want.index_k)
+        assert torch.equal(s.view(torch.float32).reshape(-1), want.index_scale.reshape(-1))
+
+
+def test_layer_split_buffer_infos_cover_owned_layers_only():
+    layout = tiny(layer_num=10)
+    plan = ShardPlan(1, 3, 10)  # owns [4, 7)
+    pool = LayerSplitDSAKVPool(layout, plan, broadcaster=_NoBroadcast())
+    kv, idx = pool.get_contiguous_buf_infos(), pool.get_state_buf_infos()
+    assert kv.layer_ids == idx.layer_ids == (4, 5, 6)
+    assert pool.layer_shard_start == 4
+    for i, layer in enumerate(kv.layer_ids):
+        assert kv.data_ptrs[i] == pool.kv_buffer[layer].data_ptr()
+        assert kv.data_lens[i] == layout.kv_rows * layout.kv_token_bytes
+        assert kv.item_lens[i] == layout.kv_page_bytes == pool.kv_buffer[layer][0].nbytes * layout.page_size
+        assert idx.data_ptrs[i] == pool.index_buffer[layer].data_ptr()
+        assert idx.data_lens[i] == layout.index_num_pages * layout.index_page_bytes
+        assert idx.item_lens[i] == layout.index_page_bytes == 4 * 132
+    # Owned layers are one contiguous slab, layer after layer.
+    assert kv.data_ptrs[1] - kv.data_ptrs[0] == kv.data_lens[0]
+    assert all(pool.kv_buffer[layer].shape[0] == 0 for layer in (0, 3, 7, 9))
+
+
+def test_dsa_v32_geometry():
+    layout = dsa_v32(size=64 * 64)
+    assert layout.kv_page_bytes == 41_984 and layout.index_page_bytes == 8_448
+    assert layout.fingerprint == dsa_v32(size=128 * 64).fingerprint  # size is per process
+    assert layout.fingerprint != layout.replace(page_size=32).fingerprint
+
+
+def test_cpu_offload_round_trip_restores_owned_layers():
+    layout = tiny(layer_num=6)
+    pool = LayerSplitDSAKVPool(layout, ShardPlan(0, 2, 6), broadcaster=_NoBroadcast())
+    pages = [5, 2, 8]
+    loc = _fill(pool, 7, pages)
+    copy = pool.get_cpu_copy(loc)
+    assert [c is None for c in copy.kv] == [False] * 3 + [True] * 3
+    _fill(pool, 8, pages)  # overwrite
+    pool.load_cpu_copy(copy, loc)
+    _assert_holds(pool, 7, loc, loc, pages)
+
+
+def test_move_kv_cache_moves_latent_and_index_tokens():
+    pool = DSAKVPool(tiny(layer_num=3))
+    src_pages, dst_pages = [4, 9], [11, 1]
+    src = _fill(pool, 3, src_pages)
+    ps = pool.layout.page_size
+    dst = (torch.tensor(dst_pages)[:, None] * ps + torch.arange(ps)).reshape(-1)
+    pool.move_kv_cache(dst, src)
+    _assert_holds(pool, 3, src, dst, dst_pages)
+
+
+def test_set_mla_kv_buffer_concatenates_nope_and_rope():
+    pool = DSAKVPool(dsa_v32(size=256))
+    loc = torch.tensor([0, 5, 64])
+    nope = torch.randint(0, 255, (3, 528), dtype=torch.uint8)
+    rope = torch.randn(3, 64).to(torch.bfloat16)
+    pool.set_mla_kv_buffer(2, loc, nope, rope)
+    row = pool.kv_buffer[2][loc, 0]
+    assert torch.equal(row[:, :528], nope)
+    assert torch.equal(row[:, 528:], rope.view(torch.uint8))
+    assert pool.get_value_buffer(2).shape[-1] == 512
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: p.set_kv_buffer(0, torch.tensor([p.layout.kv_rows]), torch.zeros(1, 24, dtype=torch.bfloat16)),
+        lambda p: p.set_kv_buffer(0, torch.tensor([-1]), torch.zeros(1, 24, dtype=torch.bfloat16)),
+        lambda p: p.get_key_buffer(p.layout.layer_num),
+        lambda p: p.get_key_buffer(-1),
+        lambda p: p.get_index_k(0, 4, torch.tensor([p.layout.index_num_pages])),
+        lambda p: p.get_index_k(0, 9, torch.tensor([1, 2])),
+        lambda p: p.move_kv_cache(torch.tensor([1]), torch.tensor([10_000])),
+        lambda p: p.set_index_k_and_scale(0, torch.tensor([10_000]), torch.zeros(1, 128), torch.zeros(1)),
+    ],
+)
+def test_out_of_range_raises_page_range_error(call):
+    pool = DSAKVPool(tiny(layer_num=3))
+    before = pool.kv_slab.clone()
+    with pytest.raises(PageRangeError):
+        call(pool)
+    assert torch.equal(pool.kv_slab, before)
+
+
+class _NoBroadcast:
+    """Only for single-process tests that never read a non-owned layer."""
+
+    def start(self, *a, **k):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("no broadcast expected in this test")

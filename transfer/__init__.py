@@ -1,0 +1,1 @@
+"""transfer: what crosses the wire between prefill and decode workers."""
