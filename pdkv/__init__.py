@@ -16,6 +16,8 @@ from pdkv.errors import (
     PdkvError,
     PeerLostError,
     TransferError,
+    NotReadyError,
+    UnknownEngineError,
     UnknownRoomError,
 )
 from pdkv.layer_split import LayerSplitDSAKVPool
@@ -45,6 +47,8 @@ __all__ = [
     "ShardPlan",
     "TransferError",
     "UnknownRoomError",
+    "UnknownEngineError",
+    "NotReadyError",
     "dsa_v32",
     "get_layer_owner",
     "get_layer_shard_range",

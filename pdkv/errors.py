@@ -16,6 +16,8 @@ __all__ = [
     "TransferError",
     "PeerLostError",
     "UnknownRoomError",
+    "UnknownEngineError",
+    "NotReadyError",
     "DeadlineExceeded",
     "AuthError",
 ]
@@ -66,6 +68,14 @@ class UnknownRoomError(PdkvError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownEngineError(UnknownRoomError):
+    """No rank of this prefill engine is registered."""
+
+
+class NotReadyError(PdkvError):
+    """The peer exists but is not complete yet (e.g. not every CP rank registered)."""
 
 
 class DeadlineExceeded(PdkvError, TimeoutError):

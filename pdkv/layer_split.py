@@ -147,6 +147,15 @@ class LayerSplitDSAKVPool(DSAKVPool):
         self._local(layer_id)
         self._remote(kind).invalidate(layer_id)
 
+    def invalidate_layer(self, layer_id: int) -> None:
+        """Note a write of `layer_id` that happened on its owner only.
+
+        Lets a non-owner keep the collective state in step without building data it
+        would drop; equivalent to calling the write methods with the owner's data.
+        """
+        self._before_write(layer_id, "kv")
+        self._before_write(layer_id, "index")
+
     def prefetch(self, layer_id: int) -> None:
         """Start the broadcasts (latent KV and indexer) of `layer_id`; return at once."""
         self._local(layer_id)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from pdkv.buffers import gather_index_k, gather_index_scale
 from pdkv.layout import KVLayout
+from pdkv.pool import DSAKVPool
 
-__all__ = ["token_bytes", "synthetic_layer", "SyntheticLayer"]
+__all__ = ["token_bytes", "synthetic_layer", "SyntheticLayer", "RequestContent", "token_locations", "request_seed", "prefix_seed"]
 
 _M1, _M2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd 64-bit mixing constants
 
@@ -50,3 +52,64 @@ class SyntheticLayer:
 
 def synthetic_layer(layout: KVLayout, seed: int, layer_id: int, tokens: torch.Tensor) -> SyntheticLayer:
     return SyntheticLayer(layout, seed, layer_id, tokens)
+
+
+def token_locations(layout: KVLayout, pages: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Token slots of positions 0..num_tokens-1 of a request stored in `pages`, in order."""
+    pos = torch.arange(num_tokens)
+    return pages.long()[pos // layout.page_size] * layout.page_size + pos % layout.page_size
+
+
+class RequestContent:
+    """The KV a stand-in prefill writes for one request: a function of its seeds alone.
+
+    The first `prefix_tokens` positions carry a shared prefix's content (seeded by the
+    prefix), the rest the request's own.
+    """
+
+    def __init__(self, seed: int, num_tokens: int, prefix_seed: int = 0, prefix_tokens: int = 0) -> None:
+        self.seed, self.num_tokens = seed, num_tokens
+        self.prefix_seed, self.prefix_tokens = prefix_seed, min(prefix_tokens, num_tokens)
+
+    def layer(self, layout: KVLayout, layer_id: int, start: int = 0) -> SyntheticLayer:
+        """Content of positions [start, num_tokens)."""
+        pos = torch.arange(start, self.num_tokens)
+        if self.prefix_tokens <= start:
+            return SyntheticLayer(layout, self.seed, layer_id, pos)
+        head = SyntheticLayer(layout, self.prefix_seed, layer_id, pos[pos < self.prefix_tokens])
+        tail = SyntheticLayer(layout, self.seed, layer_id, pos[pos >= self.prefix_tokens])
+        for name in ("kv", "index_k", "index_scale"):
+            setattr(head, name, torch.cat([getattr(head, name), getattr(tail, name)]))
+        return head
+
+    def mismatched_layers(self, pool: DSAKVPool, pages: torch.Tensor, layers: range | None = None) -> list[int]:
+        """Layers of `pool`'s own buffers whose bytes in `pages` differ from this content."""
+        layout = pool.layout
+        kv_buffers, index_buffers = pool.kv_buffer, pool.index_buffer
+        layers = pool.owned if layers is None else layers
+        loc = token_locations(layout, pages, self.num_tokens)
+        bad = []
+        for layer in layers:
+            want = self.layer(layout, layer)
+            local = layer - layout.start_layer
+            kv = kv_buffers[local][loc].reshape(self.num_tokens, -1).contiguous().view(torch.uint8)
+            k = gather_index_k(index_buffers[local], layout, self.num_tokens, pages)
+            s = gather_index_scale(index_buffers[local], layout, self.num_tokens, pages)
+            if not (
+                torch.equal(kv.cpu(), want.kv)
+                and torch.equal(k.cpu(), want.index_k)
+                and torch.equal(s.cpu(), want.index_scale.view(torch.uint8).view(-1, 4))
+            ):
+                bad.append(layer)
+        return bad
+
+
+def request_seed(engine_id: str, room: int) -> int:
+    """A seed from (engine, room): two engines' rooms with one id carry different KV."""
+    import zlib
+
+    return (zlib.crc32(engine_id.encode()) << 32) ^ room
+
+
+def prefix_seed(prefix_id: int) -> int:
+    return (0x7F4A7C15 << 32) ^ prefix_id

@@ -1,0 +1,48 @@
+"""Messages between the PD router and its workers (same envelope as `transfer.metadata`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+__all__ = ["PrefillRequest", "PrefillReply", "DecodeRequest", "DecodeReply"]
+
+Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Tokens = Annotated[int, Meta(ge=1, le=1 << 24)]
+Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+
+class _Api(Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class PrefillRequest(_Api):
+    room: Room
+    num_tokens: Tokens
+    prefix_id: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # -1: no shared prefix
+    prefix_tokens: Count = 0
+    consumers: Annotated[int, Meta(ge=1, le=64)] = 1
+
+
+class PrefillReply(_Api):
+    room: Room
+    pages: Count
+    seconds: float
+
+
+class DecodeRequest(_Api):
+    engine_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    room: Room
+    num_tokens: Tokens
+    prefix_id: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
+    prefix_tokens: Count = 0
+
+
+class DecodeReply(_Api):
+    room: Room
+    nbytes: Count | int
+    descriptors: Count
+    fetch_seconds: float
+    verified_bytes: int
+    reads: Count = 0  # batched READs; more than one per owner means it began before prefill ended

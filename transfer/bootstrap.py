@@ -1,0 +1,173 @@
+"""The bootstrap registry: where prefill ranks announce themselves and decodes look.
+
+    PUT    /v1/engines/{engine}/ranks/{rank}   a RankDescriptor (register or renew)
+    DELETE /v1/engines/{engine}/ranks/{rank}   leave
+    GET    /v1/engines/{engine}                EngineDescriptor once all CP ranks are in
+    GET    /v1/engines                         engine ids and how many ranks are in (JSON)
+    GET    /health                             liveness, no secret needed
+
+An entry lives `Timeouts.lease` seconds unless renewed, so a rank that dies drops out
+by itself. Run it with `python -m transfer.bootstrap`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pdkv.errors import MetadataError, NotReadyError, UnknownEngineError
+from transfer.http import HttpService, make_app, read_body, reply
+from transfer.service import add_service_flags, announce, configure_logging, secret_from_env, wait_for_signal
+from transfer.metadata import EngineDescriptor, RankDescriptor
+from transfer.timeouts import Timeouts
+
+__all__ = ["Registry", "RegistryServer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    descriptor: RankDescriptor
+    expires: float
+
+
+class Registry:
+    """The registry's state: pure bookkeeping, clocked by the caller."""
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        self._engines: dict[str, dict[int, _Entry]] = {}
+
+    def put(self, d: RankDescriptor, now: float) -> None:
+        ranks = self._engines.setdefault(d.engine_id, {})
+        old = ranks.get(d.cp_rank)
+        if old is not None and old.descriptor.incarnation != d.incarnation:
+            logger.info("engine %s rank %d re-registered (%s)", d.engine_id, d.cp_rank, d.incarnation)
+        # A rank of another CP size means the engine was restarted with a new shape.
+        for rank, entry in list(ranks.items()):
+            if entry.descriptor.cp_size != d.cp_size:
+                del ranks[rank]
+        ranks[d.cp_rank] = _Entry(d, now + self.lease)
+
+    def remove(self, engine_id: str, cp_rank: int) -> None:
+        self._engines.get(engine_id, {}).pop(cp_rank, None)
+
+    def expire(self, now: float) -> list[tuple[str, int]]:
+        gone = []
+        for engine_id, ranks in list(self._engines.items()):
+            for rank, entry in list(ranks.items()):
+                if entry.expires <= now:
+                    del ranks[rank]
+                    gone.append((engine_id, rank))
+            if not ranks:
+                del self._engines[engine_id]
+        for engine_id, rank in gone:
+            logger.warning("engine %s rank %d lease expired", engine_id, rank)
+        return gone
+
+    def lookup(self, engine_id: str, now: float) -> EngineDescriptor:
+        self.expire(now)
+        ranks = self._engines.get(engine_id)
+        if not ranks:
+            raise UnknownEngineError(f"engine {engine_id!r} is not registered")
+        size = next(iter(ranks.values())).descriptor.cp_size
+        missing = sorted(set(range(size)) - set(ranks))
+        if missing:
+            raise NotReadyError(f"engine {engine_id!r}: ranks {missing} of {size} not registered")
+        return EngineDescriptor(engine_id, size, [ranks[r].descriptor for r in range(size)])
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {
+            e: {"registered": len(r), "cp_size": next(iter(r.values())).descriptor.cp_size}
+            for e, r in self._engines.items()
+        }
+
+
+class RegistryServer:
+    """The registry over HTTP, with a sweeper that expires lapsed leases."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeouts: Timeouts = Timeouts(), secret: str | None = None) -> None:
+        self.registry = Registry(timeouts.lease)
+        app = make_app(secret)
+        app.router.add_put("/v1/engines/{engine}/ranks/{rank}", self._put)
+        app.router.add_delete("/v1/engines/{engine}/ranks/{rank}", self._delete)
+        app.router.add_get("/v1/engines/{engine}", self._get)
+        app.router.add_get("/v1/engines", self._list)
+        app.router.add_get("/health", self._health)
+        self._http = HttpService(app, host, port)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._interval = timeouts.lease / 4
+
+    @property
+    def url(self) -> str:
+        return self._http.url
+
+    async def start(self) -> str:
+        url = await self._http.start()
+        self._sweeper = asyncio.create_task(self._sweep())
+        logger.info("registry on %s", url)
+        return url
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self._http.aclose()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            self.registry.expire(time.monotonic())
+
+    async def _put(self, request: web.Request) -> web.Response:
+        d = await read_body(request, RankDescriptor)
+        if d.engine_id != request.match_info["engine"] or str(d.cp_rank) != request.match_info["rank"]:
+            raise MetadataError(f"body names {d.engine_id}/{d.cp_rank}, path names another rank")
+        self.registry.put(d, time.monotonic())
+        return web.Response(status=200)
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        self.registry.remove(request.match_info["engine"], int(request.match_info["rank"]))
+        return web.Response(status=200)
+
+    async def _get(self, request: web.Request) -> web.Response:
+        engine = self.registry.lookup(request.match_info["engine"], time.monotonic())
+        return reply(engine)
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self.registry.expire(time.monotonic())
+        return web.json_response(self.registry.summary())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "engines": len(self.registry.summary())})
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    server = RegistryServer(args.host, args.port, Timeouts(lease=args.lease), secret_from_env(args.secret_env))
+    await server.start()
+    announce(args.ready_file, server.url)
+    try:
+        await wait_for_signal()
+    finally:
+        await server.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="pdkv bootstrap registry")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--lease", type=float, default=Timeouts().lease)
+    add_service_flags(ap)
+    args = ap.parse_args(argv)
+    configure_logging(args.log_level)
+    asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

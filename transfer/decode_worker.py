@@ -1,0 +1,145 @@
+"""A demo decode worker: allocates pages, fetches a room's KV, verifies every byte, frees.
+
+    POST /v1/decode               DecodeRequest -> DecodeReply
+    POST /v1/rooms/{room}/abort   cancel that room's fetch (releases it on every owner)
+    GET  /v1/stats                pages in use, fetches, failures (JSON)
+    GET  /health
+
+    python -m transfer.decode_worker --registry http://127.0.0.1:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import numpy as np
+import torch
+from aiohttp import web
+
+from pdkv import PRESETS, DSAKVPool, PageAllocator
+from pdkv.errors import PdkvError, TransferError, UnknownRoomError
+from pdkv.synthetic import RequestContent, prefix_seed, request_seed
+from transfer.api import DecodeReply, DecodeRequest
+from transfer.decode import DecodeFetcher
+from transfer.http import HttpService, make_app, read_body, reply
+from transfer.service import add_service_flags, announce, configure_logging, secret_from_env, wait_for_signal
+from transfer.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+
+class CorruptKVError(TransferError):
+    """Fetched bytes differ from what the prefill wrote."""
+
+
+class DecodeWorker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.layout = PRESETS[args.preset](size=args.pool_tokens, device=args.device)
+        self.pool = DSAKVPool(self.layout)
+        self.allocator = PageAllocator(self.layout.num_pages, np.random.default_rng(args.seed))
+        self.fetcher = DecodeFetcher(self.pool, args.registry, consumer_id=args.consumer_id,
+                                     secret=secret_from_env(args.secret_env), lanes=args.lanes,
+                                     timeouts=Timeouts(fetch=args.fetch_timeout))
+        self.inflight: dict[int, asyncio.Task[DecodeReply]] = {}
+        self.stats = {"fetches": 0, "failures": 0, "verified_bytes": 0}
+
+    async def decode(self, req: DecodeRequest) -> DecodeReply:
+        pages = self.allocator.alloc(-(-req.num_tokens // self.layout.page_size))
+        try:
+            result = await self.fetcher.fetch(req.engine_id, req.room, pages)
+            content = RequestContent(request_seed(req.engine_id, req.room), req.num_tokens,
+                                     prefix_seed(req.prefix_id), self._prefix_tokens(req))
+            bad = await asyncio.to_thread(content.mismatched_layers, self.pool, torch.from_numpy(pages))
+            if bad:
+                raise CorruptKVError(f"room {req.room}: layers {bad[:8]} differ from what prefill wrote")
+            verified = req.num_tokens * (self.layout.kv_token_bytes + self.layout.index_token_bytes) * self.layout.layer_num
+            return DecodeReply(room=req.room, nbytes=result.nbytes, descriptors=result.descriptors,
+                               fetch_seconds=result.seconds, verified_bytes=verified,
+                               reads=sum(o.reads for o in result.owners))
+        finally:
+            self.allocator.free(pages)
+
+    def _prefix_tokens(self, req: DecodeRequest) -> int:
+        if req.prefix_id < 0:
+            return 0
+        ps = self.layout.page_size
+        return min(req.prefix_tokens, req.num_tokens) // ps * ps
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        req = await read_body(request, DecodeRequest)
+        if req.room in self.inflight:
+            raise PdkvError(f"room {req.room} is already being fetched here")
+        task = asyncio.create_task(self.decode(req))
+        self.inflight[req.room] = task
+        try:
+            out = await task
+            self.stats["fetches"] += 1
+            self.stats["verified_bytes"] += out.verified_bytes
+            return reply(out)
+        except asyncio.CancelledError:
+            self.stats["failures"] += 1
+            if task.cancelled():  # aborted through /abort, not our own handler cancelled
+                raise UnknownRoomError(f"room {req.room} was aborted") from None
+            raise
+        except PdkvError:
+            self.stats["failures"] += 1
+            raise
+        finally:
+            self.inflight.pop(req.room, None)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        task = self.inflight.get(int(request.match_info["room"]))
+        if task is not None:
+            task.cancel()
+        return web.Response(status=200)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.stats, "pages_in_use": self.allocator.used_count,
+                                  "peers": self.fetcher.engine.peer_count if self.fetcher.engine else 0})
+
+    async def run(self) -> None:
+        app = make_app(secret_from_env(self.args.secret_env))
+        app.router.add_post("/v1/decode", self._handle)
+        app.router.add_post("/v1/rooms/{room}/abort", self._abort)
+        app.router.add_get("/v1/stats", self._stats)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        http = HttpService(app, self.args.host, self.args.port)
+        async with self.fetcher:
+            announce(self.args.ready_file, await http.start())
+            try:
+                await wait_for_signal()
+            finally:
+                for t in self.inflight.values():
+                    t.cancel()
+                await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+                await http.aclose()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="a demo pdkv decode worker")
+    ap.add_argument("--registry", required=True)
+    ap.add_argument("--consumer-id", default=None)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32")
+    ap.add_argument("--pool-tokens", type=int, default=128 * 1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--lanes", type=int, default=2, help="UCX lanes (threads posting READs)")
+    ap.add_argument("--fetch-timeout", type=float, default=Timeouts().fetch)
+    ap.add_argument("--seed", type=int, default=1)
+    add_service_flags(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    torch.set_num_threads(1)
+    asyncio.run(DecodeWorker(args).run())
+
+
+if __name__ == "__main__":
+    main()

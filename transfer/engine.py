@@ -1,0 +1,258 @@
+"""The one place that talks to UCX, through NIXL's UCX backend.
+
+Registration happens once per buffer. Each engine runs one or more *lanes*: a NIXL agent
+confined to its own thread. NIXL's UCX backend copies inside the post call on loopback
+(cma) and releases the GIL there, so two lanes use two cores; confining each agent to
+one thread keeps NIXL's thread-unsafe fast path (sync mode NONE) safe. NIXL's own
+progress thread stays off: on a 2-core machine it cost half the throughput; progress
+is driven here, under a deadline.
+
+Every address that reaches a READ is checked first against the registered local
+regions and the regions the peer exported: raw UCX with a bad address can crash either
+side, and a remote key grants access beyond the buffer it was made for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+import torch
+
+from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
+from transfer.plan import ReadPlan
+
+__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_POLL_SLEEP_S = (0.0, 0.0001)
+
+
+def configure_ucx_environment() -> None:
+    """UCX settings that must be in place before NIXL loads UCX.
+
+    Without InfiniBand devices the bundled libnl crashed every NIXL process at exit
+    (seen with nixl-cu12 1.5.1); excluding the ib module avoids that and costs nothing
+    where no IB exists. On one GPU without NVLink, UCX disables cuda_ipc zero-copy GET
+    and falls back to a slow emulation; turn it on explicitly.
+    """
+    ib = Path("/sys/class/infiniband")
+    if "UCX_MODULES" not in os.environ and not (ib.exists() and any(ib.iterdir())):
+        os.environ["UCX_MODULES"] = "^ib"
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+
+
+def _nixl() -> ModuleType:
+    configure_ucx_environment()
+    for name in ("nixl_cu12", "nixl_cu13", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise TransferError("NIXL is not installed (pip install nixl-cu12)")
+
+
+def _translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
+    if type(exc).__name__ == "nixlRemoteDisconnectError":
+        return PeerLostError(f"{what}: peer {peer or '?'} disconnected", peer)
+    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class XferStats:
+    nbytes: int
+    descriptors: int
+    seconds: float
+
+
+class Regions:
+    """Sorted, non-overlapping (addr, length) ranges with a vectorised containment check."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        arr = np.array(sorted(ranges), dtype=np.int64).reshape(-1, 2)
+        self.starts, self.ends = arr[:, 0], arr[:, 0] + arr[:, 1]
+        if len(arr) > 1 and (self.starts[1:] < self.ends[:-1]).any():
+            raise TransferError("registered regions overlap")
+
+    def contains(self, descs: np.ndarray) -> bool:
+        """True when every (addr, len, dev) row lies inside one region."""
+        if len(descs) == 0:
+            return True
+        if len(self.starts) == 0:
+            return False
+        addr, length = descs[:, 0], descs[:, 1]
+        idx = np.searchsorted(self.starts, addr, side="right") - 1
+        ok = (idx >= 0) & (length > 0)
+        safe = np.clip(idx, 0, None)
+        return bool((ok & (addr + length <= self.ends[safe])).all())
+
+    @property
+    def total(self) -> int:
+        return int((self.ends - self.starts).sum())
+
+
+class _Lane:
+    """One NIXL agent and the one thread allowed to call it."""
+
+    def __init__(self, nixl: ModuleType, name: str) -> None:
+        self.name = name
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-{name}")
+        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent: Any = self.executor.submit(nixl.nixl_agent, name, conf).result()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    def read_blocking(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float) -> None:
+        agent = self.agent
+        handle = agent.initialize_xfer(
+            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
+        )
+        try:
+            state = agent.transfer(handle)
+            sleep = _POLL_SLEEP_S[0]
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
+                time.sleep(sleep)
+                sleep = _POLL_SLEEP_S[1]
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"READ from {peer} ended in state {state}")
+        finally:
+            try:
+                handle.release()
+            except Exception as exc:  # an in-flight handle may refuse; NIXL reclaims it later
+                logger.warning("could not release a transfer handle to %s: %s", peer, exc)
+
+
+class UcxEngine:
+    """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
+
+    def __init__(self, name: str, lanes: int = 1, mem_type: str = "DRAM") -> None:
+        self._nixl = _nixl()
+        self.name = name
+        self.mem_type = mem_type
+        self._lanes = [_Lane(self._nixl, f"{name}.{i}" if lanes > 1 else name) for i in range(lanes)]
+        self._next_lane = itertools.cycle(range(lanes))
+        self._local_ranges: list[tuple[int, int]] = []
+        self._registrations: list[tuple[_Lane, Any]] = []
+        self.local_regions = Regions([])
+        self._peers: dict[str, Regions] = {}
+        self._closed = False
+
+    # ---- local memory ------------------------------------------------------------------------
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        """Register `tensors` with UCX on every lane, once, at start-up."""
+        tensors = [t for t in tensors if t.numel() > 0]  # 0-row placeholders are skipped
+        for lane in self._lanes:
+            descs = lane.executor.submit(lane.agent.register_memory, tensors).result()
+            self._registrations.append((lane, descs))
+        self._local_ranges += [(t.data_ptr(), t.nbytes) for t in tensors]
+        self.local_regions = Regions(self._local_ranges)
+        logger.info("%s registered %d buffers, %.1f MiB", self.name, len(tensors), self.local_regions.total / 2**20)
+
+    @property
+    def agent_name(self) -> str:
+        return self._lanes[0].name
+
+    def agent_metadata(self) -> bytes:
+        if len(self._lanes) != 1:
+            raise TransferError("only a single-lane engine exports its metadata")
+        lane = self._lanes[0]
+        return lane.executor.submit(lane.agent.get_agent_metadata).result()
+
+    # ---- peers -------------------------------------------------------------------------------
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    async def add_peer(self, agent_name: str, metadata: bytes, regions: list[tuple[int, int]]) -> None:
+        """Load a peer's connection blob on every lane; remember what it exported."""
+        if agent_name in self._peers:
+            return
+        for lane in self._lanes:
+            try:
+                loaded = await lane.call(lambda lane=lane: lane.agent.add_remote_agent(metadata))
+            except Exception as exc:
+                raise _translate(exc, "loading peer metadata", agent_name) from exc
+            if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
+                raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")
+        self._peers[agent_name] = Regions(regions)
+
+    async def remove_peer(self, agent_name: str) -> None:
+        """Drop a peer's connection and keys (after it died or re-registered)."""
+        if self._peers.pop(agent_name, None) is None:
+            return
+        for lane in self._lanes:
+            try:
+                await lane.call(lambda lane=lane: lane.agent.remove_remote_agent(agent_name))
+            except Exception as exc:
+                logger.warning("removing peer %s: %s", agent_name, exc)
+
+    @property
+    def peer_count(self) -> int:
+        return len(self._peers)
+
+    # ---- transfers ---------------------------------------------------------------------------
+    async def read(self, peer: str, plan: ReadPlan, timeout: float) -> XferStats:
+        """Execute `plan` as one batched READ from `peer`; bounded by `timeout` seconds.
+
+        If the caller is cancelled, this still waits for the READ to end (it is bounded by
+        the same deadline) so that no byte lands in pages the caller may hand out again.
+        """
+        regions = self._peers.get(peer)
+        if regions is None:
+            raise PeerLostError(f"no connection to {peer}", peer)
+        if not self.local_regions.contains(plan.local):
+            raise TransferError("a local descriptor falls outside the registered buffers")
+        if not regions.contains(plan.remote):
+            raise TransferError(f"a remote descriptor falls outside what {peer} exported")
+        if plan.descriptors == 0:
+            return XferStats(0, 0, 0.0)
+        lane = self._lanes[next(self._next_lane)]
+        deadline = time.monotonic() + timeout
+        t0 = time.perf_counter()
+        fut = asyncio.get_running_loop().run_in_executor(
+            lane.executor, lane.read_blocking, peer, plan.local, plan.remote, self.mem_type, deadline
+        )
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+        except (DeadlineExceeded, TransferError):
+            raise
+        except Exception as exc:
+            raise _translate(exc, f"READ from {peer}", peer) from exc
+        return XferStats(plan.nbytes, plan.descriptors, time.perf_counter() - t0)
+
+    async def progress(self) -> None:
+        """Drive the UCX worker once: a target must progress for wire-up and emulated GETs."""
+        lane = self._lanes[0]
+        await lane.call(lane.agent.get_new_notifs)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            await self.remove_peer(name)
+        for lane, descs in self._registrations:
+            try:
+                await lane.call(lambda lane=lane, descs=descs: lane.agent.deregister_memory(descs))
+            except Exception as exc:
+                logger.warning("deregistering memory: %s", exc)
+        for lane in self._lanes:
+            lane.executor.shutdown(wait=True)

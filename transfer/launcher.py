@@ -1,0 +1,101 @@
+"""Starting and stopping pdkv service processes on one machine.
+
+Services are fresh interpreters (`python -m ...`), never forks: a process that has
+initialised UCX must not fork and use UCX in the child. Each child gets its own process
+group so a stop reaches everything it started, and tells us its URL via a ready file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdkv.errors import DeadlineExceeded, PeerLostError
+
+__all__ = ["Launcher", "Child"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    ready_file: Path
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Launcher:
+    """Owns the child processes of a deployment and their logs under `workdir`."""
+
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **(env or {})}
+        self.children: list[Child] = []
+
+    def spawn(self, name: str, module: str, args: list[str]) -> Child:
+        ready = self.workdir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module, *args, "--ready-file", str(ready)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self.env, start_new_session=True,
+            )
+        child = Child(name, popen, ready, log_path)
+        self.children.append(child)
+        logger.info("started %s (pid %d)", name, popen.pid)
+        return child
+
+    async def wait_ready(self, child: Child, timeout: float) -> str:
+        """The child's ready-file content, once written; fails fast if the child died."""
+        deadline = time.monotonic() + timeout
+        while not child.ready_file.exists():
+            if not child.alive():
+                raise PeerLostError(f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}", child.name)
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{child.name} not ready within {timeout:.0f}s:\n{child.log_tail()}")
+            await asyncio.sleep(0.05)
+        return child.ready_file.read_text()
+
+    async def stop(self, child: Child, grace: float) -> int:
+        """SIGTERM, then SIGKILL after `grace` seconds; returns the exit code."""
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while child.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if child.alive():
+            logger.warning("%s ignored SIGTERM for %.0fs; killing it", child.name, grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)  # also reaps anything it left in its group
+        return child.popen.wait()
+
+    async def stop_all(self, grace: float = 10.0) -> dict[str, int]:
+        codes = await asyncio.gather(*(self.stop(c, grace) for c in reversed(self.children)))
+        return {c.name: code for c, code in zip(reversed(self.children), codes)}
+

@@ -1,0 +1,224 @@
+"""Wire types of pdkv: versioned msgpack messages decoded into typed, frozen structs.
+
+Every message travels in an `Envelope` (schema version, layout fingerprint, kind, body).
+The envelope is checked first: an unknown version or another layout is refused before
+the body is even decoded. Bodies are msgspec structs: types, ranges and cross-field
+rules are enforced while decoding, and every failure becomes `MetadataError` naming
+the field.
+
+Schema history:
+  1: first version.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from pdkv.errors import IncompatibleLayoutError, MetadataError
+from pdkv.layout import KVLayout
+from pdkv.sharding import get_layer_shard_range
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BufferKind",
+    "MemoryDescriptor",
+    "LayoutSpec",
+    "RankDescriptor",
+    "EngineDescriptor",
+    "RoomState",
+    "RoomStatus",
+    "ReleaseNotice",
+    "ErrorReply",
+    "encode",
+    "decode",
+]
+
+SCHEMA_VERSION = 1
+
+U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Positive = Annotated[int, Meta(ge=1, le=2**40)]
+Name = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
+MAX_PAGES = 1 << 24
+PageList = Annotated[list[Count], Meta(max_length=MAX_PAGES)]
+
+
+class _Wire(Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class BufferKind(enum.Enum):
+    LATENT = "latent"
+    INDEX = "index"
+
+
+class MemoryDescriptor(_Wire):
+    """One registered buffer: a layer's latent KV or indexer pages on one rank."""
+
+    kind: BufferKind
+    layer_id: Count
+    addr: U63  # user-space virtual addresses fit in 63 bits
+    length: Positive
+    item_len: Positive
+
+    def __post_init__(self) -> None:
+        if self.length % self.item_len:
+            raise ValueError(f"length {self.length} is not a multiple of item_len {self.item_len}")
+        if self.addr + self.length > 2**63:
+            raise ValueError("addr + length overflows 63 bits")
+
+    @property
+    def num_items(self) -> int:
+        return self.length // self.item_len
+
+
+class LayoutSpec(_Wire):
+    """The geometry fields of a `KVLayout` (what its fingerprint covers)."""
+
+    layer_num: Annotated[int, Meta(ge=1, le=4096)]
+    start_layer: Count
+    page_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    kv_cache_dim: Annotated[int, Meta(ge=1, le=1 << 20)]
+    store_dtype: Annotated[str, Meta(max_length=32)]
+    dtype: Annotated[str, Meta(max_length=32)]
+    kv_lora_rank: Count
+    qk_rope_head_dim: Count
+    index_head_dim: Annotated[int, Meta(ge=1, le=1 << 16)]
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutSpec:
+        return cls(**layout.geometry())  # type: ignore[arg-type]
+
+    def check_against(self, layout: KVLayout) -> None:
+        mine = layout.geometry()
+        diff = tuple(k for k in mine if getattr(self, k) != mine[k])
+        if diff:
+            detail = ", ".join(f"{k}: local {mine[k]!r} != remote {getattr(self, k)!r}" for k in diff)
+            raise IncompatibleLayoutError(f"KV layouts differ ({detail})", diff)
+
+
+class RankDescriptor(_Wire):
+    """What one prefill CP rank publishes: its layers, buffers and UCX connection blob."""
+
+    engine_id: Name
+    cp_rank: Count
+    cp_size: Annotated[int, Meta(ge=1, le=1024)]
+    layer_start: Count
+    layer_end: Count
+    fingerprint: Annotated[str, Meta(min_length=1, max_length=64)]
+    layout: LayoutSpec
+    buffers: Annotated[list[MemoryDescriptor], Meta(max_length=2 * 4096)]
+    agent_name: Name
+    agent_metadata: Annotated[bytes, Meta(max_length=16 << 20)]
+    control_url: Annotated[str, Meta(min_length=1, max_length=512)]
+    incarnation: Name
+
+    def __post_init__(self) -> None:
+        if self.cp_rank >= self.cp_size:
+            raise ValueError(f"cp_rank {self.cp_rank} >= cp_size {self.cp_size}")
+        start, end = get_layer_shard_range(self.cp_rank, self.cp_size, self.layout.layer_num)
+        start += self.layout.start_layer
+        end += self.layout.start_layer
+        if (self.layer_start, self.layer_end) != (start, end):
+            raise ValueError(
+                f"layer range [{self.layer_start}, {self.layer_end}) disagrees with the shard "
+                f"plan [{start}, {end}) for rank {self.cp_rank} of {self.cp_size}"
+            )
+        seen = sorted((b.kind.value, b.layer_id) for b in self.buffers)
+        want = sorted((k.value, layer) for k in BufferKind for layer in range(start, end))
+        if seen != want:
+            raise ValueError("buffers must describe each owned layer exactly once per kind")
+
+    def buffer(self, kind: BufferKind, layer_id: int) -> MemoryDescriptor:
+        for b in self.buffers:
+            if b.kind is kind and b.layer_id == layer_id:
+                return b
+        raise KeyError((kind, layer_id))
+
+
+class EngineDescriptor(_Wire):
+    """All CP ranks of one prefill engine, as the registry hands them to a decode."""
+
+    engine_id: Name
+    cp_size: Annotated[int, Meta(ge=1, le=1024)]
+    ranks: Annotated[list[RankDescriptor], Meta(max_length=1024)]
+
+    def __post_init__(self) -> None:
+        if sorted(r.cp_rank for r in self.ranks) != list(range(self.cp_size)):
+            raise ValueError(f"ranks must be exactly 0..{self.cp_size - 1}")
+        for r in self.ranks:
+            if r.engine_id != self.engine_id or r.cp_size != self.cp_size:
+                raise ValueError(f"rank {r.cp_rank} belongs to another engine or CP size")
+
+
+class RoomStatus(enum.Enum):
+    PENDING = "pending"  # layers still being written
+    READY = "ready"  # every owned layer ready
+    RELEASED = "released"  # all consumers released; pages freed
+    ABORTED = "aborted"  # aborted or its pin expired; pages freed
+    UNKNOWN = "unknown"  # never published here (yet)
+
+
+class RoomState(_Wire):
+    """A room's source pages on one rank and how far its layers are ready."""
+
+    room: U63
+    status: RoomStatus
+    src_pages: PageList = []
+    ready_upto: Count = 0  # layers [layer_start, ready_upto) are ready
+
+
+class ReleaseNotice(_Wire):
+    room: U63
+    consumer_id: Name
+
+
+class ErrorReply(_Wire):
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+class Envelope(Struct, frozen=True, array_like=True):
+    version: int
+    fingerprint: str
+    kind: str
+    body: msgspec.Raw
+
+
+T = TypeVar("T", bound=Struct)
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_body_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: Struct, fingerprint: str = "") -> bytes:
+    body = msgspec.Raw(_encoder.encode(msg))
+    return _encoder.encode(Envelope(SCHEMA_VERSION, fingerprint, type(msg).__name__, body))
+
+
+def decode(data: bytes, kind: type[T], fingerprint: str | None = None) -> T:
+    """Decode an envelope carrying a `kind`; refuse another version, kind or layout first."""
+    try:
+        env = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MetadataError(f"malformed envelope: {exc}") from exc
+    if env.version != SCHEMA_VERSION:
+        raise MetadataError(f"schema version {env.version} is not {SCHEMA_VERSION}")
+    if env.kind != kind.__name__:
+        raise MetadataError(f"expected a {kind.__name__}, got {env.kind!r}")
+    if fingerprint is not None and env.fingerprint != fingerprint:
+        raise IncompatibleLayoutError(
+            f"layout fingerprint {env.fingerprint!r} differs from local {fingerprint!r}", ("fingerprint",)
+        )
+    decoder = _body_decoders.get(kind)
+    if decoder is None:
+        decoder = _body_decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return decoder.decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MetadataError(f"invalid {kind.__name__}: {exc}") from exc

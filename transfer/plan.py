@@ -1,0 +1,102 @@
+"""Transfer plans: which bytes to read, computed without I/O.
+
+A request's pages are the same on every layer, so the run structure (where the source
+and destination page lists are both consecutive) is found once, then laid over every
+layer and buffer kind with numpy broadcasting. Runs contiguous on both sides become one
+descriptor: fewer, larger descriptors are what UCX is fast at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdkv.errors import PageRangeError
+
+__all__ = ["PageRuns", "page_runs", "BufferPair", "ReadPlan", "build_read_plan"]
+
+
+@dataclass(frozen=True)
+class PageRuns:
+    """Maximal runs where src and dst pages both step by one."""
+
+    src_start: np.ndarray
+    dst_start: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray, merge: bool = True) -> PageRuns:
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise PageRangeError(f"{src.size} source pages but {dst.size} destination pages")
+    if not merge or src.size == 0:
+        return PageRuns(src, dst, np.ones_like(src))
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return PageRuns(src[starts], dst[starts], lengths)
+
+
+@dataclass(frozen=True)
+class BufferPair:
+    """One layer's buffer of one kind on both sides: base addresses and page geometry."""
+
+    local_addr: int
+    remote_addr: int
+    item_len: int
+    local_items: int
+    remote_items: int
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Descriptor arrays (addr, len, dev) for one batched READ, local and remote."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    nbytes: int
+    pages: int
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.local)
+
+
+def _check_pages(pages: np.ndarray, limit: int, side: str) -> None:
+    if pages.size and (pages.min() < 0 or pages.max() >= limit):
+        raise PageRangeError(f"{side} pages [{pages.min()}, {pages.max()}] outside [0, {limit})")
+
+
+def build_read_plan(
+    buffers: list[BufferPair],
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    local_dev: int = 0,
+    remote_dev: int = 0,
+    merge: bool = True,
+) -> ReadPlan:
+    """Descriptors reading `src_pages` of every buffer into `dst_pages` of its local twin."""
+    runs = page_runs(src_pages, dst_pages, merge)
+    src, dst = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
+    if not buffers or len(runs) == 0:
+        empty = np.zeros((0, 3), dtype=np.int64)
+        return ReadPlan(empty, empty, 0, src.size)
+    for b in buffers:
+        _check_pages(src, b.remote_items, "source")
+        _check_pages(dst, b.local_items, "destination")
+    item = np.array([b.item_len for b in buffers], dtype=np.int64)[:, None]
+    lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)[:, None]
+    rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)[:, None]
+    lengths = (runs.length[None, :] * item).reshape(-1)
+    local = np.stack(
+        [(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, np.full_like(lengths, local_dev)], axis=1
+    )
+    remote = np.stack(
+        [(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, np.full_like(lengths, remote_dev)], axis=1
+    )
+    return ReadPlan(local, remote, int(lengths.sum()), src.size)

@@ -1,0 +1,228 @@
+"""The prefill side: one exporter per CP rank.
+
+It registers only the rank's owned KV buffers with UCX, publishes a `RankDescriptor` to
+the registry and keeps renewing it, serves decodes' control requests (readiness
+long-polls, releases), keeps each room's source pages pinned until released, aborted or
+expired, and keeps its UCX worker progressing (a target is not always passive).
+
+    GET  /v1/rooms/{room}?after=N    RoomState once layers beyond N are ready (long-poll)
+    POST /v1/rooms/{room}/release    ReleaseNotice -> RoomState
+    POST /v1/rooms/{room}/abort      free the room now (the router cancelled it)
+    GET  /v1/stats                   pinned pages and counters (JSON)
+    GET  /health
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+from aiohttp import web
+
+from pdkv.errors import MetadataError, PdkvError
+from pdkv.pool import DSAKVPool
+from transfer.engine import UcxEngine
+from transfer.http import ControlClient, HttpService, make_app, read_body, reply
+from transfer.metadata import BufferKind, LayoutSpec, MemoryDescriptor, RankDescriptor, ReleaseNotice
+from transfer.rooms import RoomTable
+from transfer.timeouts import Timeouts
+
+__all__ = ["PrefillExporter"]
+
+logger = logging.getLogger(__name__)
+
+
+def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
+    out = []
+    for kind, infos in ((BufferKind.LATENT, pool.get_contiguous_buf_infos()), (BufferKind.INDEX, pool.get_state_buf_infos())):
+        for layer, ptr, length, item in zip(infos.layer_ids, infos.data_ptrs, infos.data_lens, infos.item_lens):
+            out.append(MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item))
+    return out
+
+
+class PrefillExporter:
+    """Exports one CP rank's owned KV to decodes. Use `async with` or start()/aclose()."""
+
+    def __init__(
+        self,
+        pool: DSAKVPool,
+        engine_id: str,
+        cp_rank: int,
+        cp_size: int,
+        registry_url: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeouts: Timeouts = Timeouts(),
+        secret: str | None = None,
+        on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
+    ) -> None:
+        self.pool = pool
+        self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
+        self.registry_url = registry_url.rstrip("/")
+        self.timeouts = timeouts
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free)
+        self._client = ControlClient(timeouts, secret)
+        app = make_app(secret)
+        app.router.add_get("/v1/rooms/{room}", self._wait)
+        app.router.add_post("/v1/rooms/{room}/release", self._release)
+        app.router.add_post("/v1/rooms/{room}/abort", self._abort)
+        app.router.add_get("/v1/stats", self._stats)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        self._http = HttpService(app, host, port)
+        self.engine: UcxEngine | None = None
+        self.descriptor: RankDescriptor | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
+        mem = "VRAM" if self.pool.device.type == "cuda" else "DRAM"
+        self.engine = UcxEngine(name, lanes=1, mem_type=mem)
+        # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
+        self.engine.register([self.pool.kv_slab, self.pool.index_slab])
+        url = await self._http.start()
+        layout = self.pool.layout
+        self.descriptor = RankDescriptor(
+            engine_id=self.engine_id,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp_size,
+            layer_start=self.pool.owned.start,
+            layer_end=self.pool.owned.stop,
+            fingerprint=layout.fingerprint,
+            layout=LayoutSpec.of(layout),
+            buffers=_descriptors(self.pool),
+            agent_name=self.engine.agent_name,
+            agent_metadata=self.engine.agent_metadata(),
+            control_url=url,
+            incarnation=self.incarnation,
+        )
+        await self._register(deadline=time.monotonic() + self.timeouts.lookup)
+        self._tasks = [
+            asyncio.create_task(self._renew_forever()),
+            asyncio.create_task(self._progress_forever()),
+            asyncio.create_task(self._expire_forever()),
+        ]
+        logger.info("exporter %s/cp%d serving layers %s on %s", self.engine_id, self.cp_rank, self.pool.owned, url)
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        with contextlib.suppress(PdkvError):
+            await self._client.request("DELETE", self._rank_url())
+        await self._client.aclose()
+        await self._http.aclose()
+        if self.engine is not None:
+            await self.engine.aclose()
+            self.engine = None
+
+    async def __aenter__(self) -> PrefillExporter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def control_url(self) -> str:
+        return self._http.url
+
+    # ---- the model side ----------------------------------------------------------------------
+    def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
+        """`room`'s KV will be in `src_pages`; pin them until released or expired."""
+        self.rooms.publish(room, src_pages, consumers)
+
+    def mark_ready(self, room: int, upto_layer: int) -> None:
+        """Owned layers below `upto_layer` (global id) of `room` are written."""
+        self.rooms.mark_ready(room, upto_layer)
+
+    def abort_room(self, room: int) -> bool:
+        return self.rooms.abort(room)
+
+    # ---- registry ----------------------------------------------------------------------------
+    def _rank_url(self) -> str:
+        return f"{self.registry_url}/v1/engines/{self.engine_id}/ranks/{self.cp_rank}"
+
+    async def _register(self, deadline: float) -> None:
+        assert self.descriptor is not None
+        delay = 0.05
+        while True:
+            try:
+                await self._client.request("PUT", self._rank_url(), body=self.descriptor, fingerprint=self.descriptor.fingerprint)
+                return
+            except PdkvError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                logger.info("registry not reachable yet (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.timeouts.renew_interval)
+            try:
+                await self._register(deadline=time.monotonic() + self.timeouts.renew_interval)
+            except PdkvError as exc:  # the registry may be restarting: keep trying
+                logger.warning("lease renewal failed: %s", exc)
+
+    async def _progress_forever(self) -> None:
+        assert self.engine is not None
+        while True:
+            await self.engine.progress()
+            await asyncio.sleep(self.timeouts.progress_interval)
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.timeouts.pin / 4))
+            self.rooms.expire(time.monotonic())
+
+    # ---- control endpoints -------------------------------------------------------------------
+    @staticmethod
+    def _room(request: web.Request) -> int:
+        try:
+            room = int(request.match_info["room"])
+            after = int(request.query.get("after", "-1"))
+        except ValueError as exc:
+            raise MetadataError(f"room and after must be integers: {exc}") from exc
+        if not 0 <= room < 2**63:
+            raise MetadataError(f"room {room} outside [0, 2**63)")
+        request["after"] = after
+        return room
+
+    async def _wait(self, request: web.Request) -> web.Response:
+        room = self._room(request)
+        state = await self.rooms.wait(room, request["after"], self.timeouts.poll)
+        return reply(state, self.pool.layout.fingerprint)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        room = self._room(request)
+        notice = await read_body(request, ReleaseNotice, self.pool.layout.fingerprint)
+        if notice.room != room:
+            raise MetadataError(f"release names room {notice.room}, path names {room}")
+        return reply(self.rooms.release(room, notice.consumer_id), self.pool.layout.fingerprint)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.abort_room(self._room(request))
+        return web.Response(status=200)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        c = self.rooms.counters
+        return web.json_response(
+            {
+                "pinned_pages": self.rooms.pinned_pages,
+                "live_rooms": self.rooms.live_rooms,
+                "published": c.published,
+                "released": c.released,
+                "aborted": c.aborted,
+                "expired": c.expired,
+                "registered_bytes": self.engine.local_regions.total if self.engine else 0,
+            }
+        )

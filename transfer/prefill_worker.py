@@ -1,0 +1,271 @@
+"""One CP rank of a demo prefill engine: no weights, real pools, real collectives.
+
+The ranks of an engine run in lockstep, like the ranks of one model: rank 0 takes
+requests over HTTP and, each step, every rank learns them through collectives on the
+engine's gloo group, allocates the same pages (identical allocators), and writes its
+owned layers layer by layer from a deterministic function of (engine, room, token),
+marking each layer ready for decodes as it goes. A request with a shared prefix first
+reads the prefix's KV of every layer through the pool's owner broadcast (non-owned
+layers arrive from their owner) and checks it byte for byte: the in-prefill read path
+under real load. Pages return to the allocators only once every rank freed the room.
+
+    python -m transfer.prefill_worker --engine-id E --cp-rank R --cp-size N \\
+        --dist-init file:///tmp/E.init --registry http://127.0.0.1:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from pdkv import PRESETS, LayerSplitDSAKVPool, OwnerBroadcaster, PageAllocator, ShardPlan
+from pdkv.broadcast import BroadcastHandle
+from pdkv.errors import DeadlineExceeded, PdkvError
+from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_bytes, token_locations
+from transfer.api import PrefillReply, PrefillRequest
+from transfer.http import HttpService, make_app, read_body, reply
+from transfer.prefill import PrefillExporter
+from transfer.service import add_service_flags, configure_logging, secret_from_env, wait_for_signal
+from transfer.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+_STEP_IDLE_S = 0.05  # rank 0 joins a step at least this often: it carries frees and stop
+_MAX_BATCH = 8
+
+
+class PrefixMismatch(PdkvError):
+    """A shared prefix read back through the owner broadcast differs from what was written."""
+
+
+@dataclass
+class _Pending:
+    request: PrefillRequest
+    done: asyncio.Future[PrefillReply] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class PrefillEngineRank:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rank, self.world = args.cp_rank, args.cp_size
+        self.layout = PRESETS[args.preset](size=args.pool_tokens, device=args.device)
+        self.timeouts = Timeouts(pin=args.pin)
+        self.queue: list[_Pending] = []
+        self.stop_requested = False
+        self.finished_local: list[int] = []
+        self.votes: dict[int, set[int]] = {}
+        self.room_pages: dict[int, np.ndarray] = {}
+        self.prefixes: dict[int, tuple[np.ndarray, int]] = {}
+
+    # ---- collectives on the engine's control group ---------------------------------------
+    async def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        await BroadcastHandle(dist.all_gather(out, t, async_op=True), None, "step all_gather")
+        return torch.stack(out)
+
+    async def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        await BroadcastHandle(dist.broadcast(t, src=0, async_op=True), None, "step broadcast")
+        return t
+
+    # ---- the step loop -------------------------------------------------------------------
+    async def step(self) -> bool:
+        finished, self.finished_local = self.finished_local, []
+        batch = self.queue[:_MAX_BATCH] if self.rank == 0 else []
+        del self.queue[: len(batch)]
+        hdr = await self._gather(torch.tensor([len(finished), len(batch), int(self.stop_requested)]))
+        if int(hdr[:, 0].max()):
+            pad = torch.full((int(hdr[:, 0].max()),), -1, dtype=torch.int64)
+            pad[: len(finished)] = torch.tensor(finished, dtype=torch.int64)
+            self._count_votes(await self._gather(pad))
+        n_new = int(hdr[0, 1])
+        if n_new:
+            reqs = torch.zeros((n_new, 5), dtype=torch.int64)
+            if self.rank == 0:
+                reqs[:] = torch.tensor([[p.request.room, p.request.num_tokens, p.request.prefix_id,
+                                         p.request.prefix_tokens, p.request.consumers] for p in batch])
+            for row in (await self._bcast(reqs)).tolist():
+                await self._run_one(PrefillRequest(*row), batch)
+        return not bool(hdr[:, 2].any())
+
+    def _count_votes(self, ids: torch.Tensor) -> None:
+        for rank, row in enumerate(ids.tolist()):
+            for room in row:
+                if room >= 0:
+                    self.votes.setdefault(room, set()).add(rank)
+        for room in sorted(r for r, v in self.votes.items() if len(v) == self.world):
+            del self.votes[room]
+            self.allocator.free(self.room_pages.pop(room))
+
+    async def _run_one(self, req: PrefillRequest, batch: list[_Pending]) -> None:
+        waiter = next((p for p in batch if p.request.room == req.room), None)
+        t0 = time.perf_counter()
+        try:
+            pages = await self.prefill(req)
+            outcome: PrefillReply | PdkvError = PrefillReply(room=req.room, pages=len(pages), seconds=time.perf_counter() - t0)
+        except PdkvError as exc:
+            outcome = exc
+        if waiter is not None and not waiter.done.done():
+            if isinstance(outcome, PdkvError):
+                waiter.done.set_exception(outcome)
+            else:
+                waiter.done.set_result(outcome)
+
+    # ---- one request ------------------------------------------------------------------------
+    async def prefill(self, req: PrefillRequest) -> np.ndarray:
+        ps = self.layout.page_size
+        prefix_pages, prefix_tokens = await self._prefix(req)
+        pages = self.allocator.alloc(-(-req.num_tokens // ps))  # same outcome on every rank
+        self.room_pages[req.room] = pages
+        try:
+            self.exporter.publish_room(req.room, pages, req.consumers)
+        except PdkvError as exc:  # e.g. aborted before it ran: write anyway, keep in step
+            logger.info("room %d not exported: %s", req.room, exc)
+            self.finished_local.append(req.room)
+        content = RequestContent(request_seed(self.args.engine_id, req.room), req.num_tokens,
+                                 prefix_seed(req.prefix_id), prefix_tokens)
+        await self._write_layers(req.room, content, torch.from_numpy(pages), prefix_pages, prefix_tokens)
+        return pages
+
+    async def _prefix(self, req: PrefillRequest) -> tuple[torch.Tensor | None, int]:
+        if req.prefix_id < 0 or req.prefix_tokens == 0:
+            return None, 0
+        tokens = min(req.prefix_tokens, req.num_tokens) // self.layout.page_size * self.layout.page_size
+        cached = self.prefixes.get(req.prefix_id)
+        if cached is None or cached[1] < tokens:
+            if cached is not None:
+                self.allocator.free(cached[0])
+            pages = self.allocator.alloc(-(-max(tokens, 1) // self.layout.page_size))
+            content = RequestContent(prefix_seed(req.prefix_id), tokens)
+            await self._write_layers(None, content, torch.from_numpy(pages), None, 0)
+            self.prefixes[req.prefix_id] = cached = (pages, tokens)
+        return torch.from_numpy(cached[0]), tokens
+
+    async def _write_layers(self, room: int | None, content: RequestContent, pages: torch.Tensor,
+                            prefix_pages: torch.Tensor | None, prefix_tokens: int) -> None:
+        pool, layout = self.pool, self.layout
+        loc = token_locations(layout, pages, content.num_tokens)
+        for layer in range(layout.start_layer, layout.end_layer):
+            if prefix_pages is not None and prefix_tokens:
+                await self._check_prefix(layer, prefix_pages, prefix_tokens, content)
+            if pool.is_owned(layer):
+                data = content.layer(layout, layer)
+                pool.set_kv_buffer(layer, loc, data.kv_rows(layout))
+                pool.set_index_k_and_scale(layer, loc, data.index_k, data.index_scale)
+                if room is not None:
+                    self.exporter.mark_ready(room, layer + 1)
+            else:
+                pool.invalidate_layer(layer)
+            await asyncio.sleep(self.args.layer_delay)  # also lets the control plane run
+
+    async def _check_prefix(self, layer: int, pages: torch.Tensor, tokens: int, content: RequestContent) -> None:
+        """Read the prefix of `layer` as attention would: from the owner, by broadcast."""
+        if layer + 1 < self.layout.end_layer:
+            self.pool.prefetch(layer + 1)
+        await self.pool.wait_layer(layer)
+        loc = token_locations(self.layout, pages, tokens)
+        got = self.pool.get_key_buffer(layer)[loc].reshape(tokens, -1).contiguous().view(torch.uint8)
+        want = token_bytes(content.prefix_seed, layer, torch.arange(tokens), self.layout.kv_token_bytes, salt=1)
+        if not torch.equal(got, want):
+            raise PrefixMismatch(f"layer {layer}: shared prefix read through the owner broadcast differs")
+
+    # ---- rank 0's request intake ---------------------------------------------------------------
+    async def _intake(self, request: web.Request) -> web.Response:
+        pending = _Pending(await read_body(request, PrefillRequest))
+        self.queue.append(pending)
+        try:
+            return reply(await asyncio.wait_for(asyncio.shield(pending.done), self.timeouts.ready))
+        except asyncio.TimeoutError as exc:
+            raise DeadlineExceeded(f"room {pending.request.room} not prefilled in {self.timeouts.ready}s") from exc
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        room = int(request.match_info["room"])
+        for p in [p for p in self.queue if p.request.room == room]:
+            self.queue.remove(p)
+            p.done.set_exception(PdkvError(f"room {room} aborted before it ran"))
+        return web.Response(status=200)
+
+    # ---- process ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        a = self.args
+        timeout = datetime.timedelta(seconds=a.group_timeout)
+        dist.init_process_group("gloo", init_method=a.dist_init, rank=self.rank, world_size=self.world, timeout=timeout)
+        plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
+        self.pool = LayerSplitDSAKVPool(self.layout, plan, OwnerBroadcaster(device=a.device, timeout=timeout))
+        self.allocator = PageAllocator(self.layout.num_pages, np.random.default_rng(a.seed))
+        secret = secret_from_env(a.secret_env)
+        self.exporter = PrefillExporter(
+            self.pool, a.engine_id, self.rank, self.world, a.registry, host=a.host,
+            timeouts=self.timeouts, secret=secret, on_free=lambda room, pages: self.finished_local.append(room),
+        )
+        await self.exporter.start()
+        intake = None
+        if self.rank == 0:
+            app = make_app(secret)
+            app.router.add_post("/v1/prefill", self._intake)
+            app.router.add_post("/v1/rooms/{room}/abort", self._abort)
+            app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+            intake = HttpService(app, a.host, a.port)
+            await intake.start()
+        self._announce(intake.url if intake else "")
+        stopper = asyncio.create_task(self._stop_on_signal())
+        try:
+            while await self.step():
+                if self.rank == 0 and not self.queue and not self.finished_local:
+                    await asyncio.sleep(_STEP_IDLE_S)
+        finally:
+            stopper.cancel()
+            await self.exporter.aclose()
+            if intake is not None:
+                await intake.aclose()
+            dist.destroy_process_group()
+
+    def _announce(self, intake_url: str) -> None:
+        if self.args.ready_file is not None:
+            tmp = self.args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"control": self.exporter.control_url, "intake": intake_url}))
+            tmp.replace(self.args.ready_file)
+
+    async def _stop_on_signal(self) -> None:
+        await wait_for_signal()
+        self.stop_requested = True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="one CP rank of a demo pdkv prefill engine")
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--cp-rank", type=int, required=True)
+    ap.add_argument("--cp-size", type=int, required=True)
+    ap.add_argument("--dist-init", required=True, help="torch.distributed init method (file:// or tcp://)")
+    ap.add_argument("--registry", required=True, help="bootstrap registry URL")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32")
+    ap.add_argument("--pool-tokens", type=int, default=128 * 1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="rank 0's request port")
+    ap.add_argument("--pin", type=float, default=Timeouts().pin, help="seconds pages stay pinned unreleased")
+    ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")
+    ap.add_argument("--group-timeout", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    add_service_flags(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    torch.set_num_threads(1)
+    asyncio.run(PrefillEngineRank(args).run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Rooms on a prefill rank: pinned source pages, layer readiness, releases, expiry.
+
+A room's pages stay pinned from publication until every expected consumer released them,
+the room was aborted, or its pin deadline passed; whichever comes first frees the pages
+through `on_free`, once. Finished rooms are remembered (bounded) so a late fetch gets a
+clear answer instead of waiting for a room that will never come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdkv.errors import PageRangeError, PdkvError, UnknownRoomError
+from transfer.metadata import RoomState, RoomStatus
+
+__all__ = ["RoomTable", "RoomCounters"]
+
+logger = logging.getLogger(__name__)
+
+_REMEMBER_FINISHED = 1 << 16
+
+
+@dataclass
+class _Room:
+    room: int
+    src_pages: np.ndarray
+    consumers: int
+    pinned_until: float
+    ready_upto: int
+    released_by: set[str] = field(default_factory=set)
+
+
+@dataclass
+class RoomCounters:
+    published: int = 0
+    released: int = 0
+    aborted: int = 0
+    expired: int = 0
+
+
+class RoomTable:
+    """The rooms one prefill rank serves. Methods run on the event loop's thread."""
+
+    def __init__(
+        self,
+        layers: range,
+        num_pages: int,
+        pin_seconds: float,
+        on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
+    ) -> None:
+        self.layers = layers
+        self.num_pages = num_pages
+        self.pin_seconds = pin_seconds
+        self._on_free = on_free
+        self._live: dict[int, _Room] = {}
+        self._finished: OrderedDict[int, RoomStatus] = OrderedDict()
+        self._tick = asyncio.Event()  # set and replaced on every change
+        self.counters = RoomCounters()
+
+    # ---- the model side -------------------------------------------------------------------
+    def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
+        pages = np.asarray(src_pages, dtype=np.int64)
+        if room in self._live or room in self._finished:
+            raise PdkvError(f"room {room} was already published on this rank")
+        if pages.size and (pages.min() < 0 or pages.max() >= self.num_pages):
+            raise PageRangeError(f"room {room}: source pages outside [0, {self.num_pages})")
+        self._live[room] = _Room(room, pages, consumers, time.monotonic() + self.pin_seconds, self.layers.start)
+        self.counters.published += 1
+        self._notify()
+
+    def mark_ready(self, room: int, upto: int) -> None:
+        """Layers [layers.start, upto) of `room` are written; `upto` never moves back."""
+        r = self._live.get(room)
+        if r is None:
+            return  # aborted or expired meanwhile: nothing waits for it
+        r.ready_upto = max(r.ready_upto, min(upto, self.layers.stop))
+        if r.ready_upto == self.layers.stop:
+            r.pinned_until = time.monotonic() + self.pin_seconds
+        self._notify()
+
+    def abort(self, room: int) -> bool:
+        """Free `room` now (its request was cancelled). False if it was not live."""
+        if room not in self._live:
+            self._remember(room, RoomStatus.ABORTED)
+            return False
+        self._finish(room, RoomStatus.ABORTED)
+        self.counters.aborted += 1
+        return True
+
+    # ---- the decode side ------------------------------------------------------------------
+    def state(self, room: int) -> RoomState:
+        r = self._live.get(room)
+        if r is None:
+            return RoomState(room=room, status=self._finished.get(room, RoomStatus.UNKNOWN))
+        status = RoomStatus.READY if r.ready_upto == self.layers.stop else RoomStatus.PENDING
+        return RoomState(room=room, status=status, src_pages=r.src_pages.tolist(), ready_upto=r.ready_upto)
+
+    async def wait(self, room: int, after: int, timeout: float) -> RoomState:
+        """The room's state once it has layers ready beyond `after`, or at `timeout`."""
+
+        def moved() -> bool:
+            r = self._live.get(room)
+            if r is None:
+                return room in self._finished
+            return r.ready_upto > after or r.ready_upto == self.layers.stop
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not moved():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._tick.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        return self.state(room)
+
+    def release(self, room: int, consumer: str) -> RoomState:
+        r = self._live.get(room)
+        if r is None:
+            status = self._finished.get(room, RoomStatus.UNKNOWN)
+            if status is RoomStatus.RELEASED:
+                return RoomState(room=room, status=status)
+            raise UnknownRoomError(f"room {room} is {status.value} on this rank: its pages may be reused")
+        r.released_by.add(consumer)
+        if len(r.released_by) >= r.consumers:
+            self._finish(room, RoomStatus.RELEASED)
+            self.counters.released += 1
+        return self.state(room)
+
+    # ---- housekeeping ---------------------------------------------------------------------
+    def expire(self, now: float) -> list[int]:
+        gone = [room for room, r in self._live.items() if r.pinned_until <= now]
+        for room in gone:
+            logger.warning("room %d: pin deadline passed before release; freeing its pages", room)
+            self._finish(room, RoomStatus.ABORTED)
+            self.counters.expired += 1
+        return gone
+
+    @property
+    def pinned_pages(self) -> int:
+        return sum(r.src_pages.size for r in self._live.values())
+
+    @property
+    def live_rooms(self) -> int:
+        return len(self._live)
+
+    def _finish(self, room: int, status: RoomStatus) -> None:
+        r = self._live.pop(room)
+        self._remember(room, status)
+        self._on_free(room, r.src_pages)
+        self._notify()
+
+    def _remember(self, room: int, status: RoomStatus) -> None:
+        self._finished[room] = status
+        self._finished.move_to_end(room)
+        while len(self._finished) > _REMEMBER_FINISHED:
+            self._finished.popitem(last=False)
+
+    def _notify(self) -> None:
+        self._tick.set()
+        self._tick = asyncio.Event()

@@ -1,0 +1,192 @@
+"""The PD router: launches a local deployment and drives requests through it.
+
+A request gets a room; the router sends it to a prefill engine and a decode worker at
+the same time and returns the decode's answer. When either leg fails, it cancels the
+other and aborts the room on every rank, so nothing stays pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdkv.errors import PdkvError
+from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
+from transfer.http import ControlClient
+from transfer.launcher import Launcher
+from transfer.timeouts import Timeouts
+
+__all__ = ["DeploymentSpec", "Deployment", "RequestOutcome"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    engines: tuple[int, ...] = (4,)  # CP size of each prefill engine
+    decoders: int = 1
+    preset: str = "dsa_v32"
+    prefill_pool_tokens: int = 128 * 1024
+    decode_pool_tokens: int = 128 * 1024
+    device: str = "cpu"
+    layer_delay: float = 0.0
+    pin: float = Timeouts().pin
+    decode_lanes: int = 2
+    secret: str | None = None
+    start_timeout: float = 120.0
+    log_level: str = "WARNING"
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    room: int
+    engine_id: str
+    num_tokens: int
+    ok: bool
+    seconds: float  # request to KV in decode, verified
+    decode: DecodeReply | None = None
+    error: str = ""
+
+
+@dataclass
+class _Engine:
+    engine_id: str
+    intake: str
+    controls: list[str]
+    inflight: int = 0
+
+
+@dataclass
+class _Decoder:
+    url: str
+    inflight: int = 0
+
+
+@dataclass
+class Deployment:
+    """A registry, prefill engines and decode workers as child processes, plus the router."""
+
+    spec: DeploymentSpec
+    workdir: Path | None = None
+    launcher: Launcher = field(init=False)
+    registry_url: str = ""
+    engines: list[_Engine] = field(default_factory=list)
+    decoders: list[_Decoder] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="pdkv-"))
+        env = {"PDKV_SECRET": self.spec.secret} if self.spec.secret else {}
+        self.launcher = Launcher(self.workdir, env)
+        self.client = ControlClient(Timeouts(request=Timeouts().fetch), self.spec.secret)
+        self._rooms = (random.getrandbits(62) + i for i in itertools.count())
+
+    def _common(self) -> list[str]:
+        return ["--log-level", self.spec.log_level]
+
+    async def start(self) -> None:
+        s, launch = self.spec, self.launcher
+        registry = launch.spawn("registry", "transfer.bootstrap", self._common())
+        self.registry_url = await launch.wait_ready(registry, s.start_timeout)
+        pending = []
+        for e, cp in enumerate(s.engines):
+            engine_id = f"prefill{e}"
+            init = f"file://{self.workdir}/{engine_id}.dist"
+            for r in range(cp):
+                args = ["--engine-id", engine_id, "--cp-rank", str(r), "--cp-size", str(cp), "--dist-init", init,
+                        "--registry", self.registry_url, "--preset", s.preset, "--pool-tokens", str(s.prefill_pool_tokens),
+                        "--device", s.device, "--layer-delay", str(s.layer_delay), "--pin", str(s.pin), *self._common()]
+                pending.append((engine_id, launch.spawn(f"{engine_id}-cp{r}", "transfer.prefill_worker", args)))
+        for d in range(s.decoders):
+            args = ["--registry", self.registry_url, "--consumer-id", f"decode{d}", "--preset", s.preset,
+                    "--pool-tokens", str(s.decode_pool_tokens), "--device", s.device, "--lanes", str(s.decode_lanes),
+                    "--seed", str(d + 1), *self._common()]
+            pending.append(("decode", launch.spawn(f"decode{d}", "transfer.decode_worker", args)))
+        ready = await asyncio.gather(*(launch.wait_ready(c, s.start_timeout) for _, c in pending))
+        by_engine: dict[str, list[dict[str, str]]] = {}
+        for (engine_id, _), text in zip(pending, ready):
+            if engine_id == "decode":
+                self.decoders.append(_Decoder(text))
+            else:
+                by_engine.setdefault(engine_id, []).append(json.loads(text))
+        for engine_id, ranks in by_engine.items():
+            self.engines.append(_Engine(engine_id, ranks[0]["intake"], [r["control"] for r in ranks]))
+
+    async def aclose(self) -> dict[str, int]:
+        await self.client.aclose()
+        return await self.launcher.stop_all()
+
+    async def __aenter__(self) -> Deployment:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---- routing ---------------------------------------------------------------------------
+    async def submit(self, num_tokens: int, prefix_id: int = -1, prefix_tokens: int = 0) -> RequestOutcome:
+        """Run one request through a prefill engine and a decode worker."""
+        engine = min(self.engines, key=lambda e: e.inflight)
+        decoder = min(self.decoders, key=lambda d: d.inflight)
+        room = next(self._rooms)
+        engine.inflight += 1
+        decoder.inflight += 1
+        t0 = time.perf_counter()
+        try:
+            reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
+            return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
+        except PdkvError as exc:
+            return RequestOutcome(room, engine.engine_id, num_tokens, False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            engine.inflight -= 1
+            decoder.inflight -= 1
+
+    async def _both_legs(self, engine: _Engine, decoder: _Decoder, room: int, num_tokens: int,
+                         prefix_id: int, prefix_tokens: int) -> DecodeReply:
+        pre = PrefillRequest(room=room, num_tokens=num_tokens, prefix_id=prefix_id, prefix_tokens=prefix_tokens)
+        dec = DecodeRequest(engine_id=engine.engine_id, room=room, num_tokens=num_tokens,
+                            prefix_id=prefix_id, prefix_tokens=prefix_tokens)
+        prefill = asyncio.create_task(self.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, pre))
+        decode = asyncio.create_task(self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec))
+        try:
+            await asyncio.wait([prefill, decode], return_when=asyncio.FIRST_EXCEPTION)
+            for leg in (prefill, decode):
+                if leg.done() and leg.exception() is not None:
+                    raise leg.exception()  # type: ignore[misc]
+            out = await decode
+            assert out is not None
+            return out
+        except BaseException:
+            await self.abort(engine, decoder, room)
+            raise
+        finally:
+            for leg in (prefill, decode):
+                leg.cancel()
+            await asyncio.gather(prefill, decode, return_exceptions=True)
+
+    async def abort(self, engine: _Engine, decoder: _Decoder, room: int) -> None:
+        """Cancel `room` everywhere: the decode's fetch, the queued prefill, every rank's pins."""
+        urls = [f"{decoder.url}/v1/rooms/{room}/abort", f"{engine.intake}/v1/rooms/{room}/abort"]
+        urls += [f"{c}/v1/rooms/{room}/abort" for c in engine.controls]
+        results = await asyncio.gather(*(self.client.request("POST", u, timeout=Timeouts().request) for u in urls),
+                                       return_exceptions=True)
+        for url, r in zip(urls, results):
+            if isinstance(r, BaseException):
+                logger.warning("abort %s: %s", url, r)
+
+    async def stats(self) -> dict[str, list[dict[str, object]]]:
+        """Each prefill rank's and decode worker's /v1/stats."""
+        prefill = [self.client.get_json(f"{c}/v1/stats") for e in self.engines for c in e.controls]
+        decode = [self.client.get_json(f"{d.url}/v1/stats") for d in self.decoders]
+        return {"prefill": list(await asyncio.gather(*prefill)), "decode": list(await asyncio.gather(*decode))}

@@ -1,0 +1,50 @@
+"""What every pdkv service process shares: flags, logging set-up, readiness, signals.
+
+A service tells its launcher where it listens by writing its URL to `--ready-file`
+(written atomically), so launchers can use port 0 and never race for ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+__all__ = ["add_service_flags", "announce", "configure_logging", "secret_from_env", "wait_for_signal"]
+
+
+def add_service_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--ready-file", type=Path, help="write the service URL here once it listens")
+    ap.add_argument(
+        "--secret-env", default="PDKV_SECRET", help="environment variable holding the shared secret (unset: none)"
+    )
+    ap.add_argument("--log-level", default="WARNING")
+
+
+def configure_logging(level: str) -> None:
+    """For process entry points only: the library itself installs no handler."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+
+
+def secret_from_env(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+def announce(ready_file: Path | None, url: str) -> None:
+    logging.getLogger("pdkv.service").info("listening on %s", url)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(url)
+        tmp.replace(ready_file)
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGINT or SIGTERM, so that `finally` blocks run and ports are freed."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,34 @@
+"""Every deadline of the transfer layer, in one object with finite defaults.
+
+No other module holds a timeout literal: a network await takes its bound from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["Timeouts"]
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. Each field bounds one kind of wait; all are finite."""
+
+    connect: float = 5.0  # TCP connect to a registry or control endpoint
+    request: float = 10.0  # one control request/response round trip
+    lookup: float = 30.0  # waiting for an engine to be complete in the registry
+    poll: float = 2.0  # one long-poll for room readiness (server-side hold)
+    ready: float = 120.0  # a room's layers becoming ready, end to end
+    transfer: float = 60.0  # one batched UCX READ
+    fetch: float = 300.0  # a whole fetch, when the caller gives no deadline
+    lease: float = 10.0  # a registry entry lives this long without renewal
+    pin: float = 120.0  # source pages stay pinned this long without release
+    progress_interval: float = 0.002  # how often an exporter drives its UCX worker
+
+    @property
+    def renew_interval(self) -> float:
+        return self.lease / 3
+
+    def replace(self, **changes: float) -> Timeouts:
+        return dataclasses.replace(self, **changes)
