@@ -114,3 +114,25 @@ class _NoBroadcast:
 
     def start(self, *a, **k):  # pragma: no cover - reaching it is the failure
         raise AssertionError("no broadcast expected in this test")
+
+
+@pytest.mark.parametrize("where", ["kv", "index_k", "index_scale"])
+def test_verification_catches_a_single_flipped_byte(where):
+    from pdkv.synthetic import RequestContent, token_locations
+
+    pool = DSAKVPool(tiny(layer_num=3))
+    pages = torch.tensor([6, 2, 9])
+    content = RequestContent(11, 10, prefix_seed=5, prefix_tokens=4)
+    loc = token_locations(pool.layout, pages, 10)
+    for layer in range(3):
+        d = content.layer(pool.layout, layer)
+        pool.set_kv_buffer(layer, loc, d.kv_rows(pool.layout))
+        pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
+    assert content.mismatched_layers(pool, pages) == []
+    if where == "kv":
+        pool.kv_buffer[1][loc[7], 0, 3] += 1
+    else:
+        page, off = int(pages[1]), 3  # token 7 lives in the second page, slot 3
+        col = off * 128 + 5 if where == "index_k" else pool.layout.index_scale_offset + off * 4 + 1
+        pool.index_buffer[1][page, col] ^= 1
+    assert content.mismatched_layers(pool, pages) == [1]

@@ -135,10 +135,16 @@ class Deployment:
         await self.aclose()
 
     # ---- routing ---------------------------------------------------------------------------
-    async def submit(self, num_tokens: int, prefix_id: int = -1, prefix_tokens: int = 0) -> RequestOutcome:
-        """Run one request through a prefill engine and a decode worker."""
-        engine = min(self.engines, key=lambda e: e.inflight)
-        decoder = min(self.decoders, key=lambda d: d.inflight)
+    async def submit(self, num_tokens: int, prefix_id: int = -1, prefix_tokens: int = 0, *,
+                     engine_id: str | None = None, decoder: int | None = None) -> RequestOutcome:
+        """Run one request through a prefill engine and a decode worker (least busy by default)."""
+        engines = [e for e in self.engines if engine_id in (None, e.engine_id)]
+        engine = min(engines, key=lambda e: e.inflight)
+        dec = self.decoders[decoder] if decoder is not None else min(self.decoders, key=lambda d: d.inflight)
+        return await self._submit(engine, dec, num_tokens, prefix_id, prefix_tokens)
+
+    async def _submit(self, engine: _Engine, decoder: _Decoder, num_tokens: int, prefix_id: int,
+                      prefix_tokens: int) -> RequestOutcome:
         room = next(self._rooms)
         engine.inflight += 1
         decoder.inflight += 1

@@ -1,0 +1,4 @@
+import os
+
+# Set before any NIXL import in the test process (see transfer.engine).
+os.environ.setdefault("UCX_MODULES", "^ib")

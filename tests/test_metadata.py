@@ -1,0 +1,157 @@
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdkv import IncompatibleLayoutError, MetadataError, tiny
+from transfer.metadata import (
+    BufferKind,
+    EngineDescriptor,
+    Envelope,
+    ErrorReply,
+    LayoutSpec,
+    MemoryDescriptor,
+    RankDescriptor,
+    ReleaseNotice,
+    RoomState,
+    RoomStatus,
+    SCHEMA_VERSION,
+    decode,
+    encode,
+)
+
+LAYOUT = tiny(layer_num=7)
+
+
+def rank_descriptor(rank=1, size=3, **over):
+    start, end = {0: (0, 3), 1: (3, 5), 2: (5, 7)}[rank]
+    fields = dict(
+        engine_id="e0",
+        cp_rank=rank,
+        cp_size=size,
+        layer_start=start,
+        layer_end=end,
+        fingerprint=LAYOUT.fingerprint,
+        layout=LayoutSpec.of(LAYOUT),
+        buffers=[
+            MemoryDescriptor(kind=k, layer_id=layer, addr=4096 * (1 + layer), length=192 * 65, item_len=192)
+            for k in BufferKind
+            for layer in range(start, end)
+        ],
+        agent_name="e0.cp1.abc",
+        agent_metadata=b"\x00blob",
+        control_url="http://127.0.0.1:1",
+        incarnation="abc",
+    )
+    fields.update(over)
+    return RankDescriptor(**fields)
+
+
+def _raw(msg, **over):
+    """Re-encode `msg` with fields changed at the msgpack level (bypassing validation)."""
+    body = msgspec.to_builtins(msg, builtin_types=(bytes,))
+    body.update(over)
+    return msgspec.msgpack.encode(
+        Envelope(SCHEMA_VERSION, LAYOUT.fingerprint, type(msg).__name__, msgspec.Raw(msgspec.msgpack.encode(body)))
+    )
+
+
+def test_round_trip_every_type():
+    for msg in (
+        rank_descriptor(),
+        RoomState(room=5, status=RoomStatus.PENDING, src_pages=[3, 4], ready_upto=4),
+        ReleaseNotice(room=5, consumer_id="d0"),
+        ErrorReply(code="MetadataError", message="x"),
+    ):
+        assert decode(encode(msg, LAYOUT.fingerprint), type(msg), LAYOUT.fingerprint) == msg
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"cp_rank": -1}, "cp_rank"),
+        ({"cp_rank": 3}, "cp_rank"),
+        ({"layer_start": 2}, "layer range"),
+        ({"cp_size": "3"}, "cp_size"),
+        ({"agent_metadata": 5}, "agent_metadata"),
+        ({"engine_id": ""}, "engine_id"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_bad_rank_descriptor_names_the_field(change, field):
+    with pytest.raises(MetadataError, match=field):
+        decode(_raw(rank_descriptor(), **change), RankDescriptor)
+
+
+def test_missing_field_and_bad_buffers_refused():
+    d = msgspec.to_builtins(rank_descriptor(), builtin_types=(bytes,))
+    del d["incarnation"]
+    env = Envelope(SCHEMA_VERSION, "", "RankDescriptor", msgspec.Raw(msgspec.msgpack.encode(d)))
+    with pytest.raises(MetadataError, match="incarnation"):
+        decode(msgspec.msgpack.encode(env), RankDescriptor)
+    desc = msgspec.to_builtins(rank_descriptor(), builtin_types=(bytes,))
+    desc["buffers"] = desc["buffers"][:-1]
+    with pytest.raises(MetadataError, match="exactly once"):
+        decode(_raw(rank_descriptor(), buffers=desc["buffers"]), RankDescriptor)
+    bad = dict(desc["buffers"][0], length=100, item_len=192)
+    with pytest.raises(MetadataError, match="multiple"):
+        decode(_raw(rank_descriptor(), buffers=[bad] + desc["buffers"][1:]), RankDescriptor)
+    huge = dict(desc["buffers"][0], addr=2**63 - 10)
+    with pytest.raises(MetadataError, match="overflow"):
+        decode(_raw(rank_descriptor(), buffers=[huge] + desc["buffers"][1:]), RankDescriptor)
+
+
+def test_envelope_checked_first():
+    good = encode(ReleaseNotice(room=1, consumer_id="d"), LAYOUT.fingerprint)
+    env = msgspec.msgpack.decode(good)
+    with pytest.raises(MetadataError, match="version"):
+        decode(msgspec.msgpack.encode([SCHEMA_VERSION + 1, *env[1:]]), ReleaseNotice)
+    with pytest.raises(MetadataError, match="expected a RoomState"):
+        decode(good, RoomState)
+    with pytest.raises(IncompatibleLayoutError):
+        decode(good, ReleaseNotice, "another-fingerprint")
+
+
+def test_engine_descriptor_needs_every_rank():
+    ranks = [rank_descriptor(r) for r in range(3)]
+    EngineDescriptor("e0", 3, ranks)
+    two = [msgspec.to_builtins(r, builtin_types=(bytes,)) for r in ranks[:2]]
+    with pytest.raises(MetadataError, match="exactly 0..2"):
+        decode(_raw(EngineDescriptor("e0", 3, ranks), ranks=two), EngineDescriptor)
+
+
+def test_layout_spec_names_differing_fields():
+    with pytest.raises(IncompatibleLayoutError, match="page_size") as info:
+        LayoutSpec.of(LAYOUT.replace(page_size=8, size=256)).check_against(LAYOUT)
+    assert info.value.differing == ("page_size",)
+
+
+WIRE_TYPES = [RankDescriptor, RoomState, ReleaseNotice, ErrorReply, EngineDescriptor, MemoryDescriptor]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512), st.sampled_from(WIRE_TYPES))
+def test_fuzz_arbitrary_bytes_only_raise_metadata_error(blob, kind):
+    try:
+        decode(blob, kind)
+    except MetadataError:
+        pass
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(WIRE_TYPES), st.dictionaries(st.sampled_from(
+    ["room", "status", "src_pages", "ready_upto", "cp_rank", "cp_size", "buffers", "addr", "length", "kind",
+     "layer_id", "item_len", "code", "message", "consumer_id", "engine_id", "ranks"]), _values, max_size=6))
+def test_fuzz_wrong_fields_and_types_only_raise_metadata_error(kind, body):
+    env = Envelope(SCHEMA_VERSION, "", kind.__name__, msgspec.Raw(msgspec.msgpack.encode(body)))
+    try:
+        decode(msgspec.msgpack.encode(env), kind)
+    except MetadataError:
+        pass
