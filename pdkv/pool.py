@@ -19,6 +19,9 @@ import torch
 from pdkv.buffers import (
     alloc_zeros,
     as_store_rows,
+    byte_rows,
+    put,
+    take,
     check_locations,
     gather_index_k,
     gather_index_scale,
@@ -136,7 +139,7 @@ class DSAKVPool:
         if buf is None:
             return
         rows = as_store_rows(cache_k.to(self.layout.torch_dtype), self.layout, self.layout.kv_cache_dim)
-        buf[loc.to(self.device).long(), 0] = rows.to(self.device)
+        put(byte_rows(buf), (loc.reshape(-1).long(),), byte_rows(rows))
 
     def set_mla_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
@@ -149,7 +152,7 @@ class DSAKVPool:
             return
         nope = as_store_rows(cache_k_nope, self.layout)
         rope = as_store_rows(cache_k_rope, self.layout, self.layout.kv_cache_dim - nope.shape[1])
-        buf[loc.to(self.device).long(), 0] = torch.cat([nope, rope], dim=1).to(self.device)
+        put(byte_rows(buf), (loc.reshape(-1).long(),), byte_rows(torch.cat([nope, rope], dim=1)))
 
     # ---- indexer ------------------------------------------------------------------------------
     def get_index_buffer(self, layer_id: int) -> torch.Tensor:
@@ -192,7 +195,10 @@ class DSAKVPool:
         for layer_id in self.owned:
             self._before_write(layer_id, "kv")
             self._before_write(layer_id, "index")
-        self.kv_slab[:, tgt] = self.kv_slab[:, src]
+        for buf in self.kv_buffer:
+            if buf.shape[0]:
+                rows = byte_rows(buf)
+                put(rows, (tgt,), take(rows, src))
         for buf in self.index_slab:
             move_index_tokens(buf, self.layout, tgt, src)
 

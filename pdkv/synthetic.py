@@ -7,9 +7,10 @@ shows up as a byte mismatch. Cheap enough to fill and verify 32k-token requests.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from pdkv.buffers import gather_index_k, gather_index_scale
+from pdkv.buffers import byte_rows, gather_index_k, gather_index_scale, take
 from pdkv.layout import KVLayout
 from pdkv.pool import DSAKVPool
 
@@ -18,22 +19,18 @@ __all__ = ["token_bytes", "synthetic_layer", "SyntheticLayer", "RequestContent",
 _M1, _M2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd 64-bit mixing constants
 
 
-def _as_int64(v: int) -> int:
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
 def token_bytes(seed: int, layer_id: int, tokens: torch.Tensor, width: int, salt: int = 0) -> torch.Tensor:
     """(tokens, width) uint8, a function of (seed, layer, token position, salt) alone."""
-    key = _as_int64(seed * _M1 + layer_id * _M2 + salt * 0x9E3779B97F4A7C15)
-    h = tokens.reshape(-1).long() * _as_int64(_M1) + key
-    h = h ^ (h >> 29)  # arithmetic shift is fine: mixing, not a bijection proof
-    h = h * _as_int64(_M2)
-    h = h ^ (h >> 32)
-    per_token = h.view(torch.uint8).view(-1, 8)
-    reps = -(-width // 8)
-    cols = (torch.arange(width, device=tokens.device) * 29).to(torch.uint8)
-    return per_token.repeat(1, reps)[:, :width] + cols
+    key = np.uint64((seed * _M1 + layer_id * _M2 + salt * 0x9E3779B97F4A7C15) & (2**64 - 1))
+    with np.errstate(over="ignore"):
+        h = tokens.reshape(-1).cpu().numpy().astype(np.uint64) * np.uint64(_M1) + key
+        h ^= h >> np.uint64(29)
+        h *= np.uint64(_M2)
+        h ^= h >> np.uint64(32)
+        words = -(-width // 8)
+        # 64-bit words: one add per 8 output bytes; each word differs per column.
+        out = h[:, None] + np.arange(1, words + 1, dtype=np.uint64)[None, :] * np.uint64(_M2 | 1)
+    return torch.from_numpy(out.view(np.uint8)[:, :width])
 
 
 class SyntheticLayer:
@@ -92,14 +89,15 @@ class RequestContent:
         for layer in layers:
             want = self.layer(layout, layer)
             local = layer - layout.start_layer
-            kv = kv_buffers[local][loc].reshape(self.num_tokens, -1).contiguous().view(torch.uint8)
+            kv = take(byte_rows(kv_buffers[local]), loc)
             k = gather_index_k(index_buffers[local], layout, self.num_tokens, pages)
             s = gather_index_scale(index_buffers[local], layout, self.num_tokens, pages)
-            if not (
-                torch.equal(kv.cpu(), want.kv)
-                and torch.equal(k.cpu(), want.index_k)
-                and torch.equal(s.cpu(), want.index_scale.view(torch.uint8).view(-1, 4))
-            ):
+            same = (
+                np.array_equal(kv.cpu().numpy(), want.kv.numpy())
+                and np.array_equal(k.cpu().numpy(), want.index_k.numpy())
+                and np.array_equal(s.cpu().numpy(), want.index_scale.view(torch.uint8).view(-1, 4).numpy())
+            )
+            if not same:
                 bad.append(layer)
         return bad
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's main job: set up .venv, then run the layer-split pool demo.
+# The README's main job: set up .venv, then run a local PD deployment (see transfer/cli.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
-exec .venv/bin/python scripts/bench_broadcast.py "$@"
+exec .venv/bin/python -m transfer "$@"

@@ -130,7 +130,7 @@ def test_verification_catches_a_single_flipped_byte(where):
         pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
     assert content.mismatched_layers(pool, pages) == []
     if where == "kv":
-        pool.kv_buffer[1][loc[7], 0, 3] += 1
+        pool.kv_buffer[1].view(torch.uint8)[loc[7], 0, 3] ^= 1  # bytes: a bf16 NaN + 1 may not change
     else:
         page, off = int(pages[1]), 3  # token 7 lives in the second page, slot 3
         col = off * 128 + 5 if where == "index_k" else pool.layout.index_scale_offset + off * 4 + 1

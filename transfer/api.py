@@ -45,4 +45,5 @@ class DecodeReply(_Api):
     descriptors: Count
     fetch_seconds: float
     verified_bytes: int
+    read_seconds: float = 0.0  # inside UCX READs
     reads: Count = 0  # batched READs; more than one per owner means it began before prefill ended

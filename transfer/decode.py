@@ -51,6 +51,7 @@ class OwnerStats:
     descriptors: int
     reads: int
     seconds: float  # from the first poll to the last byte from this owner
+    read_seconds: float  # inside READs only (the rest is waiting for prefill)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class FetchResult:
     @property
     def descriptors(self) -> int:
         return sum(o.descriptors for o in self.owners)
+
+    @property
+    def read_seconds(self) -> float:
+        return sum(o.read_seconds for o in self.owners)
 
     @property
     def gbps(self) -> float:
@@ -241,7 +246,7 @@ class DecodeFetcher:
         assert self.engine is not None
         r = owner.rank
         t0 = time.perf_counter()
-        cursor, nbytes, descs, reads = r.layer_start, 0, 0, 0
+        cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
         src: np.ndarray | None = None
         unknown_until = time.monotonic() + self.timeouts.ready
         while cursor < r.layer_end:
@@ -260,8 +265,9 @@ class DecodeFetcher:
             plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
             xfer = await self.engine.read(r.agent_name, plan, deadline.left(self.timeouts.transfer))
             nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
+            busy += xfer.seconds
             cursor = state.ready_upto
-        return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0)
+        return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy)
 
     async def _release_all(self, owners: dict[int, _Owner], room: int, deadline: _Deadline, strict: bool) -> None:
         notice = ReleaseNotice(room=room, consumer_id=self.consumer_id)

@@ -58,7 +58,7 @@ class DecodeWorker:
             verified = req.num_tokens * (self.layout.kv_token_bytes + self.layout.index_token_bytes) * self.layout.layer_num
             return DecodeReply(room=req.room, nbytes=result.nbytes, descriptors=result.descriptors,
                                fetch_seconds=result.seconds, verified_bytes=verified,
-                               reads=sum(o.reads for o in result.owners))
+                               reads=sum(o.reads for o in result.owners), read_seconds=result.read_seconds)
         finally:
             self.allocator.free(pages)
 

@@ -8,16 +8,18 @@ other and aborts the room on every rank, so nothing stays pinned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import random
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdkv.errors import PdkvError
+from pdkv.errors import CapacityError, PdkvError
 from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.http import ControlClient
 from transfer.launcher import Launcher
@@ -26,6 +28,8 @@ from transfer.timeouts import Timeouts
 __all__ = ["DeploymentSpec", "Deployment", "RequestOutcome"]
 
 logger = logging.getLogger(__name__)
+
+_PAGE_SLACK = 64  # tokens: a request may use part of one more page than it fills
 
 
 @dataclass(frozen=True)
@@ -55,18 +59,40 @@ class RequestOutcome:
     error: str = ""
 
 
+class TokenBudget:
+    """Admission control: a request waits until its pool has room for its tokens."""
+
+    def __init__(self, tokens: int) -> None:
+        self.capacity = self.free = tokens
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tokens: int) -> AsyncIterator[None]:
+        if tokens > self.capacity:
+            raise CapacityError(f"{tokens} tokens exceed a pool of {self.capacity}")
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free >= tokens)
+            self.free -= tokens
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.free += tokens
+                self._changed.notify_all()
+
+
 @dataclass
 class _Engine:
     engine_id: str
     intake: str
     controls: list[str]
-    inflight: int = 0
+    budget: TokenBudget
 
 
 @dataclass
 class _Decoder:
     url: str
-    inflight: int = 0
+    budget: TokenBudget
 
 
 @dataclass
@@ -113,11 +139,17 @@ class Deployment:
         by_engine: dict[str, list[dict[str, str]]] = {}
         for (engine_id, _), text in zip(pending, ready):
             if engine_id == "decode":
-                self.decoders.append(_Decoder(text))
+                self.decoders.append(_Decoder(text, TokenBudget(self._usable(s.decode_pool_tokens))))
             else:
                 by_engine.setdefault(engine_id, []).append(json.loads(text))
         for engine_id, ranks in by_engine.items():
-            self.engines.append(_Engine(engine_id, ranks[0]["intake"], [r["control"] for r in ranks]))
+            budget = TokenBudget(self._usable(s.prefill_pool_tokens))
+            self.engines.append(_Engine(engine_id, ranks[0]["intake"], [r["control"] for r in ranks], budget))
+
+    @staticmethod
+    def _usable(pool_tokens: int) -> int:
+        # Headroom for page rounding, shared-prefix caches and frees still in flight.
+        return int(pool_tokens * 0.8)
 
     async def aclose(self) -> dict[str, int]:
         await self.client.aclose()
@@ -139,24 +171,22 @@ class Deployment:
                      engine_id: str | None = None, decoder: int | None = None) -> RequestOutcome:
         """Run one request through a prefill engine and a decode worker (least busy by default)."""
         engines = [e for e in self.engines if engine_id in (None, e.engine_id)]
-        engine = min(engines, key=lambda e: e.inflight)
-        dec = self.decoders[decoder] if decoder is not None else min(self.decoders, key=lambda d: d.inflight)
+        engine = max(engines, key=lambda e: e.budget.free)
+        dec = self.decoders[decoder] if decoder is not None else max(self.decoders, key=lambda d: d.budget.free)
         return await self._submit(engine, dec, num_tokens, prefix_id, prefix_tokens)
 
     async def _submit(self, engine: _Engine, decoder: _Decoder, num_tokens: int, prefix_id: int,
                       prefix_tokens: int) -> RequestOutcome:
         room = next(self._rooms)
-        engine.inflight += 1
-        decoder.inflight += 1
+        need = num_tokens + _PAGE_SLACK
         t0 = time.perf_counter()
         try:
-            reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
+            async with engine.budget.hold(need), decoder.budget.hold(need):
+                reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
             return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
         except PdkvError as exc:
-            return RequestOutcome(room, engine.engine_id, num_tokens, False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}")
-        finally:
-            engine.inflight -= 1
-            decoder.inflight -= 1
+            error = f"{type(exc).__name__}: {exc}"
+            return RequestOutcome(room, engine.engine_id, num_tokens, False, time.perf_counter() - t0, error=error)
 
     async def _both_legs(self, engine: _Engine, decoder: _Decoder, room: int, num_tokens: int,
                          prefix_id: int, prefix_tokens: int) -> DecodeReply:

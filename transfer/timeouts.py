@@ -24,7 +24,7 @@ class Timeouts:
     fetch: float = 300.0  # a whole fetch, when the caller gives no deadline
     lease: float = 10.0  # a registry entry lives this long without renewal
     pin: float = 120.0  # source pages stay pinned this long without release
-    progress_interval: float = 0.002  # how often an exporter drives its UCX worker
+    progress_interval: float = 0.01  # how often an exporter drives its UCX worker
 
     @property
     def renew_interval(self) -> float:

@@ -1,0 +1,163 @@
+"""Fetch throughput: pdkv vs raw NIXL on the same descriptors vs a memcpy of the same bytes.
+
+DSA-shaped layout, one prefill engine of CP=4 (four processes, fragmented page
+allocators) and the decode in this process (fragmented destination pages). For each
+request size: the prefill writes the room, then in turn (a) raw NIXL READs of exactly the
+descriptor list pdkv builds, posted per owner from one thread, (b) pdkv's fetch (which
+also polls readiness and releases), and (c) an in-process copy of the same pages between
+two pools (the limit). Medians over --runs after a warm-up; prints a table.
+
+    .venv/bin/python scripts/bench_fetch.py [--sizes 1024,8192,32768] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+from pdkv import DSAKVPool, PageAllocator, dsa_v32  # noqa: E402
+from transfer.api import PrefillReply, PrefillRequest  # noqa: E402
+from transfer.decode import DecodeFetcher  # noqa: E402
+from transfer.engine import _nixl  # noqa: E402
+from transfer.metadata import BufferKind, EngineDescriptor, RoomState  # noqa: E402
+from transfer.plan import BufferPair, build_read_plan  # noqa: E402
+from transfer.router import Deployment, DeploymentSpec  # noqa: E402
+
+
+class RawNixl:
+    """A bare NIXL agent on the decode pool: the baseline pdkv must match."""
+
+    def __init__(self, pool: DSAKVPool, engine: EngineDescriptor) -> None:
+        nixl = _nixl()
+        self.agent = nixl.nixl_agent("raw-bench", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent.register_memory([pool.kv_slab, pool.index_slab])
+        self.names = [self.agent.add_remote_agent(r.agent_metadata) for r in engine.ranks]
+
+    def read(self, plans: list) -> float:
+        t0 = time.perf_counter()
+        for name, plan in zip(self.names, plans):
+            a = self.agent
+            h = a.initialize_xfer("READ", a.get_xfer_descs(plan.local, "DRAM"), a.get_xfer_descs(plan.remote, "DRAM"), name)
+            state = a.transfer(h)
+            while state == "PROC":
+                state = a.check_xfer_state(h)
+            assert state == "DONE", state
+            h.release()
+        return time.perf_counter() - t0
+
+
+def owner_pairs(pool: DSAKVPool, engine: EngineDescriptor) -> list[list[BufferPair]]:
+    out = []
+    for r in engine.ranks:
+        pairs = []
+        for layer in range(r.layer_start, r.layer_end):
+            for kind, bufs in ((BufferKind.LATENT, pool.kv_buffer), (BufferKind.INDEX, pool.index_buffer)):
+                d, t = r.buffer(kind, layer), bufs[layer]
+                pairs.append(BufferPair(t.data_ptr(), d.addr, d.item_len, t.nbytes // d.item_len, d.num_items))
+        out.append(pairs)
+    return out
+
+
+def memcpy_limit(plans: list) -> float:
+    """One process, one thread: memmove of exactly the bytes of the merged descriptors."""
+    t0 = time.perf_counter()
+    for plan in plans:
+        for (dst, n, _), (src, _, _) in zip(plan.local.tolist(), plan.remote.tolist()):
+            ctypes.memmove(dst, src, n)
+    return time.perf_counter() - t0
+
+
+def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> float:
+    """The machine's copy bandwidth: the same byte count as one contiguous memmove."""
+    t0 = time.perf_counter()
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    return time.perf_counter() - t0
+
+
+async def bench(args: argparse.Namespace) -> None:
+    pool_tokens = max(args.sizes) * 2 + 4096
+    spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens)
+    layout = dsa_v32(size=pool_tokens)
+    decode_pool, source_copy = DSAKVPool(layout), DSAKVPool(layout)
+    for p in (decode_pool, source_copy):  # touch every page once: first-touch faults are not transfer cost
+        p.kv_slab.fill_(1)
+        p.index_slab.fill_(1)
+    alloc = PageAllocator(layout.num_pages, np.random.default_rng(7))
+    async with Deployment(spec) as d:
+        engine_url = d.engines[0]
+        desc = await d.client.request("GET", f"{d.registry_url}/v1/engines/prefill0", EngineDescriptor)
+        raw, pairs = RawNixl(decode_pool, desc), owner_pairs(decode_pool, desc)
+        # The same geometry with a local source pool standing in for the owners' memory.
+        local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items)
+                        for p, q in zip(ps, qs)] for ps, qs in zip(pairs, owner_pairs(source_copy, desc))]
+        async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes) as fetcher:
+            rows = []
+            for n in args.sizes:
+                slabs = (decode_pool.kv_slab, source_copy.kv_slab)
+                rows.append(await bench_size(d, engine_url, fetcher, raw, pairs, local_pairs, slabs, alloc, n, args.runs))
+    print_table(rows, args)
+
+
+async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, alloc, n, runs):
+    samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": []}
+    desc_merged = desc_unmerged = 0
+    nbytes = 0
+    for i in range(runs + 1):  # the first run is a warm-up
+        room = (n << 20) + i
+        await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n))
+        state = await d.client.request("GET", f"{engine.controls[0]}/v1/rooms/{room}?after=-1", RoomState)
+        src = np.asarray(state.src_pages)
+        dst = alloc.alloc(len(src))
+        plans = [build_read_plan(p, src, dst) for p in pairs]
+        desc_merged = sum(p.descriptors for p in plans)
+        desc_unmerged = sum(build_read_plan(p, src, dst, merge=False).descriptors for p in pairs)
+        nbytes = sum(p.nbytes for p in plans)
+        t_raw = raw.read(plans)
+        result = await fetcher.fetch("prefill0", room, dst)
+        t_copy = memcpy_limit([build_read_plan(p, src, dst) for p in local_pairs])
+        t_bw = memcpy_contiguous(*slabs, nbytes)
+        alloc.free(dst)
+        if i:
+            samples["raw"].append(t_raw)
+            samples["pdkv"].append(result.seconds)
+            samples["memcpy"].append(t_copy)
+            samples["bandwidth"].append(t_bw)
+    return n, nbytes, desc_unmerged, desc_merged, samples
+
+
+def print_table(rows, args) -> None:
+    print(f"DSA layout, prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians")
+    print("memcpy: one thread memmoves the same descriptors; bandwidth: one contiguous memmove of as many bytes")
+    head = ("tokens", "MB", "descs", "merged", "pdkv GB/s", "raw GB/s", "memcpy GB/s", "bandw. GB/s",
+            "pdkv/raw", "pdkv/memcpy", "pdkv/bandw.", "p50 ms", "p99 ms")
+    print("".join(f"{h:>12}" for h in head))
+    for n, nbytes, du, dm, s in rows:
+        g = {k: nbytes / statistics.median(v) / 1e9 for k, v in s.items()}
+        lat = np.array(s["pdkv"]) * 1e3
+        vals = (n, nbytes / 1e6, du, dm, g["pdkv"], g["raw"], g["memcpy"], g["bandwidth"], g["pdkv"] / g["raw"],
+                g["pdkv"] / g["memcpy"], g["pdkv"] / g["bandwidth"], np.percentile(lat, 50), np.percentile(lat, 99))
+        print("".join(f"{v:>12.0f}" if i < 4 else f"{v:>12.2f}" for i, v in enumerate(vals)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--lanes", type=int, default=2)
+    asyncio.run(bench(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from transfer.cli import main
+
+main()

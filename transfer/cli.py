@@ -1,0 +1,162 @@
+"""The main job: a local PD deployment driven by a realistic request mix.
+
+    pdkv-deploy                      # prefill CP=4 + one decode, DSA layout, 200 requests
+    pdkv-deploy --engines 2,3 --decoders 2 --requests 500 --json summary.json
+
+Starts a registry, the prefill engines and the decode workers as processes, sends the
+requests through the router with bounded concurrency, shows progress, and prints a
+summary; exits non-zero if any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from pdkv import PRESETS
+from transfer.router import Deployment, DeploymentSpec, RequestOutcome
+
+__all__ = ["main", "Summary"]
+
+# (tokens, weight): mostly short prompts, a long tail up to 32k.
+DEFAULT_MIX = "1024:35,2048:25,4096:20,8192:12,16384:5,32768:3"
+
+
+@dataclass(frozen=True)
+class Summary:
+    requests: int
+    ok: int
+    failures: int
+    verified_bytes: int
+    fetched_bytes: int
+    wall_seconds: float
+    read_gbps: float  # fetched bytes / time inside UCX READs
+    fetch_gbps: float  # fetched bytes / fetch time (which includes waiting for prefill)
+    ttft_p50_ms: float  # request to verified KV in decode
+    ttft_p99_ms: float
+    fetch_p50_ms: float
+    fetch_p99_ms: float
+    errors: tuple[str, ...]
+
+
+def parse_mix(text: str) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [item.split(":") for item in text.split(",")]
+    tokens = np.array([int(t) for t, _ in pairs])
+    weights = np.array([float(w) for _, w in pairs])
+    return tokens, weights / weights.sum()
+
+
+def summarise(outcomes: list[RequestOutcome], wall: float) -> Summary:
+    ok = [o for o in outcomes if o.ok and o.decode is not None]
+    ttft = np.array([o.seconds for o in ok]) * 1e3 if ok else np.zeros(1)
+    fetch = np.array([o.decode.fetch_seconds for o in ok]) * 1e3 if ok else np.zeros(1)  # type: ignore[union-attr]
+    fetched = sum(o.decode.nbytes for o in ok)  # type: ignore[union-attr]
+    return Summary(
+        requests=len(outcomes), ok=len(ok), failures=len(outcomes) - len(ok),
+        verified_bytes=sum(o.decode.verified_bytes for o in ok),  # type: ignore[union-attr]
+        fetched_bytes=fetched, wall_seconds=wall,
+        read_gbps=fetched / max(sum(o.decode.read_seconds for o in ok), 1e-9) / 1e9,  # type: ignore[union-attr]
+        fetch_gbps=fetched / max(fetch.sum() / 1e3, 1e-9) / 1e9,
+        ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)),
+        fetch_p50_ms=float(np.percentile(fetch, 50)), fetch_p99_ms=float(np.percentile(fetch, 99)),
+        errors=tuple(o.error for o in outcomes if not o.ok)[:10],
+    )
+
+
+def render(s: Summary, spec: DeploymentSpec) -> str:
+    rows = [
+        ("deployment", f"prefill CP {','.join(map(str, spec.engines))} x {spec.decoders} decode, {spec.preset}"),
+        ("requests", f"{s.requests} ({s.ok} ok)"),
+        ("failures", str(s.failures)),
+        ("verified bytes", f"{s.verified_bytes / 1e9:.2f} GB"),
+        ("UCX read GB/s", f"{s.read_gbps:.2f}"),
+        ("fetch GB/s (incl. wait for prefill)", f"{s.fetch_gbps:.2f}"),
+        ("TTFT-on-decode p50 / p99", f"{s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f} ms"),
+        ("fetch p50 / p99", f"{s.fetch_p50_ms:.0f} / {s.fetch_p99_ms:.0f} ms"),
+        ("wall time", f"{s.wall_seconds:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines + [f"error: {e}" for e in s.errors])
+
+
+async def drive(d: Deployment, args: argparse.Namespace) -> list[RequestOutcome]:
+    rng = np.random.default_rng(args.seed)
+    tokens, weights = parse_mix(args.mix)
+    lengths = rng.choice(tokens, size=args.requests, p=weights)
+    lengths = np.maximum(1, (lengths * rng.uniform(0.5, 1.0, size=args.requests)).astype(int))
+    shared = rng.random(args.requests) < args.prefix_share
+    prefix_ids = rng.integers(0, args.prefixes, size=args.requests)
+    gate = asyncio.Semaphore(args.concurrency)
+    bar = tqdm(total=args.requests, unit="req", disable=args.no_progress, file=sys.stderr)
+
+    async def one(i: int) -> RequestOutcome:
+        async with gate:
+            pid = int(prefix_ids[i]) if shared[i] else -1
+            out = await d.submit(int(lengths[i]), pid, args.prefix_tokens if shared[i] else 0)
+        bar.update(1)
+        if not out.ok:
+            bar.write(f"room {out.room}: {out.error}")
+        return out
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(args.requests))))
+    finally:
+        bar.close()
+
+
+async def run(args: argparse.Namespace) -> int:
+    spec = DeploymentSpec(
+        engines=tuple(int(x) for x in args.engines.split(",")), decoders=args.decoders, preset=args.preset,
+        prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
+        device=args.device, log_level=args.log_level,
+    )
+    print(f"starting: prefill CP {args.engines} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)
+    async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
+        t0 = time.perf_counter()
+        outcomes = await drive(d, args)
+        summary = summarise(outcomes, time.perf_counter() - t0)
+    print(render(summary, spec))
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(summary), indent=2))
+    return 0 if summary.failures == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="4", help="CP size of each prefill engine, comma separated")
+    ap.add_argument("--decoders", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="prompt lengths as tokens:weight,...")
+    ap.add_argument("--prefix-share", type=float, default=0.25, help="fraction of requests with a shared prefix")
+    ap.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32")
+    ap.add_argument("--prefill-pool-tokens", type=int, default=96 * 1024)
+    ap.add_argument("--decode-pool-tokens", type=int, default=128 * 1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the summary here as JSON")
+    ap.add_argument("--workdir", help="where children's logs go (default: a temp dir)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        sys.exit(asyncio.run(run(args)))
+    except KeyboardInterrupt:  # children were stopped by the deployment's exit path
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
