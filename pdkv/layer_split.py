@@ -14,11 +14,13 @@ is what keeps the collectives matched.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from pdkv.broadcast import BroadcastHandle, OwnerBroadcaster
-from pdkv.buffers import alloc_zeros
+from pdkv.buffers import alloc_zeros, byte_rows, check_locations, put, take
 from pdkv.layout import KVLayout
 from pdkv.pool import DSAKVPool
 from pdkv.sharding import ShardPlan
@@ -28,8 +30,23 @@ __all__ = ["LayerSplitDSAKVPool", "RemoteLayerCache"]
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Flight:
+    """A broadcast on its way: what it carries and what to do once it landed."""
+
+    layer_id: int
+    handle: BroadcastHandle
+    finish: Callable[[], None]
+
+
 class RemoteLayerCache:
-    """One scratch buffer that holds at most one non-owned layer, and its broadcast."""
+    """One scratch buffer that holds (pages of) at most one non-owned layer.
+
+    A broadcast carries either the whole layer or only the pages a reader asked for:
+    the owner packs those pages into a staging tensor, the others unpack it into the
+    same pages of their scratch. For a short read of a large pool that is the
+    difference between moving the read and moving the pool.
+    """
 
     def __init__(
         self,
@@ -38,15 +55,18 @@ class RemoteLayerCache:
         owned: list[torch.Tensor],
         scratch: torch.Tensor | None,
         broadcaster: OwnerBroadcaster | None,
+        page_rows: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.kind = kind
         self._plan = plan
         self._owned = owned  # indexed by local layer; 0-row where not owned
         self._scratch = scratch
         self._broadcaster = broadcaster
+        self._page_rows = page_rows  # a buffer as (pages, bytes per page) uint8
         self.valid_layer: int | None = None
-        self._pending: tuple[int, BroadcastHandle] | None = None
+        self._pending: _Flight | None = None
         self.broadcasts = 0
+        self.bytes_broadcast = 0
 
     def _target(self, layer_id: int) -> torch.Tensor:
         if self._plan.owns(layer_id):
@@ -54,53 +74,67 @@ class RemoteLayerCache:
         assert self._scratch is not None  # a rank that owns not every layer has scratch
         return self._scratch
 
-    def _start(self, layer_id: int) -> BroadcastHandle:
+    def _start(self, layer_id: int, pages: torch.Tensor | None) -> _Flight:
         assert self._broadcaster is not None
+        target = self._target(layer_id)
+        owner = self._plan.owner_of(layer_id)
+        what = f"{self.kind} layer {layer_id}"
+        if pages is None:
+            payload, finish = target, (lambda: None)
+        elif self._plan.owns(layer_id):
+            payload, finish = take(self._page_rows(target), pages), (lambda: None)
+        else:
+            rows = self._page_rows(target)
+            payload = torch.empty((pages.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
+            finish = lambda: put(rows, (pages,), payload)  # noqa: E731
         self.broadcasts += 1
-        return self._broadcaster.start(
-            self._target(layer_id), self._plan.owner_of(layer_id), f"{self.kind} layer {layer_id}"
-        )
+        self.bytes_broadcast += payload.nbytes
+        return _Flight(layer_id, self._broadcaster.start(payload, owner, what), finish)
 
     def _settle_pending(self, keep: bool) -> None:
         if self._pending is None:
             return
-        layer_id, handle = self._pending
-        self._pending = None
-        handle.wait()
-        self.valid_layer = layer_id if keep else None
+        flight, self._pending = self._pending, None
+        flight.handle.wait()
+        flight.finish()
+        self.valid_layer = flight.layer_id if keep else None
 
-    def prefetch(self, layer_id: int) -> None:
-        """Start the broadcast of `layer_id` unless it is cached or already on its way."""
+    def prefetch(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
+        """Start the broadcast of `layer_id` (or of its `pages`) unless cached or on its way."""
         if self._broadcaster is None or self.valid_layer == layer_id:
             return
         if self._pending is not None:
-            if self._pending[0] == layer_id:
+            if self._pending.layer_id == layer_id:
                 return
             self._settle_pending(keep=False)  # the scratch is about to be overwritten
         self.valid_layer = None
-        self._pending = (layer_id, self._start(layer_id))
+        idx = None if pages is None else pages.reshape(-1).long()
+        self._pending = self._start(layer_id, idx)
 
     def read(self, layer_id: int) -> torch.Tensor:
-        """The buffer holding `layer_id`, broadcasting it first if needed (blocking)."""
+        """The buffer holding `layer_id`, broadcasting it first if needed (blocking).
+
+        Where only some pages were prefetched, only those pages are valid in it.
+        """
         if self._broadcaster is None:
             return self._owned[layer_id - self._plan.start_layer]
         self.prefetch(layer_id)
         self._settle_pending(keep=True)
         return self._target(layer_id)
 
-    async def read_async(self, layer_id: int) -> torch.Tensor:
+    async def read_async(self, layer_id: int, pages: torch.Tensor | None = None) -> torch.Tensor:
         """As `read`, awaiting the broadcast without blocking the event loop."""
         if self._broadcaster is None:
             return self._owned[layer_id - self._plan.start_layer]
-        self.prefetch(layer_id)
+        self.prefetch(layer_id, pages)
         if self._pending is not None:
-            await self._pending[1]
+            await self._pending.handle
             self._settle_pending(keep=True)
         return self._target(layer_id)
 
     def invalidate(self, layer_id: int) -> None:
         """Forget a copy of `layer_id`; a broadcast of it in flight is let land first."""
-        if self._pending is not None and self._pending[0] == layer_id:
+        if self._pending is not None and self._pending.layer_id == layer_id:
             self._settle_pending(keep=False)
         if self.valid_layer == layer_id:
             self.valid_layer = None
@@ -129,8 +163,11 @@ class LayerSplitDSAKVPool(DSAKVPool):
                 (layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device
             )
         bc = broadcaster if plan.size > 1 else None
-        self.remote_kv = RemoteLayerCache("kv", plan, self.kv_buffer, kv_scratch, bc)
-        self.remote_index = RemoteLayerCache("index", plan, self.index_buffer, index_scratch, bc)
+        pages = layout.num_pages
+        self.remote_kv = RemoteLayerCache(
+            "kv", plan, self.kv_buffer, kv_scratch, bc, lambda t: byte_rows(t).view(pages, -1)
+        )
+        self.remote_index = RemoteLayerCache("index", plan, self.index_buffer, index_scratch, bc, byte_rows)
 
     def _remote(self, kind: str) -> RemoteLayerCache:
         return self.remote_kv if kind == "kv" else self.remote_index
@@ -156,20 +193,29 @@ class LayerSplitDSAKVPool(DSAKVPool):
         self._before_write(layer_id, "kv")
         self._before_write(layer_id, "index")
 
-    def prefetch(self, layer_id: int) -> None:
-        """Start the broadcasts (latent KV and indexer) of `layer_id`; return at once."""
-        self._local(layer_id)
-        self.remote_kv.prefetch(layer_id)
-        self.remote_index.prefetch(layer_id)
+    def prefetch(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
+        """Start the broadcasts (latent KV and indexer) of `layer_id`; return at once.
 
-    async def wait_layer(self, layer_id: int) -> None:
-        """Make `layer_id` readable without blocking: await its broadcasts.
+        With `pages`, only those pages travel, and only they are valid in the copy.
+        """
+        self._local(layer_id)
+        self._check_pages(pages)
+        self.remote_kv.prefetch(layer_id, pages)
+        self.remote_index.prefetch(layer_id, pages)
+
+    async def wait_layer(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
+        """Make `layer_id` (or its `pages`) readable without blocking: await its broadcasts.
 
         After this returns, the pool's read methods for `layer_id` return at once.
         """
         self._local(layer_id)
-        await self.remote_kv.read_async(layer_id)
-        await self.remote_index.read_async(layer_id)
+        self._check_pages(pages)
+        await self.remote_kv.read_async(layer_id, pages)
+        await self.remote_index.read_async(layer_id, pages)
+
+    def _check_pages(self, pages: torch.Tensor | None) -> None:
+        if pages is not None:
+            check_locations(pages, self.layout.num_pages, "broadcast pages")
 
     @property
     def scratch_bytes(self) -> int:

@@ -52,9 +52,9 @@ def owner_broadcast_reads(rank: int, world: int, layers: int) -> dict[str, int]:
 
     # Blocking reads, prefetching layer l+1 while layer l is read.
     for layer in range(layers):
-        if layer + 1 < layers:
-            pool.prefetch(layer + 1)
         check_layer(pool, layer, seed=1)
+        if layer + 1 < layers:
+            pool.prefetch(layer + 1)  # lands while the caller computes on layer
 
     # The asyncio face: await the broadcast, then read without blocking.
     async def read_async() -> None:
@@ -74,6 +74,19 @@ def owner_broadcast_reads(rank: int, world: int, layers: int) -> dict[str, int]:
             check_layer(pool, layer, seed=1)
 
     asyncio.run(read_async())
+
+    # Only some pages travel: those pages read back exact, and fewer bytes moved.
+    async def read_pages() -> None:
+        for layer in range(layers):
+            before = pool.remote_kv.bytes_broadcast
+            pool.invalidate_layer(layer)
+            await pool.wait_layer(layer, PAGES)
+            check_layer(pool, layer, seed=1)
+            if not plan.owns(layer):
+                moved = pool.remote_kv.bytes_broadcast - before
+                assert moved == len(PAGES) * layout.kv_page_bytes, moved
+
+    asyncio.run(read_pages())
 
     # A write after a read invalidates the copy: the next read sees the new data.
     last = layers - 1

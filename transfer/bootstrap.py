@@ -22,7 +22,7 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, NotReadyError, UnknownEngineError
 from transfer.http import HttpService, make_app, read_body, reply
-from transfer.service import add_service_flags, announce, configure_logging, secret_from_env, wait_for_signal
+from transfer.service import add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lease", type=float, default=Timeouts().lease)
     add_service_flags(ap)
     args = ap.parse_args(argv)
-    configure_logging(args.log_level)
+    setup_process(args)
     asyncio.run(_serve(args))
 
 

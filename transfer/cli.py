@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -115,6 +116,10 @@ async def drive(d: Deployment, args: argparse.Namespace) -> list[RequestOutcome]
 
 
 async def run(args: argparse.Namespace) -> int:
+    # SIGTERM ends the run like Ctrl-C: the deployment's exit path stops every child.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     spec = DeploymentSpec(
         engines=tuple(int(x) for x in args.engines.split(",")), decoders=args.decoders, preset=args.preset,
         prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         sys.exit(asyncio.run(run(args)))
-    except KeyboardInterrupt:  # children were stopped by the deployment's exit path
+    except (KeyboardInterrupt, asyncio.CancelledError):  # children were stopped on the way out
         sys.exit(130)
 
 

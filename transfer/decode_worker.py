@@ -24,7 +24,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed
 from transfer.api import DecodeReply, DecodeRequest
 from transfer.decode import DecodeFetcher
 from transfer.http import HttpService, make_app, read_body, reply
-from transfer.service import add_service_flags, announce, configure_logging, secret_from_env, wait_for_signal
+from transfer.service import add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
+    setup_process(args)
     torch.set_num_threads(1)
     asyncio.run(DecodeWorker(args).run())
 

@@ -61,7 +61,7 @@ class Launcher:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args, "--ready-file", str(ready)],
+                [sys.executable, "-m", module, *args, "--ready-file", str(ready), "--die-with-parent"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self.env, start_new_session=True,
             )

@@ -35,7 +35,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_byte
 from transfer.api import PrefillReply, PrefillRequest
 from transfer.http import HttpService, make_app, read_body, reply
 from transfer.prefill import PrefillExporter
-from transfer.service import add_service_flags, configure_logging, secret_from_env, wait_for_signal
+from transfer.service import add_service_flags, setup_process, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,8 @@ class PrefillEngineRank:
         for layer in range(layout.start_layer, layout.end_layer):
             if prefix_pages is not None and prefix_tokens:
                 await self._check_prefix(layer, prefix_pages, prefix_tokens, content)
+                if layer + 1 < layout.end_layer:
+                    pool.prefetch(layer + 1, prefix_pages)  # lands while this layer is written
             if pool.is_owned(layer):
                 data = content.layer(layout, layer)
                 pool.set_kv_buffer(layer, loc, data.kv_rows(layout))
@@ -169,9 +171,7 @@ class PrefillEngineRank:
 
     async def _check_prefix(self, layer: int, pages: torch.Tensor, tokens: int, content: RequestContent) -> None:
         """Read the prefix of `layer` as attention would: from the owner, by broadcast."""
-        if layer + 1 < self.layout.end_layer:
-            self.pool.prefetch(layer + 1)
-        await self.pool.wait_layer(layer)
+        await self.pool.wait_layer(layer, pages)  # only the prefix's pages travel
         loc = token_locations(self.layout, pages, tokens)
         got = self.pool.get_key_buffer(layer)[loc].reshape(tokens, -1).contiguous().view(torch.uint8)
         want = token_bytes(content.prefix_seed, layer, torch.arange(tokens), self.layout.kv_token_bytes, salt=1)
@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
+    setup_process(args)
     torch.set_num_threads(1)
     asyncio.run(PrefillEngineRank(args).run())
 

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
-__all__ = ["add_service_flags", "announce", "configure_logging", "secret_from_env", "wait_for_signal"]
+__all__ = [
+    "add_service_flags",
+    "announce",
+    "setup_process",
+    "die_with_parent",
+    "secret_from_env",
+    "wait_for_signal",
+]
 
 
 def add_service_flags(ap: argparse.ArgumentParser) -> None:
@@ -22,11 +31,15 @@ def add_service_flags(ap: argparse.ArgumentParser) -> None:
         "--secret-env", default="PDKV_SECRET", help="environment variable holding the shared secret (unset: none)"
     )
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies (Linux)")
 
 
-def configure_logging(level: str) -> None:
-    """For process entry points only: the library itself installs no handler."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+def setup_process(args: argparse.Namespace) -> None:
+    """For process entry points only: logging (the library installs no handler) and,
+    when launched by a supervisor, dying with it."""
+    if args.die_with_parent:
+        die_with_parent()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
 def secret_from_env(name: str) -> str | None:
@@ -48,3 +61,18 @@ async def wait_for_signal() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+def die_with_parent() -> None:
+    """Get SIGTERM when the launching process dies, however it dies (Linux).
+
+    A launcher killed with SIGKILL runs no cleanup; without this its services would
+    live on as orphans holding ports and pinned memory.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent was already gone before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
