@@ -48,7 +48,7 @@ def alloc_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
 
 def byte_rows(t: torch.Tensor) -> torch.Tensor:
     """`t` as (rows, bytes) uint8: one row per token or page, whatever the store dtype."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
+    return t.flatten(1).view(torch.uint8) if t.dim() > 1 else t.view(torch.uint8)[:, None]
 
 
 def take(t: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def check_locations(loc: torch.Tensor, limit: int, what: str) -> None:
 
 def as_store_rows(t: torch.Tensor, layout: KVLayout, width: int | None = None) -> torch.Tensor:
     """View `t` (one row per token) in the store dtype, flattening trailing dims."""
-    rows = t.reshape(t.shape[0], -1).contiguous().view(layout.torch_store_dtype)
+    rows = t.flatten(1).contiguous().view(layout.torch_store_dtype)
     if width is not None and rows.shape[1] != width:
         raise LayoutError(f"expected {width} {layout.store_dtype} per token, got {rows.shape[1]}")
     return rows

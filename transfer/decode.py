@@ -116,6 +116,7 @@ class DecodeFetcher:
         self._lanes = lanes
         self._client = ControlClient(timeouts, secret)
         self._engines: dict[str, dict[int, _Owner]] = {}
+        self._lookups: dict[str, asyncio.Task[dict[int, _Owner]]] = {}
         self.engine: UcxEngine | None = None
 
     async def start(self) -> None:
@@ -138,9 +139,21 @@ class DecodeFetcher:
 
     # ---- engine lookup -------------------------------------------------------------------------
     async def _lookup(self, engine_id: str, deadline: _Deadline) -> dict[int, _Owner]:
+        """The engine's owners, cached; concurrent fetches share one lookup in flight."""
         cached = self._engines.get(engine_id)
         if cached is not None:
             return cached
+        task = self._lookups.get(engine_id)
+        if task is None:
+            task = self._lookups[engine_id] = asyncio.create_task(self._resolve(engine_id))
+            task.add_done_callback(lambda _: self._lookups.pop(engine_id, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), deadline.left(self.timeouts.lookup))
+        except asyncio.TimeoutError as exc:
+            raise DeadlineExceeded(f"engine {engine_id}: lookup did not finish by the deadline") from exc
+
+    async def _resolve(self, engine_id: str) -> dict[int, _Owner]:
+        deadline = _Deadline(self.timeouts.lookup)
         url = f"{self.registry_url}/v1/engines/{engine_id}"
         give_up, delay = time.monotonic() + self.timeouts.lookup, 0.05
         while True:

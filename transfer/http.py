@@ -163,7 +163,8 @@ class HttpService:
     """An aiohttp app bound to host:port (port 0 picks a free one); `url` once started."""
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._runner = web.AppRunner(app, access_log=None)
+        # Handlers still running at shutdown get this long; a long-poll must not hold it.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         self._host, self._port = host, port
         self.url = ""
 

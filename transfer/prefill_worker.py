@@ -114,6 +114,11 @@ class PrefillEngineRank:
             outcome: PrefillReply | PdkvError = PrefillReply(room=req.room, pages=len(pages), seconds=time.perf_counter() - t0)
         except PdkvError as exc:
             outcome = exc
+            self.exporter.abort_room(req.room)
+        except Exception as exc:  # every rank fails alike here, so the ranks stay in step
+            logger.exception("room %d failed", req.room)
+            outcome = PdkvError(f"room {req.room}: prefill failed: {exc}")
+            self.exporter.abort_room(req.room)
         if waiter is not None and not waiter.done.done():
             if isinstance(outcome, PdkvError):
                 waiter.done.set_exception(outcome)
@@ -140,6 +145,8 @@ class PrefillEngineRank:
         if req.prefix_id < 0 or req.prefix_tokens == 0:
             return None, 0
         tokens = min(req.prefix_tokens, req.num_tokens) // self.layout.page_size * self.layout.page_size
+        if tokens == 0:
+            return None, 0
         cached = self.prefixes.get(req.prefix_id)
         if cached is None or cached[1] < tokens:
             if cached is not None:
@@ -224,6 +231,8 @@ class PrefillEngineRank:
                     await asyncio.sleep(_STEP_IDLE_S)
         finally:
             stopper.cancel()
+            for p in self.queue:
+                p.done.set_exception(PdkvError("prefill engine is shutting down"))
             await self.exporter.aclose()
             if intake is not None:
                 await intake.aclose()
