@@ -56,7 +56,10 @@ class Registry:
         ranks[d.cp_rank] = _Entry(d, now + self.lease)
 
     def remove(self, engine_id: str, cp_rank: int) -> None:
-        self._engines.get(engine_id, {}).pop(cp_rank, None)
+        ranks = self._engines.get(engine_id, {})
+        ranks.pop(cp_rank, None)
+        if not ranks:
+            self._engines.pop(engine_id, None)
 
     def expire(self, now: float) -> list[tuple[str, int]]:
         gone = []
