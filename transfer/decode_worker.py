@@ -23,7 +23,7 @@ from pdkv.errors import PdkvError, TransferError, UnknownRoomError
 from pdkv.synthetic import RequestContent, prefix_seed, request_seed
 from transfer.api import DecodeReply, DecodeRequest
 from transfer.decode import DecodeFetcher
-from transfer.http import HttpService, make_app, read_body, reply
+from transfer.http import health, HttpService, make_app, read_body, reply
 from transfer.service import add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
@@ -105,7 +105,7 @@ class DecodeWorker:
         app.router.add_post("/v1/decode", self._handle)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", health)
         http = HttpService(app, self.args.host, self.args.port)
         async with self.fetcher:
             announce(self.args.ready_file, await http.start())

@@ -22,7 +22,7 @@ from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, P
 from transfer.metadata import ErrorReply, decode, encode
 from transfer.timeouts import Timeouts
 
-__all__ = ["SECRET_HEADER", "ControlClient", "HttpService", "make_app", "reply", "read_body"]
+__all__ = ["SECRET_HEADER", "ControlClient", "HttpService", "health", "make_app", "reply", "read_body"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ def reply(msg: msgspec.Struct, fingerprint: str = "", status: int = 200) -> web.
 
 async def read_body(request: web.Request, kind: type[T], fingerprint: str | None = None) -> T:
     return decode(await request.read(), kind, fingerprint)
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: liveness for probes (no secret needed)."""
+    return web.json_response({"status": "ok"})
 
 
 def _error_response(exc: PdkvError) -> web.Response:

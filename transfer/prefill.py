@@ -27,7 +27,7 @@ from aiohttp import web
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.pool import DSAKVPool
 from transfer.engine import UcxEngine
-from transfer.http import ControlClient, HttpService, make_app, read_body, reply
+from transfer.http import health, ControlClient, HttpService, make_app, read_body, reply
 from transfer.metadata import BufferKind, LayoutSpec, MemoryDescriptor, RankDescriptor, ReleaseNotice
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
@@ -74,7 +74,7 @@ class PrefillExporter:
         app.router.add_post("/v1/rooms/{room}/release", self._release)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", health)
         self._http = HttpService(app, host, port)
         self.engine: UcxEngine | None = None
         self.descriptor: RankDescriptor | None = None

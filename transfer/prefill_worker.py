@@ -33,7 +33,7 @@ from pdkv.broadcast import BroadcastHandle
 from pdkv.errors import DeadlineExceeded, PdkvError
 from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_bytes, token_locations
 from transfer.api import PrefillReply, PrefillRequest
-from transfer.http import HttpService, make_app, read_body, reply
+from transfer.http import health, HttpService, make_app, read_body, reply
 from transfer.prefill import PrefillExporter
 from transfer.service import add_service_flags, setup_process, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
@@ -220,7 +220,7 @@ class PrefillEngineRank:
             app = make_app(secret)
             app.router.add_post("/v1/prefill", self._intake)
             app.router.add_post("/v1/rooms/{room}/abort", self._abort)
-            app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+            app.router.add_get("/health", health)
             intake = HttpService(app, a.host, a.port)
             await intake.start()
         self._announce(intake.url if intake else "")
