@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,16 @@ async def test_failing_leg_cancels_the_other_and_is_reported(deployment):
     assert stats["decode"][0]["failures"] == before + 1  # its fetch was aborted, not left waiting
     assert all(s["pinned_pages"] == 0 for s in stats["prefill"])
     assert all(s["pages_in_use"] == 0 for s in stats["decode"])
+
+
+async def test_a_dead_worker_is_noticed_and_requests_fail_fast(deployment):
+    victim = next(c for c in deployment.launcher.children if c.name == "decode1")
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.popen.wait(timeout=10)
+    out = await asyncio.wait_for(deployment.submit(30, decoder=1), 5)
+    assert not out.ok and "decode1 exited" in out.error
+    assert deployment.dead_children() == ["decode1 (exit -9)"]
+    assert (await deployment.submit(30, decoder=0)).ok  # the rest keeps serving
 
 
 def _alive(pid: int) -> bool:

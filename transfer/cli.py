@@ -130,10 +130,13 @@ async def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         outcomes = await drive(d, args)
         summary = summarise(outcomes, time.perf_counter() - t0)
+        dead = d.dead_children()
     print(render(summary, spec))
+    for name in dead:
+        print(f"service died during the run: {name} (logs in {d.workdir})")
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(summary), indent=2))
-    return 0 if summary.failures == 0 else 1
+    return 0 if summary.failures == 0 and not dead else 1
 
 
 def main(argv: list[str] | None = None) -> None:

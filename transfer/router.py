@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdkv.errors import CapacityError, PdkvError
+from pdkv.errors import CapacityError, PdkvError, PeerLostError
 from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.http import ControlClient
 from transfer.launcher import Launcher
@@ -91,6 +91,7 @@ class _Engine:
 
 @dataclass
 class _Decoder:
+    name: str
     url: str
     budget: TokenBudget
 
@@ -134,12 +135,12 @@ class Deployment:
             args = ["--registry", self.registry_url, "--consumer-id", f"decode{d}", "--preset", s.preset,
                     "--pool-tokens", str(s.decode_pool_tokens), "--device", s.device, "--lanes", str(s.decode_lanes),
                     "--seed", str(d + 1), *self._common()]
-            pending.append(("decode", launch.spawn(f"decode{d}", "transfer.decode_worker", args)))
+            pending.append((f"decode{d}", launch.spawn(f"decode{d}", "transfer.decode_worker", args)))
         ready = await asyncio.gather(*(launch.wait_ready(c, s.start_timeout) for _, c in pending))
         by_engine: dict[str, list[dict[str, str]]] = {}
         for (engine_id, _), text in zip(pending, ready):
-            if engine_id == "decode":
-                self.decoders.append(_Decoder(text, TokenBudget(self._usable(s.decode_pool_tokens))))
+            if engine_id.startswith("decode"):
+                self.decoders.append(_Decoder(engine_id, text, TokenBudget(self._usable(s.decode_pool_tokens))))
             else:
                 by_engine.setdefault(engine_id, []).append(json.loads(text))
         for engine_id, ranks in by_engine.items():
@@ -151,8 +152,21 @@ class Deployment:
         # Headroom for page rounding, shared-prefix caches and frees still in flight.
         return int(pool_tokens * 0.8)
 
+    def dead_children(self) -> list[str]:
+        """Services that exited although nobody stopped them (with their exit codes)."""
+        return [f"{c.name} (exit {c.popen.returncode})" for c in self.launcher.children if not c.alive()]
+
+    def _check_alive(self, engine: _Engine, decoder: _Decoder) -> None:
+        dead = {c.name for c in self.launcher.children if not c.alive()}
+        gone = [n for n in dead if n.startswith(f"{engine.engine_id}-") or n == decoder.name or n == "registry"]
+        if gone:
+            raise PeerLostError(f"cannot route: {', '.join(sorted(gone))} exited", ",".join(sorted(gone)))
+
     async def aclose(self) -> dict[str, int]:
         await self.client.aclose()
+        dead = self.dead_children()
+        if dead:
+            logger.error("services that exited on their own: %s", ", ".join(dead))
         return await self.launcher.stop_all()
 
     async def __aenter__(self) -> Deployment:
@@ -181,6 +195,7 @@ class Deployment:
         need = num_tokens + _PAGE_SLACK
         t0 = time.perf_counter()
         try:
+            self._check_alive(engine, decoder)  # fail fast rather than wait on a dead service
             async with engine.budget.hold(need), decoder.budget.hold(need):
                 reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
             return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
