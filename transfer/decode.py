@@ -153,6 +153,13 @@ class DecodeFetcher:
             raise DeadlineExceeded(f"engine {engine_id}: lookup did not finish by the deadline") from exc
 
     async def _resolve(self, engine_id: str) -> dict[int, _Owner]:
+        owners = await self._describe(engine_id)
+        await self._connect(owners)
+        self._engines[engine_id] = owners
+        return owners
+
+    async def _describe(self, engine_id: str) -> dict[int, _Owner]:
+        """Ask the registry for the engine's owners (waiting until all are in) and check them."""
         deadline = _Deadline(self.timeouts.lookup)
         url = f"{self.registry_url}/v1/engines/{engine_id}"
         give_up, delay = time.monotonic() + self.timeouts.lookup, 0.05
@@ -167,10 +174,7 @@ class DecodeFetcher:
                 await asyncio.sleep(deadline.left(delay))
                 delay = min(delay * 2, 0.5)
         assert desc is not None
-        owners = self._check_engine(desc)
-        await self._connect(owners)
-        self._engines[engine_id] = owners
-        return owners
+        return self._check_engine(desc)
 
     def _check_engine(self, desc: EngineDescriptor) -> dict[int, _Owner]:
         layout = self.pool.layout
@@ -230,14 +234,30 @@ class DecodeFetcher:
         if dst.size and (dst.min() < 0 or dst.max() >= self.pool.layout.num_pages):
             raise MetadataError(f"destination pages outside [0, {self.pool.layout.num_pages})")
         deadline = _Deadline(self.timeouts.fetch if timeout is None else timeout)
-        t0 = time.perf_counter()
+        was_cached = engine_id in self._engines
         owners = await self._lookup(engine_id, deadline)
+        try:
+            return await self._fetch_from(owners, engine_id, room, dst, deadline)
+        except PeerLostError:
+            await self.forget(engine_id)  # drop the dead peers' connections and keys
+            if not was_cached:
+                raise
+            # A cached view may predate a restart: retry once if the engine re-registered.
+            described = await asyncio.wait_for(self._describe(engine_id), deadline.left(self.timeouts.lookup))
+            if _incarnations(described) == _incarnations(owners):
+                raise
+            logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
+            fresh = await self._lookup(engine_id, deadline)
+            return await self._fetch_from(fresh, engine_id, room, dst, deadline)
+
+    async def _fetch_from(
+        self, owners: dict[int, _Owner], engine_id: str, room: int, dst: np.ndarray, deadline: _Deadline
+    ) -> FetchResult:
+        t0 = time.perf_counter()
         tasks = [asyncio.create_task(self._fetch_owner(o, room, dst, deadline)) for o in owners.values()]
         try:
             stats = await _all_or_cancel(tasks)
-        except BaseException as exc:  # cancellation too: never leave the room pinned
-            if isinstance(exc, PeerLostError):
-                await self.forget(engine_id)  # the next fetch looks the engine up afresh
+        except BaseException:  # cancellation too: never leave the room pinned
             await self._release_all(owners, room, deadline, strict=False)
             raise
         await self._release_all(owners, room, deadline, strict=True)
@@ -256,6 +276,13 @@ class DecodeFetcher:
         return state
 
     async def _fetch_owner(self, owner: _Owner, room: int, dst: np.ndarray, deadline: _Deadline) -> OwnerStats:
+        try:
+            return await self._read_owner(owner, room, dst, deadline)
+        except PeerLostError as exc:
+            r = owner.rank
+            raise PeerLostError(f"engine {r.engine_id} cp rank {r.cp_rank} ({r.control_url}) lost: {exc}", r.agent_name) from exc
+
+    async def _read_owner(self, owner: _Owner, room: int, dst: np.ndarray, deadline: _Deadline) -> OwnerStats:
         assert self.engine is not None
         r = owner.rank
         t0 = time.perf_counter()
@@ -297,6 +324,10 @@ class DecodeFetcher:
             raise errors[0]
         for e in errors:
             logger.debug("release of room %d after a failed fetch: %s", room, e)
+
+
+def _incarnations(owners: dict[int, _Owner]) -> list[str]:
+    return [o.rank.incarnation for _, o in sorted(owners.items())]
 
 
 async def _all_or_cancel(tasks: list[asyncio.Task[OwnerStats]]) -> list[OwnerStats]:

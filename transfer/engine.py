@@ -15,6 +15,7 @@ side, and a remote key grants access beyond the buffer it was made for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import itertools
 import logging
@@ -184,19 +185,36 @@ class UcxEngine:
         return agent_name in self._peers
 
     async def add_peer(self, agent_name: str, metadata: bytes, regions: list[tuple[int, int]]) -> None:
-        """Load a peer's connection blob on every lane; remember what it exported."""
+        """Load a peer's connection blob on every lane and wire up; remember what it exported.
+
+        All or nothing: a lane that loaded the peer before another failed unloads it.
+        """
         if agent_name in self._peers:
             return
-        for lane in self._lanes:
-            try:
-                loaded = await lane.call(lambda lane=lane: lane.agent.add_remote_agent(metadata))
-            except Exception as exc:
-                raise _translate(exc, "loading peer metadata", agent_name) from exc
-            if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
-                raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")
-            # Wire up now rather than inside the first READ (tens of ms there, measured).
-            await lane.call(lambda lane=lane: lane.agent.make_connection(agent_name))
+        loaded: list[_Lane] = []
+        try:
+            for lane in self._lanes:
+                await self._load_peer(lane, agent_name, metadata)
+                loaded.append(lane)
+                # Wire up now rather than inside the first READ (tens of ms there, measured).
+                await lane.call(lambda lane=lane: lane.agent.make_connection(agent_name))
+        except Exception as exc:
+            for lane in loaded:
+                with contextlib.suppress(Exception):
+                    await lane.call(lambda lane=lane: lane.agent.remove_remote_agent(agent_name))
+            if isinstance(exc, TransferError):
+                raise
+            raise PeerLostError(f"cannot connect to {agent_name}: {exc}", agent_name) from exc
         self._peers[agent_name] = Regions(regions)
+
+    async def _load_peer(self, lane: _Lane, agent_name: str, metadata: bytes) -> None:
+        try:
+            loaded = await lane.call(lambda: lane.agent.add_remote_agent(metadata))
+        except Exception as exc:
+            raise _translate(exc, "loading peer metadata", agent_name) from exc
+        if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
+            await lane.call(lambda: lane.agent.remove_remote_agent(loaded))
+            raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")
 
     async def remove_peer(self, agent_name: str) -> None:
         """Drop a peer's connection and keys (after it died or re-registered)."""

@@ -59,7 +59,7 @@ class PrefillEngineRank:
         self.args = args
         self.rank, self.world = args.cp_rank, args.cp_size
         self.layout = PRESETS[args.preset](size=args.pool_tokens, device=args.device)
-        self.timeouts = Timeouts(pin=args.pin)
+        self.timeouts = Timeouts(pin=args.pin, lease=args.lease)
         self.queue: list[_Pending] = []
         self.stop_requested = False
         self.finished_local: list[int] = []
@@ -262,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="rank 0's request port")
     ap.add_argument("--pin", type=float, default=Timeouts().pin, help="seconds pages stay pinned unreleased")
+    ap.add_argument("--lease", type=float, default=Timeouts().lease, help="registry lease (renewed every third)")
     ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")
     ap.add_argument("--group-timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)

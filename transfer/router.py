@@ -22,7 +22,7 @@ from pathlib import Path
 from pdkv.errors import CapacityError, PdkvError, PeerLostError
 from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.http import ControlClient
-from transfer.launcher import Launcher
+from transfer.launcher import Child, Launcher
 from transfer.timeouts import Timeouts
 
 __all__ = ["DeploymentSpec", "Deployment", "RequestOutcome"]
@@ -42,6 +42,7 @@ class DeploymentSpec:
     device: str = "cpu"
     layer_delay: float = 0.0
     pin: float = Timeouts().pin
+    lease: float = Timeouts().lease
     decode_lanes: int = 2
     secret: str | None = None
     start_timeout: float = 120.0
@@ -114,23 +115,36 @@ class Deployment:
         self.launcher = Launcher(self.workdir, env)
         self.client = ControlClient(Timeouts(request=Timeouts().fetch), self.spec.secret)
         self._rooms = (random.getrandbits(62) + i for i in itertools.count())
+        self._generation = 0
 
     def _common(self) -> list[str]:
         return ["--log-level", self.spec.log_level]
 
+    async def _start_registry(self, port: int = 0) -> None:
+        registry = self.launcher.spawn(
+            "registry", "transfer.bootstrap", ["--lease", str(self.spec.lease), "--port", str(port), *self._common()]
+        )
+        self.registry_url = await self.launcher.wait_ready(registry, self.spec.start_timeout)
+
+    def _spawn_engine(self, engine_id: str, cp: int) -> list[tuple[str, Child]]:
+        s = self.spec
+        self._generation += 1  # a fresh rendezvous file for every (re)start
+        init = f"file://{self.workdir}/{engine_id}.{self._generation}.dist"
+        out = []
+        for r in range(cp):
+            args = ["--engine-id", engine_id, "--cp-rank", str(r), "--cp-size", str(cp), "--dist-init", init,
+                    "--registry", self.registry_url, "--preset", s.preset, "--pool-tokens", str(s.prefill_pool_tokens),
+                    "--device", s.device, "--layer-delay", str(s.layer_delay), "--pin", str(s.pin),
+                    "--lease", str(s.lease), *self._common()]
+            out.append((engine_id, self.launcher.spawn(f"{engine_id}-cp{r}", "transfer.prefill_worker", args)))
+        return out
+
     async def start(self) -> None:
         s, launch = self.spec, self.launcher
-        registry = launch.spawn("registry", "transfer.bootstrap", self._common())
-        self.registry_url = await launch.wait_ready(registry, s.start_timeout)
+        await self._start_registry()
         pending = []
         for e, cp in enumerate(s.engines):
-            engine_id = f"prefill{e}"
-            init = f"file://{self.workdir}/{engine_id}.dist"
-            for r in range(cp):
-                args = ["--engine-id", engine_id, "--cp-rank", str(r), "--cp-size", str(cp), "--dist-init", init,
-                        "--registry", self.registry_url, "--preset", s.preset, "--pool-tokens", str(s.prefill_pool_tokens),
-                        "--device", s.device, "--layer-delay", str(s.layer_delay), "--pin", str(s.pin), *self._common()]
-                pending.append((engine_id, launch.spawn(f"{engine_id}-cp{r}", "transfer.prefill_worker", args)))
+            pending += self._spawn_engine(f"prefill{e}", cp)
         for d in range(s.decoders):
             args = ["--registry", self.registry_url, "--consumer-id", f"decode{d}", "--preset", s.preset,
                     "--pool-tokens", str(s.decode_pool_tokens), "--device", s.device, "--lanes", str(s.decode_lanes),
@@ -151,6 +165,27 @@ class Deployment:
     def _usable(pool_tokens: int) -> int:
         # Headroom for page rounding, shared-prefix caches and frees still in flight.
         return int(pool_tokens * 0.8)
+
+    async def restart_engine(self, engine_id: str) -> None:
+        """Stop whatever is left of a prefill engine and start all its ranks afresh.
+
+        A CP group cannot take one rank back, so the engine restarts as a whole; its
+        ranks come back with new memory and new keys under the same engine id.
+        """
+        engine = next(e for e in self.engines if e.engine_id == engine_id)
+        old = [c for c in self.launcher.children if c.name.startswith(f"{engine_id}-")]
+        await asyncio.gather(*(self.launcher.stop(c, grace=5.0) for c in old))
+        self.launcher.children = [c for c in self.launcher.children if c not in old]
+        pending = self._spawn_engine(engine_id, len(old))
+        ranks = [json.loads(await self.launcher.wait_ready(c, self.spec.start_timeout)) for _, c in pending]
+        engine.intake, engine.controls = ranks[0]["intake"], [r["control"] for r in ranks]
+
+    async def restart_registry(self) -> None:
+        """Stop the registry and start a new, empty one on the same address."""
+        old = next(c for c in self.launcher.children if c.name == "registry")
+        await self.launcher.stop(old, grace=5.0)
+        self.launcher.children.remove(old)
+        await self._start_registry(port=int(self.registry_url.rsplit(":", 1)[1]))
 
     def dead_children(self) -> list[str]:
         """Services that exited although nobody stopped them (with their exit codes)."""
