@@ -1,8 +1,16 @@
-"""A prefill exporter registers and publishes exactly its owned KV buffers."""
+"""A prefill exporter registers and publishes exactly its owned KV buffers; the engine
+refuses any address outside what was registered before a READ is issued."""
 
-from pdkv import DSAKVPool, tiny
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from pdkv import DSAKVPool, TransferError, tiny
 from transfer.bootstrap import RegistryServer
 from transfer.metadata import BufferKind
+from transfer.engine import UcxEngine
+from transfer.plan import ReadPlan
 from transfer.prefill import PrefillExporter
 
 
@@ -26,5 +34,62 @@ async def test_only_owned_layer_buffers_are_registered_and_described():
                 assert b.item_len == want and b.num_items == layout.num_pages
             assert registry.registry.summary() == {"e0": {"registered": 1, "cp_size": 3}}
         assert registry.registry.summary() == {}  # it left the registry on close
+    finally:
+        await registry.aclose()
+
+
+async def test_reads_outside_registered_regions_are_refused_before_any_read():
+    layout = tiny(layer_num=3)
+    src_pool, dst_pool = DSAKVPool(layout), DSAKVPool(layout)
+    src_bytes = src_pool.kv_slab.view(torch.uint8).view(-1)
+    src_bytes.copy_(torch.arange(src_bytes.numel()) % 251)
+    registry = RegistryServer()
+    url = await registry.start()
+    reader = UcxEngine("reader-test", lanes=1)
+    try:
+        reader.register([dst_pool.kv_slab])
+        async with PrefillExporter(src_pool, "e1", 0, 1, url) as exporter:
+            d = exporter.descriptor
+            await reader.add_peer(d.agent_name, d.agent_metadata, [(b.addr, b.length) for b in d.buffers])
+            base, n = src_pool.kv_slab.data_ptr(), 4096
+            ok = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([[base, n, 0]]), n, 1)
+            stats = await reader.read(d.agent_name, ok, timeout=10)
+            assert stats.nbytes == n
+            assert torch.equal(dst_pool.kv_slab.view(torch.uint8).view(-1)[:n], src_pool.kv_slab.view(torch.uint8).view(-1)[:n])
+            dst_pool.kv_slab.zero_()
+            end = base + src_pool.kv_slab.nbytes + src_pool.index_slab.nbytes
+            for remote in ([end, n, 0], [base - n, n, 0], [base + src_pool.kv_slab.nbytes - 8, 64, 0]):
+                bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([remote]), n, 1)
+                with pytest.raises(TransferError, match="outside"):
+                    await reader.read(d.agent_name, bad, timeout=10)
+            local_bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr() - n, n, 0]]), np.array([[base, n, 0]]), n, 1)
+            with pytest.raises(TransferError, match="outside"):
+                await reader.read(d.agent_name, local_bad, timeout=10)
+            assert int(dst_pool.kv_slab.view(torch.uint8).sum()) == 0  # nothing was read
+    finally:
+        await reader.aclose()
+        await registry.aclose()
+
+
+async def test_control_endpoints_refuse_garbage_and_keep_serving():
+    pool = DSAKVPool(tiny(layer_num=3))
+    registry = RegistryServer()
+    url = await registry.start()
+    try:
+        async with PrefillExporter(pool, "e2", 0, 1, url) as exporter, aiohttp.ClientSession() as http:
+            base = exporter.control_url
+            for method, path, body in (
+                ("GET", "/v1/rooms/abc", None),
+                ("GET", "/v1/rooms/-5", None),
+                ("GET", f"/v1/rooms/{2**70}", None),
+                ("POST", "/v1/rooms/1/release", b"\x92\x01"),
+                ("POST", "/v1/rooms/1/release", b""),
+            ):
+                async with http.request(method, base + path, data=body) as resp:
+                    assert resp.status in (400, 404), (path, resp.status)
+            exporter.publish_room(9, np.array([1, 2]))
+            exporter.mark_ready(9, 3)
+            async with http.get(base + "/v1/rooms/9?after=-1") as resp:
+                assert resp.status == 200
     finally:
         await registry.aclose()

@@ -28,6 +28,8 @@ SPEC = DeploymentSpec(
 async def d():
     async with Deployment(SPEC) as dep:
         yield dep
+    # decode0 lost peers (killed owners, restarts) and must still exit cleanly.
+    assert _child(dep, "decode0").popen.returncode == 0
 
 
 def _child(d, name):
