@@ -186,7 +186,8 @@ class PrefillExporter:
 
     # ---- control endpoints -------------------------------------------------------------------
     @staticmethod
-    def _room(request: web.Request) -> int:
+    def _room(request: web.Request) -> tuple[int, int]:
+        """The room in the path and the `after` query (layer cursor), both checked."""
         try:
             room = int(request.match_info["room"])
             after = int(request.query.get("after", "-1"))
@@ -194,23 +195,22 @@ class PrefillExporter:
             raise MetadataError(f"room and after must be integers: {exc}") from exc
         if not 0 <= room < 2**63:
             raise MetadataError(f"room {room} outside [0, 2**63)")
-        request["after"] = after
-        return room
+        return room, after
 
     async def _wait(self, request: web.Request) -> web.Response:
-        room = self._room(request)
-        state = await self.rooms.wait(room, request["after"], self.timeouts.poll)
+        room, after = self._room(request)
+        state = await self.rooms.wait(room, after, self.timeouts.poll)
         return reply(state, self.pool.layout.fingerprint)
 
     async def _release(self, request: web.Request) -> web.Response:
-        room = self._room(request)
+        room, _ = self._room(request)
         notice = await read_body(request, ReleaseNotice, self.pool.layout.fingerprint)
         if notice.room != room:
             raise MetadataError(f"release names room {notice.room}, path names {room}")
         return reply(self.rooms.release(room, notice.consumer_id), self.pool.layout.fingerprint)
 
     async def _abort(self, request: web.Request) -> web.Response:
-        self.abort_room(self._room(request))
+        self.abort_room(self._room(request)[0])
         return web.Response(status=200)
 
     async def _stats(self, request: web.Request) -> web.Response:
