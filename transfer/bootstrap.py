@@ -163,8 +163,6 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="pdkv bootstrap registry")
-    ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
-    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--lease", type=float, default=Timeouts().lease)
     add_service_flags(ap)
     args = ap.parse_args(argv)

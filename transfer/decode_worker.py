@@ -24,7 +24,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed
 from transfer.api import DecodeReply, DecodeRequest
 from transfer.decode import DecodeFetcher
 from transfer.http import health, HttpService, make_app, read_body, reply
-from transfer.service import add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
+from transfer.service import add_pool_flags, add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -122,11 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="a demo pdkv decode worker")
     ap.add_argument("--registry", required=True)
     ap.add_argument("--consumer-id", default=None)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32")
-    ap.add_argument("--pool-tokens", type=int, default=128 * 1024)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    add_pool_flags(ap, 128 * 1024)
     ap.add_argument("--lanes", type=int, default=2, help="UCX lanes (threads posting READs)")
     ap.add_argument("--fetch-timeout", type=float, default=Timeouts().fetch)
     ap.add_argument("--seed", type=int, default=1)

@@ -35,7 +35,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_byte
 from transfer.api import PrefillReply, PrefillRequest
 from transfer.http import health, HttpService, make_app, read_body, reply
 from transfer.prefill import PrefillExporter
-from transfer.service import add_service_flags, setup_process, secret_from_env, wait_for_signal
+from transfer.service import add_pool_flags, add_service_flags, setup_process, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -256,11 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cp-size", type=int, required=True)
     ap.add_argument("--dist-init", required=True, help="torch.distributed init method (file:// or tcp://)")
     ap.add_argument("--registry", required=True, help="bootstrap registry URL")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32")
-    ap.add_argument("--pool-tokens", type=int, default=128 * 1024)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="rank 0's request port")
+    add_pool_flags(ap, 96 * 1024)
     ap.add_argument("--pin", type=float, default=Timeouts().pin, help="seconds pages stay pinned unreleased")
     ap.add_argument("--lease", type=float, default=Timeouts().lease, help="registry lease (renewed every third)")
     ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")

@@ -15,7 +15,10 @@ import signal
 import sys
 from pathlib import Path
 
+from pdkv.layout import PRESETS
+
 __all__ = [
+    "add_pool_flags",
     "add_service_flags",
     "announce",
     "setup_process",
@@ -26,12 +29,21 @@ __all__ = [
 
 
 def add_service_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    ap.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
     ap.add_argument("--ready-file", type=Path, help="write the service URL here once it listens")
     ap.add_argument(
         "--secret-env", default="PDKV_SECRET", help="environment variable holding the shared secret (unset: none)"
     )
     ap.add_argument("--log-level", default="WARNING")
     ap.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies (Linux)")
+
+
+def add_pool_flags(ap: argparse.ArgumentParser, pool_tokens: int) -> None:
+    """The KV pool a worker holds."""
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32")
+    ap.add_argument("--pool-tokens", type=int, default=pool_tokens)
+    ap.add_argument("--device", default="cpu")
 
 
 def setup_process(args: argparse.Namespace) -> None:
