@@ -121,7 +121,8 @@ class DecodeFetcher:
 
     async def start(self) -> None:
         mem = "VRAM" if self.pool.device.type == "cuda" else "DRAM"
-        self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=self._lanes, mem_type=mem)
+        self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=self._lanes, mem_type=mem,
+                                 connect_timeout=self.timeouts.connect)
         self.engine.register([self.pool.kv_slab, self.pool.index_slab])
 
     async def aclose(self) -> None:

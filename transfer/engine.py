@@ -147,9 +147,10 @@ class _Lane:
 class UcxEngine:
     """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
 
-    def __init__(self, name: str, lanes: int = 1, mem_type: str = "DRAM") -> None:
+    def __init__(self, name: str, lanes: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0) -> None:
         self._nixl = _nixl()
         self.name = name
+        self.connect_timeout = connect_timeout
         self.mem_type = mem_type
         self._lanes = [_Lane(self._nixl, f"{name}.{i}" if lanes > 1 else name) for i in range(lanes)]
         self._next_lane = itertools.cycle(range(lanes))
@@ -197,13 +198,16 @@ class UcxEngine:
                 await self._load_peer(lane, agent_name, metadata)
                 loaded.append(lane)
                 # Wire up now rather than inside the first READ (tens of ms there, measured).
-                await lane.call(lambda lane=lane: lane.agent.make_connection(agent_name))
+                connect = lane.call(lambda lane=lane: lane.agent.make_connection(agent_name))
+                await asyncio.wait_for(connect, self.connect_timeout)
         except Exception as exc:
             for lane in loaded:
                 with contextlib.suppress(Exception):
                     await lane.call(lambda lane=lane: lane.agent.remove_remote_agent(agent_name))
             if isinstance(exc, TransferError):
                 raise
+            if isinstance(exc, asyncio.TimeoutError):
+                raise DeadlineExceeded(f"connecting to {agent_name}: no answer in {self.connect_timeout}s") from exc
             raise PeerLostError(f"cannot connect to {agent_name}: {exc}", agent_name) from exc
         self._peers[agent_name] = Regions(regions)
 

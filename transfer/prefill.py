@@ -84,7 +84,7 @@ class PrefillExporter:
     async def start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
         mem = "VRAM" if self.pool.device.type == "cuda" else "DRAM"
-        self.engine = UcxEngine(name, lanes=1, mem_type=mem)
+        self.engine = UcxEngine(name, lanes=1, mem_type=mem, connect_timeout=self.timeouts.connect)
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
         self.engine.register([self.pool.kv_slab, self.pool.index_slab])
         url = await self._http.start()

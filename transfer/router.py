@@ -68,11 +68,14 @@ class TokenBudget:
         self._changed = asyncio.Condition()
 
     @contextlib.asynccontextmanager
-    async def hold(self, tokens: int) -> AsyncIterator[None]:
+    async def hold(self, tokens: int, timeout: float) -> AsyncIterator[None]:
         if tokens > self.capacity:
             raise CapacityError(f"{tokens} tokens exceed a pool of {self.capacity}")
         async with self._changed:
-            await self._changed.wait_for(lambda: self.free >= tokens)
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= tokens), timeout)
+            except asyncio.TimeoutError as exc:
+                raise CapacityError(f"no room for {tokens} tokens within {timeout:.0f}s") from exc
             self.free -= tokens
         try:
             yield
@@ -231,7 +234,8 @@ class Deployment:
         t0 = time.perf_counter()
         try:
             self._check_alive(engine, decoder)  # fail fast rather than wait on a dead service
-            async with engine.budget.hold(need), decoder.budget.hold(need):
+            wait = Timeouts().ready
+            async with engine.budget.hold(need, wait), decoder.budget.hold(need, wait):
                 reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
             return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
         except PdkvError as exc:
