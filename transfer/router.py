@@ -71,12 +71,13 @@ class TokenBudget:
     async def hold(self, tokens: int, timeout: float) -> AsyncIterator[None]:
         if tokens > self.capacity:
             raise CapacityError(f"{tokens} tokens exceed a pool of {self.capacity}")
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= tokens), timeout)
-            except asyncio.TimeoutError as exc:
-                raise CapacityError(f"no room for {tokens} tokens within {timeout:.0f}s") from exc
-            self.free -= tokens
+        if self.free < tokens:  # no await on the fast path: wait_for may swallow a cancel
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= tokens), timeout)
+                except asyncio.TimeoutError as exc:
+                    raise CapacityError(f"no room for {tokens} tokens within {timeout:.0f}s") from exc
+        self.free -= tokens
         try:
             yield
         finally:
