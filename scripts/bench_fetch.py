@@ -41,6 +41,7 @@ class RawNixl:
 
     def __init__(self, pool: DSAKVPool, engine: EngineDescriptor) -> None:
         nixl = _nixl()
+        self.mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self.agent = nixl.nixl_agent("raw-bench", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory([pool.kv_slab, pool.index_slab])
         self.names = [self.agent.add_remote_agent(r.agent_metadata) for r in engine.ranks]
@@ -49,7 +50,7 @@ class RawNixl:
         t0 = time.perf_counter()
         for name, plan in zip(self.names, plans):
             a = self.agent
-            h = a.initialize_xfer("READ", a.get_xfer_descs(plan.local, "DRAM"), a.get_xfer_descs(plan.remote, "DRAM"), name)
+            h = a.initialize_xfer("READ", a.get_xfer_descs(plan.local, self.mem), a.get_xfer_descs(plan.remote, self.mem), name)
             state = a.transfer(h)
             while state == "PROC":
                 state = a.check_xfer_state(h)
@@ -70,6 +71,19 @@ def owner_pairs(pool: DSAKVPool, engine: EngineDescriptor) -> list[list[BufferPa
     return out
 
 
+def device_copy_limit(dst: DSAKVPool, src: DSAKVPool, src_pages: np.ndarray, dst_pages: np.ndarray) -> float:
+    """On a GPU: the same pages copied device to device in one process (gather/scatter kernels)."""
+    s, d = torch.from_numpy(src_pages).cuda(), torch.from_numpy(dst_pages).cuda()
+    pages = dst.layout.num_pages
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for layer in range(dst.layout.layer_num):
+        for a, b in ((dst.kv_buffer[layer], src.kv_buffer[layer]), (dst.index_buffer[layer], src.index_buffer[layer])):
+            a.view(torch.uint8).view(pages, -1)[d] = b.view(torch.uint8).view(pages, -1)[s]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def memcpy_limit(plans: list) -> float:
     """One process, one thread: memmove of exactly the bytes of the merged descriptors."""
     t0 = time.perf_counter()
@@ -80,7 +94,13 @@ def memcpy_limit(plans: list) -> float:
 
 
 def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> float:
-    """The machine's copy bandwidth: the same byte count as one contiguous memmove."""
+    """The machine's copy bandwidth: the same byte count as one contiguous copy."""
+    if dst.is_cuda:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.view(torch.uint8).view(-1)[:nbytes].copy_(src.view(torch.uint8).view(-1)[:nbytes])
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
     t0 = time.perf_counter()
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
     return time.perf_counter() - t0
@@ -88,8 +108,9 @@ def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> floa
 
 async def bench(args: argparse.Namespace) -> None:
     pool_tokens = max(args.sizes) * 2 + 4096
-    spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens)
-    layout = dsa_v32(size=pool_tokens)
+    spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens,
+                          device=args.device)
+    layout = dsa_v32(size=pool_tokens, device=args.device)
     decode_pool, source_copy = DSAKVPool(layout), DSAKVPool(layout)
     for p in (decode_pool, source_copy):  # touch every page once: first-touch faults are not transfer cost
         p.kv_slab.fill_(1)
@@ -106,11 +127,12 @@ async def bench(args: argparse.Namespace) -> None:
             rows = []
             for n in args.sizes:
                 slabs = (decode_pool.kv_slab, source_copy.kv_slab)
-                rows.append(await bench_size(d, engine_url, fetcher, raw, pairs, local_pairs, slabs, alloc, n, args.runs))
+                pools = (decode_pool, source_copy)
+                rows.append(await bench_size(d, engine_url, fetcher, raw, pairs, local_pairs, slabs, pools, alloc, n, args.runs))
     print_table(rows, args)
 
 
-async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, alloc, n, runs):
+async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, pools, alloc, n, runs):
     samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": []}
     desc_merged = desc_unmerged = 0
     nbytes = 0
@@ -126,7 +148,10 @@ async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, alloc, 
         nbytes = sum(p.nbytes for p in plans)
         t_raw = raw.read(plans)
         result = await fetcher.fetch("prefill0", room, dst)
-        t_copy = memcpy_limit([build_read_plan(p, src, dst) for p in local_pairs])
+        if pools[0].device.type == "cuda":
+            t_copy = device_copy_limit(pools[0], pools[1], src, dst)
+        else:
+            t_copy = memcpy_limit([build_read_plan(p, src, dst) for p in local_pairs])
         t_bw = memcpy_contiguous(*slabs, nbytes)
         alloc.free(dst)
         if i:
@@ -138,8 +163,11 @@ async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, alloc, 
 
 
 def print_table(rows, args) -> None:
-    print(f"DSA layout, prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians")
-    print("memcpy: one thread memmoves the same descriptors; bandwidth: one contiguous memmove of as many bytes")
+    print(f"DSA layout on {args.device}, prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians")
+    if args.device == "cuda":
+        print("memcpy: the same pages copied device to device in one process; bandwidth: one contiguous D2D copy")
+    else:
+        print("memcpy: one thread memmoves the same descriptors; bandwidth: one contiguous memmove of as many bytes")
     head = ("tokens", "MB", "descs", "merged", "pdkv GB/s", "raw GB/s", "memcpy GB/s", "bandw. GB/s",
             "pdkv/raw", "pdkv/memcpy", "pdkv/bandw.", "p50 ms", "p99 ms")
     print("".join(f"{h:>12}" for h in head))
@@ -156,6 +184,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     asyncio.run(bench(ap.parse_args()))
 
 

@@ -5,6 +5,14 @@ from pdkv import DSAKVPool, LayerSplitDSAKVPool, PageRangeError, ShardPlan, dsa_
 from pdkv.buffers import gather_index_k, gather_index_scale
 from pdkv.synthetic import SyntheticLayer
 
+# The same tests run on CUDA where a GPU is present (scripts/gpu_check.sh); CI has none.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
 
 def _fill(pool, seed, pages):
     ps = pool.layout.page_size
@@ -20,16 +28,16 @@ def _assert_holds(pool, seed, src_tokens, at_tokens, pages):
     for layer in pool.owned:
         want = SyntheticLayer(pool.layout, seed, layer, src_tokens)
         got = pool.kv_buffer[layer][at_tokens].reshape(at_tokens.numel(), -1).contiguous()
-        assert torch.equal(got.view(torch.uint8), want.kv)
+        assert torch.equal(got.view(torch.uint8).cpu(), want.kv)
         # Straight from the owned buffer: the pool's read API is collective on a CP group.
         k = gather_index_k(pool.index_buffer[layer], pool.layout, at_tokens.numel(), torch.as_tensor(pages))
         s = gather_index_scale(pool.index_buffer[layer], pool.layout, at_tokens.numel(), torch.as_tensor(pages))
-        assert torch.equal(k, want.index_k)
-        assert torch.equal(s.view(torch.float32).reshape(-1), want.index_scale.reshape(-1))
+        assert torch.equal(k.cpu(), want.index_k)
+        assert torch.equal(s.cpu().view(torch.float32).reshape(-1), want.index_scale.reshape(-1))
 
 
-def test_layer_split_buffer_infos_cover_owned_layers_only():
-    layout = tiny(layer_num=10)
+def test_layer_split_buffer_infos_cover_owned_layers_only(device):
+    layout = tiny(device=device, layer_num=10)
     plan = ShardPlan(1, 3, 10)  # owns [4, 7)
     pool = LayerSplitDSAKVPool(layout, plan, broadcaster=_NoBroadcast())
     kv, idx = pool.get_contiguous_buf_infos(), pool.get_state_buf_infos()
@@ -47,15 +55,15 @@ def test_layer_split_buffer_infos_cover_owned_layers_only():
     assert all(pool.kv_buffer[layer].shape[0] == 0 for layer in (0, 3, 7, 9))
 
 
-def test_dsa_v32_geometry():
-    layout = dsa_v32(size=64 * 64)
+def test_dsa_v32_geometry(device):
+    layout = dsa_v32(size=64 * 64, device=device)
     assert layout.kv_page_bytes == 41_984 and layout.index_page_bytes == 8_448
     assert layout.fingerprint == dsa_v32(size=128 * 64).fingerprint  # size is per process
     assert layout.fingerprint != layout.replace(page_size=32).fingerprint
 
 
-def test_cpu_offload_round_trip_restores_owned_layers():
-    layout = tiny(layer_num=6)
+def test_cpu_offload_round_trip_restores_owned_layers(device):
+    layout = tiny(device=device, layer_num=6)
     pool = LayerSplitDSAKVPool(layout, ShardPlan(0, 2, 6), broadcaster=_NoBroadcast())
     pages = [5, 2, 8]
     loc = _fill(pool, 7, pages)
@@ -66,8 +74,8 @@ def test_cpu_offload_round_trip_restores_owned_layers():
     _assert_holds(pool, 7, loc, loc, pages)
 
 
-def test_move_kv_cache_moves_latent_and_index_tokens():
-    pool = DSAKVPool(tiny(layer_num=3))
+def test_move_kv_cache_moves_latent_and_index_tokens(device):
+    pool = DSAKVPool(tiny(device=device, layer_num=3))
     src_pages, dst_pages = [4, 9], [11, 1]
     src = _fill(pool, 3, src_pages)
     ps = pool.layout.page_size
@@ -76,13 +84,13 @@ def test_move_kv_cache_moves_latent_and_index_tokens():
     _assert_holds(pool, 3, src, dst, dst_pages)
 
 
-def test_set_mla_kv_buffer_concatenates_nope_and_rope():
-    pool = DSAKVPool(dsa_v32(size=256))
+def test_set_mla_kv_buffer_concatenates_nope_and_rope(device):
+    pool = DSAKVPool(dsa_v32(size=256, device=device))
     loc = torch.tensor([0, 5, 64])
     nope = torch.randint(0, 255, (3, 528), dtype=torch.uint8)
     rope = torch.randn(3, 64).to(torch.bfloat16)
     pool.set_mla_kv_buffer(2, loc, nope, rope)
-    row = pool.kv_buffer[2][loc, 0]
+    row = pool.kv_buffer[2][loc, 0].cpu()
     assert torch.equal(row[:, :528], nope)
     assert torch.equal(row[:, 528:], rope.view(torch.uint8))
     assert pool.get_value_buffer(2).shape[-1] == 512
@@ -101,8 +109,8 @@ def test_set_mla_kv_buffer_concatenates_nope_and_rope():
         lambda p: p.set_index_k_and_scale(0, torch.tensor([10_000]), torch.zeros(1, 128), torch.zeros(1)),
     ],
 )
-def test_out_of_range_raises_page_range_error(call):
-    pool = DSAKVPool(tiny(layer_num=3))
+def test_out_of_range_raises_page_range_error(call, device):
+    pool = DSAKVPool(tiny(device=device, layer_num=3))
     before = pool.kv_slab.clone()
     with pytest.raises(PageRangeError):
         call(pool)
@@ -117,10 +125,10 @@ class _NoBroadcast:
 
 
 @pytest.mark.parametrize("where", ["kv", "index_k", "index_scale"])
-def test_verification_catches_a_single_flipped_byte(where):
+def test_verification_catches_a_single_flipped_byte(where, device):
     from pdkv.synthetic import RequestContent, token_locations
 
-    pool = DSAKVPool(tiny(layer_num=3))
+    pool = DSAKVPool(tiny(device=device, layer_num=3))
     pages = torch.tensor([6, 2, 9])
     content = RequestContent(11, 10, prefix_seed=5, prefix_tokens=4)
     loc = token_locations(pool.layout, pages, 10)
