@@ -102,20 +102,26 @@ class OwnerBroadcaster:
         ranks: Sequence[int] | None = None,
         device: str = "cpu",
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        backend: str | None = None,
     ) -> None:
+        """`backend` defaults to NCCL on CUDA and gloo on the host. gloo also moves CUDA
+        tensors, for CP ranks that share one GPU (NCCL wants one rank per device)."""
         self.device = torch.device(device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        cuda = self.device.type == "cuda"
+        self.backend = backend or ("nccl" if cuda else "gloo")
         world = list(range(dist.get_world_size())) if ranks is None else list(ranks)
-        self.group = dist.new_group(world, backend=backend, timeout=timeout)
+        self.group = dist.new_group(world, backend=self.backend, timeout=timeout)
         self.rank = dist.get_rank(self.group)
         self.size = len(world)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        logger.info("owner broadcast group: %s, rank %d of %d", backend, self.rank, self.size)
+        self._stream = torch.cuda.Stream(self.device) if cuda and self.backend == "nccl" else None
+        logger.info("owner broadcast group: %s, rank %d of %d", self.backend, self.rank, self.size)
 
     def start(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> BroadcastHandle:
         """Start broadcasting `tensor` from group rank `src`; return at once."""
         try:
             if self._stream is None:
+                if tensor.is_cuda:  # gloo reads and writes device memory outside stream order
+                    torch.cuda.current_stream(tensor.device).synchronize()
                 work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
                 return BroadcastHandle(work, None, what)
             # The side stream waits for whatever the compute stream queued before (the

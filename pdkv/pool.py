@@ -57,6 +57,16 @@ class CpuKVCopy:
     index: list[torch.Tensor | None]
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy; from a GPU through pinned memory, so the copy runs at DMA speed."""
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
 class DSAKVPool:
     """A DSA KV pool that holds the layers in `owned` (by default all of them)."""
 
@@ -210,11 +220,7 @@ class DSAKVPool:
         check_locations(indices, self.layout.kv_rows, "get_cpu_copy indices")
         tok = indices.reshape(-1).long().to(self.device)
         pages = self._page_indices(tok)
-        pin = self.device.type == "cuda"
-        kv = self.kv_slab[:, tok].to("cpu", non_blocking=pin) if pin else self.kv_slab[:, tok].clone()
-        idx = self.index_slab[:, pages].to("cpu", non_blocking=pin) if pin else self.index_slab[:, pages].clone()
-        if pin:
-            torch.cuda.current_stream(self.device).synchronize()
+        kv, idx = _to_host(self.kv_slab[:, tok]), _to_host(self.index_slab[:, pages])
         return CpuKVCopy(
             kv=[kv[layer - self.owned.start] if layer in self.owned else None for layer in self._layer_range()],
             index=[idx[layer - self.owned.start] if layer in self.owned else None for layer in self._layer_range()],

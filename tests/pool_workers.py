@@ -30,21 +30,23 @@ def check_layer(pool: LayerSplitDSAKVPool, layer: int, seed: int) -> None:
     layout = pool.layout
     loc = _tokens(layout)
     want = SyntheticLayer(layout, seed, layer, loc)
-    got_kv = pool.get_key_buffer(layer)[loc].reshape(loc.numel(), -1)
+    got_kv = pool.get_key_buffer(layer)[loc].reshape(loc.numel(), -1).cpu()
     assert torch.equal(got_kv.contiguous().view(torch.uint8), want.kv), f"latent layer {layer}"
-    value = pool.get_value_buffer(layer)[loc].reshape(loc.numel(), -1)
+    value = pool.get_value_buffer(layer)[loc].reshape(loc.numel(), -1).cpu()
     assert torch.equal(value.contiguous().view(torch.uint8), want.kv[:, : value.shape[1] * value.element_size()])
-    k, s = pool.get_index_k_and_scale(layer, loc.numel(), PAGES)
+    k, s = (t.cpu() for t in pool.get_index_k_and_scale(layer, loc.numel(), PAGES))
     assert torch.equal(k, want.index_k), f"index keys layer {layer}"
     assert torch.equal(s, want.index_scale.view(torch.uint8).view(-1, 4)), f"index scales layer {layer}"
-    assert torch.equal(pool.get_index_k(layer, loc.numel() - 3, PAGES), want.index_k[:-3])
-    assert torch.equal(pool.get_index_k_scale(layer, 5, PAGES), s[:5])
+    assert torch.equal(pool.get_index_k(layer, loc.numel() - 3, PAGES).cpu(), want.index_k[:-3])
+    assert torch.equal(pool.get_index_k_scale(layer, 5, PAGES).cpu(), s[:5])
 
 
-def owner_broadcast_reads(rank: int, world: int, layers: int) -> dict[str, int]:
-    layout = tiny(layer_num=layers)
+def owner_broadcast_reads(
+    rank: int, world: int, layers: int, device: str = "cpu", backend: str | None = None
+) -> dict[str, int]:
+    layout = tiny(layer_num=layers, device=device)
     plan = ShardPlan(rank, world, layers)
-    pool = LayerSplitDSAKVPool(layout, plan, OwnerBroadcaster())
+    pool = LayerSplitDSAKVPool(layout, plan, OwnerBroadcaster(device=device, backend=backend))
     for layer in range(layers):
         expected_rows = layout.kv_rows if plan.owns(layer) else 0
         assert pool.kv_buffer[layer].shape[0] == expected_rows

@@ -44,3 +44,12 @@ def test_gpu_to_gpu_fetch_between_processes_byte_exact(engines):
     layout = tiny()
     for o in outs:
         assert o.decode.verified_bytes == o.num_tokens * 7 * (layout.kv_token_bytes + layout.index_token_bytes)
+
+
+def test_layer_split_reads_on_cuda_through_gloo_ranks_sharing_the_gpu():
+    # NCCL wants one rank per device; ranks sharing one GPU broadcast CUDA tensors over gloo.
+    from tests.distributed import run_group
+    from tests.pool_workers import owner_broadcast_reads
+
+    out = run_group(owner_broadcast_reads, 2, 7, "cuda", "gloo")
+    assert len({v["kv_broadcasts"] for v in out.values()}) == 1
