@@ -5,6 +5,7 @@ take about as long as one layer's broadcast) runs per layer; prints ms per layer
 non-owner rank and the overlap prefetch achieved.
 
     .venv/bin/python scripts/bench_broadcast.py [--tokens 8192] [--world 4] [--runs 3]
+    python3 scripts/bench_broadcast.py --device cuda --world 2   # one GPU per rank, NCCL
 """
 
 from __future__ import annotations
@@ -43,14 +44,37 @@ def _pass(pool: LayerSplitDSAKVPool, prefetch: bool, compute: torch.Tensor, reps
         if read and prefetch and layer + 1 < layers:
             pool.prefetch(layer + 1, pages)
         _compute(compute, reps)
+    if compute.is_cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - t0) / layers * 1e3
 
 
-def _rank(rank: int, world: int, tokens: int, runs: int, reps: int) -> dict[str, float]:
+def _nccl_limit(pool: LayerSplitDSAKVPool, runs: int) -> float:
+    """A plain broadcast of the same bytes per layer on the same group: the link's limit."""
+    layout, group = pool.layout, pool.remote_kv._broadcaster.group
+    kv = torch.empty(layout.kv_rows * layout.kv_token_bytes, dtype=torch.uint8, device=layout.device)
+    idx = torch.empty(layout.index_num_pages * layout.index_page_bytes, dtype=torch.uint8, device=layout.device)
+    samples = []
+    for _ in range(runs + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(layout.layer_num):
+            src = pool.plan.owner_of(layer)
+            dist.broadcast(kv, group_src=src, group=group)
+            dist.broadcast(idx, group_src=src, group=group)
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / layout.layer_num * 1e3)
+    return statistics.median(samples[1:])
+
+
+def _rank(rank: int, world: int, tokens: int, runs: int, reps: int, device: str = "cpu") -> dict[str, float]:
     torch.set_num_threads(1)
-    layout = dsa_v32(size=tokens)
-    pool = LayerSplitDSAKVPool(layout, ShardPlan(rank, world, layout.layer_num), OwnerBroadcaster())
-    compute = torch.randn(256, 256)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    layout = dsa_v32(size=tokens, device=device)
+    pool = LayerSplitDSAKVPool(layout, ShardPlan(rank, world, layout.layer_num), OwnerBroadcaster(device=device))
+    compute = torch.randn(256, 256) if device == "cpu" else torch.randn(4096, 4096, device=device)
     _pass(pool, False, compute, reps, read=False)  # warm-up
     rows = {"compute_ms": statistics.median(_pass(pool, False, compute, reps, read=False) for _ in range(runs))}
     eighth = torch.arange(1, layout.num_pages, 8)  # a short read: 1/8 of the pages
@@ -63,6 +87,8 @@ def _rank(rank: int, world: int, tokens: int, runs: int, reps: int) -> dict[str,
     ):
         samples = [_pass(pool, prefetch, compute, with_compute, pages=pages) for _ in range(runs)]
         rows[name] = statistics.median(samples)
+    if compute.is_cuda:
+        rows["nccl_limit"] = _nccl_limit(pool, runs)
     return rows
 
 
@@ -72,13 +98,15 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compute-reps", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank, NCCL)")
     args = ap.parse_args()
-    out = run_group(_rank, args.world, args.tokens, args.runs, args.compute_reps)
-    r = out[args.world - 1]  # the last rank owns none of layers 0..45
+    out = run_group(_rank, args.world, args.tokens, args.runs, args.compute_reps, args.device)
+    r = out[args.world - 1]  # the last rank owns none of the first layers
     layout = dsa_v32(size=args.tokens)
     mib = (layout.kv_rows * layout.kv_token_bytes + layout.index_num_pages * layout.index_page_bytes) / 2**20
     hidden = (r["no_prefetch"] - r["prefetch"]) / min(r["broadcast_only"], r["compute_ms"])
-    print(f"DSA layout, {args.tokens} tokens/pool, {mib:.1f} MiB per layer broadcast, gloo CP={args.world}")
+    backend = "NCCL, one GPU per rank" if args.device == "cuda" else "gloo"
+    print(f"DSA layout, {args.tokens} tokens/pool, {mib:.1f} MiB per layer broadcast, {backend}, CP={args.world}")
     print(f"{'case (on the last rank)':<28}{'ms/layer':>10}")
     print(f"{'broadcast only':<28}{r['broadcast_only']:>10.2f}")
     print(f"{'compute only':<28}{r['compute_ms']:>10.2f}")
@@ -86,6 +114,10 @@ def main() -> None:
     print(f"{'read + compute, prefetch':<28}{r['prefetch']:>10.2f}")
     print(f"{'1/8 of pages, no prefetch':<28}{r['pages_no_prefetch']:>10.2f}")
     print(f"{'1/8 of pages, prefetch':<28}{r['pages_prefetch']:>10.2f}")
+    if "nccl_limit" in r:
+        print(f"{'plain NCCL broadcast (limit)':<28}{r['nccl_limit']:>10.2f}")
+        print(f"broadcast vs link limit: {r['nccl_limit'] / r['broadcast_only']:.2f}x; "
+              f"{mib / r['nccl_limit'] * 1000 / 1024:.1f} GiB/s at the limit")
     print(f"prefetch hid {100 * max(0.0, hidden):.0f}% of the smaller of broadcast and compute "
           f"({r['no_prefetch'] / r['prefetch']:.2f}x faster per layer); {args.world} ranks share this machine's cores")
 

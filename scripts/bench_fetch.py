@@ -66,7 +66,9 @@ def owner_pairs(pool: DSAKVPool, engine: EngineDescriptor) -> list[list[BufferPa
         for layer in range(r.layer_start, r.layer_end):
             for kind, bufs in ((BufferKind.LATENT, pool.kv_buffer), (BufferKind.INDEX, pool.index_buffer)):
                 d, t = r.buffer(kind, layer), bufs[layer]
-                pairs.append(BufferPair(t.data_ptr(), d.addr, d.item_len, t.nbytes // d.item_len, d.num_items))
+                dev = t.device.index or 0 if t.is_cuda else 0
+                pairs.append(BufferPair(t.data_ptr(), d.addr, d.item_len, t.nbytes // d.item_len, d.num_items,
+                                        dev, d.device_id))
         out.append(pairs)
     return out
 
@@ -121,7 +123,8 @@ async def bench(args: argparse.Namespace) -> None:
         desc = await d.client.request("GET", f"{d.registry_url}/v1/engines/prefill0", EngineDescriptor)
         raw, pairs = RawNixl(decode_pool, desc), owner_pairs(decode_pool, desc)
         # The same geometry with a local source pool standing in for the owners' memory.
-        local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items)
+        local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items,
+                                   p.local_dev, q.local_dev)
                         for p, q in zip(ps, qs)] for ps, qs in zip(pairs, owner_pairs(source_copy, desc))]
         async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes) as fetcher:
             rows = []

@@ -44,6 +44,9 @@ def check_layer(pool: LayerSplitDSAKVPool, layer: int, seed: int) -> None:
 def owner_broadcast_reads(
     rank: int, world: int, layers: int, device: str = "cpu", backend: str | None = None
 ) -> dict[str, int]:
+    if device == "cuda:rank":  # one GPU per rank
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     layout = tiny(layer_num=layers, device=device)
     plan = ShardPlan(rank, world, layers)
     pool = LayerSplitDSAKVPool(layout, plan, OwnerBroadcaster(device=device, backend=backend))

@@ -53,3 +53,26 @@ def test_layer_split_reads_on_cuda_through_gloo_ranks_sharing_the_gpu():
 
     out = run_group(owner_broadcast_reads, 2, 7, "cuda", "gloo")
     assert len({v["kv_broadcasts"] for v in out.values()}) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layers", [7, 10])
+def test_nccl_owner_broadcast_across_gpus_every_byte_on_every_rank(layers):
+    from tests.distributed import run_group
+    from tests.pool_workers import owner_broadcast_reads
+
+    world = torch.cuda.device_count()
+    out = run_group(owner_broadcast_reads, world, layers, "cuda:rank", "nccl")
+    assert len({v["kv_broadcasts"] for v in out.values()}) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_decode_assembles_from_owners_on_other_gpus():
+    async def run():
+        spec = DeploymentSpec(engines=(torch.cuda.device_count(),), decoders=1, preset="tiny", device="cuda",
+                              prefill_pool_tokens=8192, decode_pool_tokens=8192, start_timeout=240)
+        async with Deployment(spec) as d:
+            return [await d.submit(n, prefix_id=1 if n > 100 else -1, prefix_tokens=64) for n in (1, 37, 500, 2000)]
+
+    outs = asyncio.run(run())
+    assert [o.error for o in outs if not o.ok] == []

@@ -206,7 +206,9 @@ class DecodeFetcher:
                 if remote.item_len != item:
                     raise IncompatibleLayoutError(f"{kind.value} item_len {remote.item_len} != local {item}", ("item_len",))
                 tensor = bufs[layer - layout.start_layer]
-                both.append(BufferPair(tensor.data_ptr(), remote.addr, item, tensor.nbytes // item, remote.num_items))
+                local_dev = tensor.device.index or 0 if tensor.is_cuda else 0
+                both.append(BufferPair(tensor.data_ptr(), remote.addr, item, tensor.nbytes // item, remote.num_items,
+                                       local_dev, remote.device_id))
             pairs[layer] = (both[0], both[1])
         return pairs
 

@@ -8,6 +8,7 @@ the field.
 
 Schema history:
   1: first version.
+  2: MemoryDescriptor.device_id (the GPU a buffer lives on; 0 for host memory).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -64,6 +65,7 @@ class MemoryDescriptor(_Wire):
     addr: U63  # user-space virtual addresses fit in 63 bits
     length: Positive
     item_len: Positive
+    device_id: Annotated[int, Meta(ge=0, le=1023)] = 0
 
     def __post_init__(self) -> None:
         if self.length % self.item_len:

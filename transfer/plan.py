@@ -51,6 +51,8 @@ class BufferPair:
     item_len: int
     local_items: int
     remote_items: int
+    local_dev: int = 0  # GPU index, 0 for host memory
+    remote_dev: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,6 @@ def build_read_plan(
     buffers: list[BufferPair],
     src_pages: np.ndarray,
     dst_pages: np.ndarray,
-    local_dev: int = 0,
-    remote_dev: int = 0,
     merge: bool = True,
 ) -> ReadPlan:
     """Descriptors reading `src_pages` of every buffer into `dst_pages` of its local twin."""
@@ -92,11 +92,10 @@ def build_read_plan(
     item = np.array([b.item_len for b in buffers], dtype=np.int64)[:, None]
     lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)[:, None]
     rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)[:, None]
+    ldev = np.array([b.local_dev for b in buffers], dtype=np.int64)[:, None]
+    rdev = np.array([b.remote_dev for b in buffers], dtype=np.int64)[:, None]
     lengths = (runs.length[None, :] * item).reshape(-1)
-    local = np.stack(
-        [(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, np.full_like(lengths, local_dev)], axis=1
-    )
-    remote = np.stack(
-        [(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, np.full_like(lengths, remote_dev)], axis=1
-    )
+    ones = np.ones((1, len(runs)), dtype=np.int64)
+    local = np.stack([(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, (ldev * ones).reshape(-1)], axis=1)
+    remote = np.stack([(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, (rdev * ones).reshape(-1)], axis=1)
     return ReadPlan(local, remote, int(lengths.sum()), src.size)

@@ -38,10 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
+    device_id = pool.device.index or 0 if pool.device.type == "cuda" else 0
     out = []
     for kind, infos in ((BufferKind.LATENT, pool.get_contiguous_buf_infos()), (BufferKind.INDEX, pool.get_state_buf_infos())):
         for layer, ptr, length, item in zip(infos.layer_ids, infos.data_ptrs, infos.data_lens, infos.item_lens):
-            out.append(MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item))
+            out.append(MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item,
+                                        device_id=device_id))
     return out
 
 

@@ -58,7 +58,7 @@ class PrefillEngineRank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rank, self.world = args.cp_rank, args.cp_size
-        self.layout = PRESETS[args.preset](size=args.pool_tokens, device=args.device)
+        self.layout = PRESETS[args.preset](size=args.pool_tokens, device=rank_device(args.device, args.cp_rank))
         self.timeouts = Timeouts(pin=args.pin, lease=args.lease)
         self.queue: list[_Pending] = []
         self.stop_requested = False
@@ -207,7 +207,8 @@ class PrefillEngineRank:
         timeout = datetime.timedelta(seconds=a.group_timeout)
         dist.init_process_group("gloo", init_method=a.dist_init, rank=self.rank, world_size=self.world, timeout=timeout)
         plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
-        self.pool = LayerSplitDSAKVPool(self.layout, plan, OwnerBroadcaster(device=a.device, timeout=timeout))
+        broadcaster = OwnerBroadcaster(device=self.layout.device, timeout=timeout, backend=a.broadcast_backend)
+        self.pool = LayerSplitDSAKVPool(self.layout, plan, broadcaster)
         self.allocator = PageAllocator(self.layout.num_pages, np.random.default_rng(a.seed))
         secret = secret_from_env(a.secret_env)
         self.exporter = PrefillExporter(
@@ -249,6 +250,16 @@ class PrefillEngineRank:
         self.stop_requested = True
 
 
+def rank_device(device: str, rank: int) -> str:
+    """`cuda` means one GPU per CP rank where there are several (NCCL wants one rank per
+    device); ranks share the GPU where there is one."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return device
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="one CP rank of a demo pdkv prefill engine")
     ap.add_argument("--engine-id", required=True)
@@ -261,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lease", type=float, default=Timeouts().lease, help="registry lease (renewed every third)")
     ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")
     ap.add_argument("--group-timeout", type=float, default=60.0)
+    ap.add_argument("--broadcast-backend", choices=["nccl", "gloo"], default=None,
+                    help="owner broadcast backend (default: nccl on CUDA, gloo on the host)")
     ap.add_argument("--seed", type=int, default=0)
     add_service_flags(ap)
     return ap.parse_args(argv)
