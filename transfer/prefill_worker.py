@@ -180,7 +180,7 @@ class PrefillEngineRank:
         """Read the prefix of `layer` as attention would: from the owner, by broadcast."""
         await self.pool.wait_layer(layer, pages)  # only the prefix's pages travel
         loc = token_locations(self.layout, pages, tokens)
-        got = self.pool.get_key_buffer(layer)[loc].reshape(tokens, -1).contiguous().view(torch.uint8)
+        got = self.pool.get_key_buffer(layer)[loc].reshape(tokens, -1).contiguous().view(torch.uint8).cpu()
         want = token_bytes(content.prefix_seed, layer, torch.arange(tokens), self.layout.kv_token_bytes, salt=1)
         if not torch.equal(got, want):
             raise PrefixMismatch(f"layer {layer}: shared prefix read through the owner broadcast differs")
