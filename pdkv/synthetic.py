@@ -14,7 +14,7 @@ from pdkv.buffers import byte_rows, gather_index_k, gather_index_scale, take
 from pdkv.layout import KVLayout
 from pdkv.pool import DSAKVPool
 
-__all__ = ["token_bytes", "synthetic_layer", "SyntheticLayer", "RequestContent", "token_locations", "request_seed", "prefix_seed"]
+__all__ = ["token_bytes", "SyntheticLayer", "RequestContent", "token_locations", "request_seed", "prefix_seed"]
 
 _M1, _M2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd 64-bit mixing constants
 
@@ -45,10 +45,6 @@ class SyntheticLayer:
     def kv_rows(self, layout: KVLayout) -> torch.Tensor:
         """The latent rows in the model dtype, as `set_kv_buffer` takes them."""
         return self.kv.view(layout.torch_store_dtype).view(layout.torch_dtype)
-
-
-def synthetic_layer(layout: KVLayout, seed: int, layer_id: int, tokens: torch.Tensor) -> SyntheticLayer:
-    return SyntheticLayer(layout, seed, layer_id, tokens)
 
 
 def token_locations(layout: KVLayout, pages: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed
 from transfer.api import DecodeReply, DecodeRequest
 from transfer.decode import DecodeFetcher
 from transfer.http import health, HttpService, make_app, read_body, reply
-from transfer.service import add_pool_flags, add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
+from transfer.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -131,10 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_process(args)
-    torch.set_num_threads(1)
-    asyncio.run(DecodeWorker(args).run())
+    run_service(parse_args(argv), DecodeWorker)
 
 
 if __name__ == "__main__":

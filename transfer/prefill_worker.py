@@ -35,7 +35,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_byte
 from transfer.api import PrefillReply, PrefillRequest
 from transfer.http import health, HttpService, make_app, read_body, reply
 from transfer.prefill import PrefillExporter
-from transfer.service import add_pool_flags, add_service_flags, setup_process, secret_from_env, wait_for_signal
+from transfer.service import add_pool_flags, add_service_flags, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -280,10 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup_process(args)
-    torch.set_num_threads(1)
-    asyncio.run(PrefillEngineRank(args).run())
+    run_service(parse_args(argv), PrefillEngineRank)
 
 
 if __name__ == "__main__":

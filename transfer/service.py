@@ -13,7 +13,11 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
+
+import torch
 
 from pdkv.layout import PRESETS
 
@@ -21,6 +25,7 @@ __all__ = [
     "add_pool_flags",
     "add_service_flags",
     "announce",
+    "run_service",
     "setup_process",
     "die_with_parent",
     "secret_from_env",
@@ -88,3 +93,14 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # the parent was already gone before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Service(Protocol):
+    async def run(self) -> None: ...
+
+
+def run_service(args: argparse.Namespace, make: Callable[[argparse.Namespace], Service]) -> None:
+    """A service process's main: logging and parent watch first, one torch thread, serve."""
+    setup_process(args)
+    torch.set_num_threads(1)  # CP ranks and decodes share the host's cores
+    asyncio.run(make(args).run())
