@@ -1,8 +1,8 @@
 """The layer-split DSA pool: each CP rank holds only the layers it owns.
 
 A read of a layer this rank does not own is served by the owner's broadcast into a
-per-rank scratch buffer (one for latent KV, one for the indexer). A prefetch starts that
-broadcast early; a write to the layer invalidates the copy.
+per-rank scratch buffer (two slots each for latent KV and the indexer). A prefetch starts
+that broadcast early; a write to the layer invalidates the copy.
 
 Reads, prefetches and writes are collective: every rank of the CP group issues them in
 the same order, as the ranks of one model forward do. The owner takes part too; it sends
@@ -29,23 +29,34 @@ __all__ = ["LayerSplitDSAKVPool", "RemoteLayerCache"]
 
 logger = logging.getLogger(__name__)
 
+SCRATCH_SLOTS = 2  # per kind: layer l+1 lands while layer l is read
+
 
 @dataclass
 class _Flight:
     """A broadcast on its way: what it carries and what to do once it landed."""
 
-    layer_id: int
     handle: BroadcastHandle
     finish: Callable[[], None]
 
 
-class RemoteLayerCache:
-    """One scratch buffer that holds (pages of) at most one non-owned layer.
+@dataclass
+class _Slot:
+    """One scratch buffer and the layer it holds (or is receiving)."""
 
-    A broadcast carries either the whole layer or only the pages a reader asked for:
-    the owner packs those pages into a staging tensor, the others unpack it into the
-    same pages of their scratch. For a short read of a large pool that is the
-    difference between moving the read and moving the pool.
+    scratch: torch.Tensor | None
+    layer_id: int | None = None
+    flight: _Flight | None = None
+    used: int = 0  # logical clock of the last prefetch or read, for LRU
+
+
+class RemoteLayerCache:
+    """Scratch buffers that hold (pages of) non-owned layers, one layer each.
+
+    Two slots by default, so the broadcast of layer l+1 can land while layer l is still
+    being read (the reference keeps one, which serialises the two). A broadcast carries
+    either the whole layer or only the pages a reader asked for: the owner packs those
+    pages into a staging tensor, the others unpack it into the same pages of their slot.
     """
 
     def __init__(
@@ -53,32 +64,40 @@ class RemoteLayerCache:
         kind: str,
         plan: ShardPlan,
         owned: list[torch.Tensor],
-        scratch: torch.Tensor | None,
+        scratch: list[torch.Tensor],
         broadcaster: OwnerBroadcaster | None,
         page_rows: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.kind = kind
         self._plan = plan
         self._owned = owned  # indexed by local layer; 0-row where not owned
-        self._scratch = scratch
+        self._slots = [_Slot(t) for t in scratch] or [_Slot(None), _Slot(None)]
         self._broadcaster = broadcaster
         self._page_rows = page_rows  # a buffer as (pages, bytes per page) uint8
-        self.valid_layer: int | None = None
-        self._pending: _Flight | None = None
+        self._clock = 0
         self.broadcasts = 0
         self.bytes_broadcast = 0
 
-    def _target(self, layer_id: int) -> torch.Tensor:
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(s.scratch.nbytes for s in self._slots if s.scratch is not None)
+
+    def _slot_of(self, layer_id: int) -> _Slot | None:
+        return next((s for s in self._slots if s.layer_id == layer_id), None)
+
+    def _touch(self, slot: _Slot) -> None:
+        self._clock += 1
+        slot.used = self._clock
+
+    def _target(self, slot: _Slot, layer_id: int) -> torch.Tensor:
         if self._plan.owns(layer_id):
             return self._owned[layer_id - self._plan.start_layer]
-        assert self._scratch is not None  # a rank that owns not every layer has scratch
-        return self._scratch
+        assert slot.scratch is not None  # a rank that owns not every layer has scratch
+        return slot.scratch
 
-    def _start(self, layer_id: int, pages: torch.Tensor | None) -> _Flight:
+    def _start(self, slot: _Slot, layer_id: int, pages: torch.Tensor | None) -> _Flight:
         assert self._broadcaster is not None
-        target = self._target(layer_id)
-        owner = self._plan.owner_of(layer_id)
-        what = f"{self.kind} layer {layer_id}"
+        target = self._target(slot, layer_id)
         if pages is None:
             payload, finish = target, (lambda: None)
         elif self._plan.owns(layer_id):
@@ -89,55 +108,67 @@ class RemoteLayerCache:
             finish = lambda: put(rows, (pages,), payload)  # noqa: E731
         self.broadcasts += 1
         self.bytes_broadcast += payload.nbytes
-        return _Flight(layer_id, self._broadcaster.start(payload, owner, what), finish)
+        handle = self._broadcaster.start(payload, self._plan.owner_of(layer_id), f"{self.kind} layer {layer_id}")
+        return _Flight(handle, finish)
 
-    def _settle_pending(self, keep: bool) -> None:
-        if self._pending is None:
-            return
-        flight, self._pending = self._pending, None
-        flight.handle.wait()
-        flight.finish()
-        self.valid_layer = flight.layer_id if keep else None
+    @staticmethod
+    def _settle(slot: _Slot) -> None:
+        if slot.flight is not None:
+            flight, slot.flight = slot.flight, None
+            flight.handle.wait()
+            flight.finish()
 
     def prefetch(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
-        """Start the broadcast of `layer_id` (or of its `pages`) unless cached or on its way."""
-        if self._broadcaster is None or self.valid_layer == layer_id:
+        """Start the broadcast of `layer_id` (or of its `pages`) unless held or on its way."""
+        if self._broadcaster is None or self._slot_of(layer_id) is not None:
             return
-        if self._pending is not None:
-            if self._pending.layer_id == layer_id:
-                return
-            self._settle_pending(keep=False)  # the scratch is about to be overwritten
-        self.valid_layer = None
+        victim = min(self._slots, key=lambda s: (s.layer_id is not None, s.used))
+        self._settle(victim)  # a broadcast into it must land before it is reused
+        victim.layer_id = layer_id
         idx = None if pages is None else pages.reshape(-1).long()
-        self._pending = self._start(layer_id, idx)
+        victim.flight = self._start(victim, layer_id, idx)
+        self._touch(victim)
 
     def read(self, layer_id: int) -> torch.Tensor:
         """The buffer holding `layer_id`, broadcasting it first if needed (blocking).
 
-        Where only some pages were prefetched, only those pages are valid in it.
+        Where only some pages were prefetched, only those pages are valid in it. It stays
+        valid until two other layers have been prefetched or read since.
         """
         if self._broadcaster is None:
             return self._owned[layer_id - self._plan.start_layer]
         self.prefetch(layer_id)
-        self._settle_pending(keep=True)
-        return self._target(layer_id)
+        slot = self._slot_of(layer_id)
+        assert slot is not None
+        self._settle(slot)
+        self._touch(slot)
+        return self._target(slot, layer_id)
 
     async def read_async(self, layer_id: int, pages: torch.Tensor | None = None) -> torch.Tensor:
         """As `read`, awaiting the broadcast without blocking the event loop."""
         if self._broadcaster is None:
             return self._owned[layer_id - self._plan.start_layer]
         self.prefetch(layer_id, pages)
-        if self._pending is not None:
-            await self._pending.handle
-            self._settle_pending(keep=True)
-        return self._target(layer_id)
+        slot = self._slot_of(layer_id)
+        assert slot is not None
+        if slot.flight is not None:
+            await slot.flight.handle
+            self._settle(slot)
+        self._touch(slot)
+        return self._target(slot, layer_id)
 
     def invalidate(self, layer_id: int) -> None:
         """Forget a copy of `layer_id`; a broadcast of it in flight is let land first."""
-        if self._pending is not None and self._pending.layer_id == layer_id:
-            self._settle_pending(keep=False)
-        if self.valid_layer == layer_id:
-            self.valid_layer = None
+        slot = self._slot_of(layer_id)
+        if slot is not None:
+            self._settle(slot)
+            slot.layer_id = None
+
+    def clear(self) -> None:
+        """Forget every copy (letting broadcasts in flight land)."""
+        for slot in self._slots:
+            self._settle(slot)
+            slot.layer_id = None
 
 
 class LayerSplitDSAKVPool(DSAKVPool):
@@ -153,15 +184,15 @@ class LayerSplitDSAKVPool(DSAKVPool):
         super().__init__(layout, plan.owned)
         self.plan = plan
         logger.info("layer-split pool: %s", plan.describe())
-        needs_scratch = len(plan.owned) < layout.layer_num
-        kv_scratch = index_scratch = None
-        if needs_scratch:
-            kv_scratch = alloc_zeros(
-                (layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device
-            )
-            index_scratch = alloc_zeros(
-                (layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device
-            )
+        slots = SCRATCH_SLOTS if len(plan.owned) < layout.layer_num else 0
+        kv_scratch = [
+            alloc_zeros((layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device)
+            for _ in range(slots)
+        ]
+        index_scratch = [
+            alloc_zeros((layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device)
+            for _ in range(slots)
+        ]
         bc = broadcaster if plan.size > 1 else None
         pages = layout.num_pages
         self.remote_kv = RemoteLayerCache(
@@ -219,8 +250,4 @@ class LayerSplitDSAKVPool(DSAKVPool):
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(
-            t.nbytes
-            for t in (self.remote_kv._scratch, self.remote_index._scratch)
-            if t is not None
-        )
+        return self.remote_kv.scratch_bytes + self.remote_index.scratch_bytes

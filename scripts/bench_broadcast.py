@@ -32,7 +32,7 @@ def _compute(x: torch.Tensor, reps: int) -> None:
 def _pass(pool: LayerSplitDSAKVPool, prefetch: bool, compute: torch.Tensor, reps: int, read: bool = True,
           pages: torch.Tensor | None = None) -> float:
     for kind in (pool.remote_kv, pool.remote_index):
-        kind.valid_layer = None  # start cold: every layer must travel
+        kind.clear()  # start cold: every layer must travel
     dist.barrier()
     t0 = time.perf_counter()
     layers = pool.layout.layer_num

@@ -61,6 +61,17 @@ def owner_broadcast_reads(
         if layer + 1 < layers:
             pool.prefetch(layer + 1)  # lands while the caller computes on layer
 
+    # Two slots: layer l stays readable while layer l+1 arrives, and nothing travels twice.
+    pool.remote_kv.clear()
+    pool.remote_index.clear()
+    before = pool.remote_kv.broadcasts
+    for layer in range(layers):
+        check_layer(pool, layer, seed=1)
+        if layer + 1 < layers:
+            pool.prefetch(layer + 1)
+        check_layer(pool, layer, seed=1)
+    assert pool.remote_kv.broadcasts - before == layers
+
     # The asyncio face: await the broadcast, then read without blocking.
     async def read_async() -> None:
         for layer in range(layers):
