@@ -45,9 +45,6 @@ class BufferInfos:
     data_lens: tuple[int, ...]
     item_lens: tuple[int, ...]
 
-    def as_tuple(self) -> tuple[list[int], list[int], list[int]]:
-        return list(self.data_ptrs), list(self.data_lens), list(self.item_lens)
-
 
 @dataclass
 class CpuKVCopy:

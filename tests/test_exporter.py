@@ -52,17 +52,17 @@ async def test_reads_outside_registered_regions_are_refused_before_any_read():
             d = exporter.descriptor
             await reader.add_peer(d.agent_name, d.agent_metadata, [(b.addr, b.length) for b in d.buffers])
             base, n = src_pool.kv_slab.data_ptr(), 4096
-            ok = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([[base, n, 0]]), n, 1)
+            ok = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([[base, n, 0]]), n)
             stats = await reader.read(d.agent_name, ok, timeout=10)
             assert stats.nbytes == n
             assert torch.equal(dst_pool.kv_slab.view(torch.uint8).view(-1)[:n], src_pool.kv_slab.view(torch.uint8).view(-1)[:n])
             dst_pool.kv_slab.zero_()
             end = base + src_pool.kv_slab.nbytes + src_pool.index_slab.nbytes
             for remote in ([end, n, 0], [base - n, n, 0], [base + src_pool.kv_slab.nbytes - 8, 64, 0]):
-                bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([remote]), n, 1)
+                bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([remote]), n)
                 with pytest.raises(TransferError, match="outside"):
                     await reader.read(d.agent_name, bad, timeout=10)
-            local_bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr() - n, n, 0]]), np.array([[base, n, 0]]), n, 1)
+            local_bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr() - n, n, 0]]), np.array([[base, n, 0]]), n)
             with pytest.raises(TransferError, match="outside"):
                 await reader.read(d.agent_name, local_bad, timeout=10)
             assert int(dst_pool.kv_slab.view(torch.uint8).sum()) == 0  # nothing was read

@@ -41,7 +41,7 @@ class DecodeRequest(_Api):
 
 class DecodeReply(_Api):
     room: Room
-    nbytes: Count | int
+    nbytes: Annotated[int, Meta(ge=0)]
     descriptors: Count
     fetch_seconds: float
     verified_bytes: int

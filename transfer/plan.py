@@ -62,7 +62,6 @@ class ReadPlan:
     local: np.ndarray
     remote: np.ndarray
     nbytes: int
-    pages: int
 
     @property
     def descriptors(self) -> int:
@@ -85,7 +84,7 @@ def build_read_plan(
     src, dst = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
     if not buffers or len(runs) == 0:
         empty = np.zeros((0, 3), dtype=np.int64)
-        return ReadPlan(empty, empty, 0, src.size)
+        return ReadPlan(empty, empty, 0)
     for b in buffers:
         _check_pages(src, b.remote_items, "source")
         _check_pages(dst, b.local_items, "destination")
@@ -98,4 +97,4 @@ def build_read_plan(
     ones = np.ones((1, len(runs)), dtype=np.int64)
     local = np.stack([(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, (ldev * ones).reshape(-1)], axis=1)
     remote = np.stack([(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, (rdev * ones).reshape(-1)], axis=1)
-    return ReadPlan(local, remote, int(lengths.sum()), src.size)
+    return ReadPlan(local, remote, int(lengths.sum()))
