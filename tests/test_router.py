@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from pdkv.errors import UnknownRoomError
+from transfer.api import DecodeReply, DecodeRequest
 from transfer.router import Deployment, DeploymentSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -74,6 +76,18 @@ async def test_failing_leg_cancels_the_other_and_is_reported(deployment):
     assert stats["decode"][0]["failures"] == before + 1  # its fetch was aborted, not left waiting
     assert all(s["pinned_pages"] == 0 for s in stats["prefill"])
     assert all(s["pages_in_use"] == 0 for s in stats["decode"])
+
+
+async def test_an_abort_that_overtakes_its_decode_request_refuses_it(deployment):
+    """The abort and the decode request travel on separate connections; either may land first."""
+    decoder, room = deployment.decoders[0], 987654321
+    before = (await deployment.stats())["decode"][0]
+    await deployment.client.request("POST", f"{decoder.url}/v1/rooms/{room}/abort")
+    late = DecodeRequest(engine_id="prefill0", room=room, num_tokens=64, prefix_id=-1, prefix_tokens=0)
+    with pytest.raises(UnknownRoomError, match="aborted before its fetch arrived"):
+        await asyncio.wait_for(deployment.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, late), 5)
+    after = (await deployment.stats())["decode"][0]
+    assert after["failures"] == before["failures"] + 1 and after["pages_in_use"] == 0
 
 
 async def test_a_dead_worker_is_noticed_and_requests_fail_fast(deployment):

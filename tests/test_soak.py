@@ -58,4 +58,10 @@ async def test_soak_2000_fetches_with_random_aborts():
         assert [s["registered_bytes"] for s in after["prefill"]] == [s["registered_bytes"] for s in before["prefill"]]
         dec_before, dec_after = before["decode"][0], after["decode"][0]
         assert dec_after["pages_in_use"] == 0 and dec_after["peers"] == dec_before["peers"] == 4
-        assert dec_after["fetches"] - dec_before["fetches"] == len(done)
+        # A cancel may land after the decode finished its fetch: the router then reports the
+        # request aborted while the decode counted a fetch. Every fetch the decode saw ended
+        # one way or the other, and only aborts failed.
+        fetched = dec_after["fetches"] - dec_before["fetches"]
+        failed = dec_after["failures"] - dec_before["failures"]
+        assert len(done) <= fetched <= len(done) + aborted
+        assert failed <= aborted and fetched + failed <= REQUESTS

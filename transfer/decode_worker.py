@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
+_REMEMBER_ABORTED = 1 << 14
+
 
 class CorruptKVError(TransferError):
     """Fetched bytes differ from what the prefill wrote."""
@@ -44,6 +47,9 @@ class DecodeWorker:
                                      secret=secret_from_env(args.secret_env), lanes=args.lanes,
                                      timeouts=Timeouts(fetch=args.fetch_timeout))
         self.inflight: dict[int, asyncio.Task[DecodeReply]] = {}
+        # The router's abort and its decode request travel on separate connections, so an
+        # abort may overtake the request it cancels; remembering it refuses the late request.
+        self.aborted: OrderedDict[int, None] = OrderedDict()
         self.stats = {"fetches": 0, "failures": 0, "verified_bytes": 0}
 
     async def decode(self, req: DecodeRequest) -> DecodeReply:
@@ -72,6 +78,9 @@ class DecodeWorker:
         req = await read_body(request, DecodeRequest)
         if req.room in self.inflight:
             raise PdkvError(f"room {req.room} is already being fetched here")
+        if req.room in self.aborted:
+            self.stats["failures"] += 1
+            raise UnknownRoomError(f"room {req.room} was aborted before its fetch arrived")
         task = asyncio.create_task(self.decode(req))
         self.inflight[req.room] = task
         try:
@@ -91,9 +100,14 @@ class DecodeWorker:
             self.inflight.pop(req.room, None)
 
     async def _abort(self, request: web.Request) -> web.Response:
-        task = self.inflight.get(int(request.match_info["room"]))
+        room = int(request.match_info["room"])
+        task = self.inflight.get(room)
         if task is not None:
             task.cancel()
+        else:
+            self.aborted[room] = None
+            if len(self.aborted) > _REMEMBER_ABORTED:
+                self.aborted.popitem(last=False)
         return web.Response(status=200)
 
     async def _stats(self, request: web.Request) -> web.Response:
