@@ -6,9 +6,10 @@
 A fetch looks the engine up (cached), checks that its owners cover every layer once and
 match the local layout, then, for all owners concurrently, long-polls each owner for
 the room's ready layers and reads them with one batched one-sided READ per batch of
-ready layers, so it starts before the prefill has finished. It ends by releasing the
-room on every owner; a release refused (room aborted or expired) fails the fetch,
-because the source pages may have been reused while being read.
+ready layers, so it starts before the prefill has finished. Each owner is released as
+soon as its layers are read, while other owners may still be read; a release refused
+(room aborted or expired) fails the fetch, because the source pages may have been
+reused while being read.
 """
 
 from __future__ import annotations
@@ -261,9 +262,8 @@ class DecodeFetcher:
         try:
             stats = await _all_or_cancel(tasks)
         except BaseException:  # cancellation too: never leave the room pinned
-            await self._release_all(owners, room, deadline, strict=False)
+            await self._release_all(owners, room)
             raise
-        await self._release_all(owners, room, deadline, strict=True)
         nbytes = sum(s.nbytes for s in stats)
         return FetchResult(engine_id, room, nbytes, time.perf_counter() - t0, tuple(stats))
 
@@ -279,8 +279,11 @@ class DecodeFetcher:
         return state
 
     async def _fetch_owner(self, owner: _Owner, room: int, dst: np.ndarray, deadline: _Deadline) -> OwnerStats:
+        """Read one owner's layers, then release them there (while other owners still read)."""
         try:
-            return await self._read_owner(owner, room, dst, deadline)
+            stats = await self._read_owner(owner, room, dst, deadline)
+            await self._release(owner, room, deadline.left(self.timeouts.request))
+            return stats
         except PeerLostError as exc:
             r = owner.rank
             raise PeerLostError(f"engine {r.engine_id} cp rank {r.cp_rank} ({r.control_url}) lost: {exc}", r.agent_name) from exc
@@ -312,21 +315,23 @@ class DecodeFetcher:
             cursor = state.ready_upto
         return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy)
 
-    async def _release_all(self, owners: dict[int, _Owner], room: int, deadline: _Deadline, strict: bool) -> None:
+    async def _release(self, owner: _Owner, room: int, timeout: float) -> None:
+        """Release `room` on one owner. A refusal raises: those pages may have been reused mid-read."""
         notice = ReleaseNotice(room=room, consumer_id=self.consumer_id)
-        fp = self.pool.layout.fingerprint
+        url = f"{owner.rank.control_url}/v1/rooms/{room}/release"
+        await self._client.request("POST", url, body=notice, fingerprint=self.pool.layout.fingerprint, timeout=timeout)
 
-        async def release(o: _Owner) -> None:
-            url = f"{o.rank.control_url}/v1/rooms/{room}/release"
-            limit = self.timeouts.request if not strict else deadline.left(self.timeouts.request)
-            await self._client.request("POST", url, body=notice, fingerprint=fp, timeout=limit)
+    async def _release_all(self, owners: dict[int, _Owner], room: int) -> None:
+        """Release on every owner after a failed fetch (owners released already say so again).
 
-        results = await asyncio.gather(*(release(o) for o in owners.values()), return_exceptions=True)
-        errors = [e for e in results if isinstance(e, BaseException)]
-        if strict and errors:
-            raise errors[0]
-        for e in errors:
-            logger.debug("release of room %d after a failed fetch: %s", room, e)
+        Each gets a full request timeout, not what is left of the fetch's deadline: the
+        fetch may have failed on that deadline, and the pins must not be left behind.
+        """
+        limit = self.timeouts.request
+        results = await asyncio.gather(*(self._release(o, room, limit) for o in owners.values()), return_exceptions=True)
+        for e in results:
+            if isinstance(e, BaseException):
+                logger.debug("release of room %d after a failed fetch: %s", room, e)
 
 
 def _incarnations(owners: dict[int, _Owner]) -> list[str]:
