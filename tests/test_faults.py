@@ -161,4 +161,12 @@ async def test_expired_fetch_fails_cleanly_and_pins_nothing(d):
         with pytest.raises(DeadlineExceeded):
             await fetcher.fetch("prefill1", 777, np.arange(1, 5), timeout=0.5)
         assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()  # the same budget as an instant: what a request carries end to end
+        with pytest.raises(DeadlineExceeded):
+            await fetcher.fetch("prefill1", 778, np.arange(1, 5), deadline=t0 + 0.5)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(DeadlineExceeded):  # already past: fails before anything is asked
+            await fetcher.fetch("prefill1", 779, np.arange(1, 5), deadline=t0 - 1)
+        with pytest.raises(ValueError):
+            await fetcher.fetch("prefill1", 780, np.arange(1, 5), deadline=t0 + 5, timeout=5)
     assert await _no_pins(d)

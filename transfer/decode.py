@@ -83,8 +83,8 @@ class _Owner:
 
 
 class _Deadline:
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
+    def __init__(self, seconds: float, at: float | None = None) -> None:
+        self.at = time.monotonic() + seconds if at is None else at
 
     def left(self, cap: float) -> float:
         left = self.at - time.monotonic()
@@ -228,31 +228,42 @@ class DecodeFetcher:
 
     # ---- the fetch -----------------------------------------------------------------------------
     async def fetch(
-        self, engine_id: str, room: int, dst_pages: np.ndarray | list[int], *, timeout: float | None = None
+        self,
+        engine_id: str,
+        room: int,
+        dst_pages: np.ndarray | list[int],
+        *,
+        deadline: float | None = None,
+        timeout: float | None = None,
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
-        Raises a `PdkvError`; on any error the destination pages hold no valid KV.
+        `deadline` is an instant on the `time.monotonic()` clock (a request's end-to-end
+        budget passes through unchanged); `timeout` is seconds from now. Give at most one;
+        with neither, `Timeouts.fetch` applies. Raises a `PdkvError`, `DeadlineExceeded`
+        when the deadline passes; on any error the destination pages hold no valid KV.
         """
+        if deadline is not None and timeout is not None:
+            raise ValueError("give a deadline or a timeout, not both")
         dst = np.asarray(dst_pages, dtype=np.int64)
         if dst.size and (dst.min() < 0 or dst.max() >= self.pool.layout.num_pages):
             raise MetadataError(f"destination pages outside [0, {self.pool.layout.num_pages})")
-        deadline = _Deadline(self.timeouts.fetch if timeout is None else timeout)
+        budget = _Deadline(self.timeouts.fetch if timeout is None else timeout, at=deadline)
         was_cached = engine_id in self._engines
-        owners = await self._lookup(engine_id, deadline)
+        owners = await self._lookup(engine_id, budget)
         try:
-            return await self._fetch_from(owners, engine_id, room, dst, deadline)
+            return await self._fetch_from(owners, engine_id, room, dst, budget)
         except PeerLostError:
             await self.forget(engine_id)  # drop the dead peers' connections and keys
             if not was_cached:
                 raise
             # A cached view may predate a restart: retry once if the engine re-registered.
-            described = await asyncio.wait_for(self._describe(engine_id), deadline.left(self.timeouts.lookup))
+            described = await asyncio.wait_for(self._describe(engine_id), budget.left(self.timeouts.lookup))
             if _incarnations(described) == _incarnations(owners):
                 raise
             logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
-            fresh = await self._lookup(engine_id, deadline)
-            return await self._fetch_from(fresh, engine_id, room, dst, deadline)
+            fresh = await self._lookup(engine_id, budget)
+            return await self._fetch_from(fresh, engine_id, room, dst, budget)
 
     async def _fetch_from(
         self, owners: dict[int, _Owner], engine_id: str, room: int, dst: np.ndarray, deadline: _Deadline
