@@ -126,7 +126,8 @@ async def bench(args: argparse.Namespace) -> None:
         local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items,
                                    p.local_dev, q.local_dev)
                         for p, q in zip(ps, qs)] for ps, qs in zip(pairs, owner_pairs(source_copy, desc))]
-        async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes) as fetcher:
+        async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None) as fetcher:
+            args.lanes = fetcher.engine.lanes
             rows = []
             for n in args.sizes:
                 slabs = (decode_pool.kv_slab, source_copy.kv_slab)
@@ -186,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--lanes", type=int, default=0, help="decode lanes; 0: one a core, up to 8 (4 on a GPU)")
     ap.add_argument("--device", default="cpu")
     asyncio.run(bench(ap.parse_args()))
 

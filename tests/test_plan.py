@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from pdkv import PageRangeError
 from pdkv.pages import PageAllocator, fragmented_page_order
-from transfer.plan import BufferPair, build_read_plan, page_runs
+from transfer.engine import _split
+from transfer.plan import BufferPair, ReadPlan, build_read_plan, page_runs
 
 
 def test_runs_merge_only_where_both_sides_are_consecutive():
@@ -65,3 +66,16 @@ def test_allocator_reuses_freed_pages_and_refuses_double_free():
     alloc.free(a[3:4])
     with pytest.raises(PageRangeError):
         alloc.free(a[3:4])
+
+
+@given(st.lists(st.integers(1, 1 << 22), min_size=1, max_size=3000), st.integers(1, 8))
+def test_a_split_read_covers_the_plan_once_in_order(lengths, pieces):
+    n = len(lengths)
+    local = np.stack([np.arange(n) * (1 << 23), lengths, np.zeros(n, np.int64)], axis=1)
+    plan = ReadPlan(local, local + [1 << 40, 0, 0], int(sum(lengths)))
+    parts = _split(plan, pieces)
+    assert 1 <= len(parts) <= pieces and all(len(a) > 0 for a, _ in parts)
+    assert np.array_equal(np.concatenate([a for a, _ in parts]), plan.local)
+    assert np.array_equal(np.concatenate([b for _, b in parts]), plan.remote)
+    if n < 512 and plan.nbytes < 8 << 20:
+        assert len(parts) == 1  # too small to be worth another lane

@@ -9,9 +9,12 @@ import asyncio
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
 from pdkv import IncompatibleLayoutError, NotReadyError, UnknownRoomError, DSAKVPool, tiny
-from transfer.api import DecodeReply, DecodeRequest
+from pdkv.pages import fragmented_page_order
+from pdkv.synthetic import RequestContent, request_seed
+from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.decode import DecodeFetcher
 from transfer.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
@@ -71,6 +74,27 @@ async def test_second_fetch_of_a_released_room_fails_clearly(deployment):
     again = DecodeRequest(engine_id="prefill1", room=done.room, num_tokens=20)
     with pytest.raises(UnknownRoomError, match="released"):
         await deployment.client.request("POST", f"{deployment.decoders[0].url}/v1/decode", DecodeReply, again)
+
+
+async def test_one_owner_read_is_split_over_lanes_byte_exact(deployment):
+    """More lanes than owners: each owner's READ is cut into pieces posted at once."""
+    engine, room, n = deployment.engines[0], 4242, 1000  # CP=1: one owner, four lanes
+    await deployment.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n))
+    pool = DSAKVPool(tiny(size=8192))
+    pages = fragmented_page_order(np.arange(pool.layout.num_pages), np.random.default_rng(3))[: -(-n // pool.layout.page_size)]
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=4) as fetcher:
+        reads = []
+        inner = fetcher.engine.read
+
+        async def spy(*args, **kwargs):
+            reads.append(await inner(*args, **kwargs))
+            return reads[-1]
+
+        fetcher.engine.read = spy
+        result = await fetcher.fetch("prefill0", room, pages)
+    assert max(x.pieces for x in reads) == 4 and result.nbytes == sum(x.nbytes for x in reads)
+    content = RequestContent(request_seed("prefill0", room), n)
+    assert content.mismatched_layers(pool, torch.from_numpy(pages)) == []
 
 
 async def test_fetch_starts_before_the_last_layer_is_ready(deployment):

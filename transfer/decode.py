@@ -33,7 +33,7 @@ from pdkv.errors import (
     UnknownRoomError,
 )
 from pdkv.pool import DSAKVPool
-from transfer.engine import UcxEngine
+from transfer.engine import UcxEngine, default_lanes
 from transfer.http import ControlClient
 from transfer.metadata import BufferKind, EngineDescriptor, RankDescriptor, ReleaseNotice, RoomState, RoomStatus
 from transfer.plan import BufferPair, build_read_plan
@@ -94,7 +94,11 @@ class _Deadline:
 
 
 class DecodeFetcher:
-    """Fetches KV of prefill rooms into `pool` over UCX. Many fetches may run at once."""
+    """Fetches KV of prefill rooms into `pool` over UCX. Many fetches may run at once.
+
+    `lanes` is how many threads post READs (None: `default_lanes`, one a core up to 8,
+    4 for a GPU pool); an owner's READ is cut into pieces when lanes outnumber owners.
+    """
 
     def __init__(
         self,
@@ -104,7 +108,7 @@ class DecodeFetcher:
         consumer_id: str | None = None,
         timeouts: Timeouts = Timeouts(),
         secret: str | None = None,
-        lanes: int = 2,
+        lanes: int | None = None,
         merge_runs: bool = True,
     ) -> None:
         if len(pool.owned) != pool.layout.layer_num:
@@ -122,7 +126,8 @@ class DecodeFetcher:
 
     async def start(self) -> None:
         mem = "VRAM" if self.pool.device.type == "cuda" else "DRAM"
-        self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=self._lanes, mem_type=mem,
+        lanes = self._lanes or default_lanes(mem)
+        self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=lanes, mem_type=mem,
                                  connect_timeout=self.timeouts.connect)
         self.engine.register([self.pool.kv_slab, self.pool.index_slab])
 
@@ -305,6 +310,7 @@ class DecodeFetcher:
         t0 = time.perf_counter()
         cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
         src: np.ndarray | None = None
+        pieces = max(1, self.engine.lanes // r.cp_size)  # owners read at once: fill the lanes, no more
         unknown_until = time.monotonic() + self.timeouts.ready
         while cursor < r.layer_end:
             state = await self._poll(owner, room, cursor, deadline)
@@ -320,7 +326,7 @@ class DecodeFetcher:
                 continue
             pairs = [p for layer in range(cursor, state.ready_upto) for p in owner.pairs[layer]]
             plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-            xfer = await self.engine.read(r.agent_name, plan, deadline.left(self.timeouts.transfer))
+            xfer = await self.engine.read(r.agent_name, plan, deadline.left(self.timeouts.transfer), pieces)
             nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
             busy += xfer.seconds
             cursor = state.ready_upto

@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", required=True)
     ap.add_argument("--consumer-id", default=None)
     add_pool_flags(ap, 128 * 1024)
-    ap.add_argument("--lanes", type=int, default=2, help="UCX lanes (threads posting READs)")
+    ap.add_argument("--lanes", type=int, default=0, help="UCX lanes (threads posting READs); 0: one a core, up to 8 (4 on a GPU)")
     ap.add_argument("--fetch-timeout", type=float, default=Timeouts().fetch)
     ap.add_argument("--seed", type=int, default=1)
     add_service_flags(ap)

@@ -33,7 +33,7 @@ import torch
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.plan import ReadPlan
 
-__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment"]
+__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,17 @@ def configure_ucx_environment() -> None:
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
 
 
+def default_lanes(mem_type: str = "DRAM") -> int:
+    """One lane per core this process may run on, up to 8 for host memory, 4 for GPU memory.
+
+    On the host a lane's thread does the copy (cma), so lanes scale with cores: on a
+    16-core H200 host, 8 lanes fetched 14.2-14.5 GB/s against 8.7-8.9 with 2. Over cuda_ipc
+    a lane posts descriptors and the copy engines do the rest: 4 lanes gave 15.0-19.7 GB/s
+    against 9.4-12.2 with 2, and 8 lanes no more than 4, with a worse p99.
+    """
+    return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
+
+
 def _nixl() -> ModuleType:
     configure_ucx_environment()
     for name in ("nixl_cu12", "nixl_cu13", "nixl._api"):
@@ -73,11 +84,12 @@ def _translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
 
 @dataclass(frozen=True)
 class XferStats:
-    """One READ: bytes, descriptors, and seconds on the lane (queueing excluded)."""
+    """One READ: bytes, descriptors, seconds on the lanes (queueing excluded), lanes used."""
 
     nbytes: int
     descriptors: int
     seconds: float
+    pieces: int = 1
 
 
 class Regions:
@@ -142,6 +154,25 @@ class _Lane:
                 handle.release()
             except Exception as exc:  # an in-flight handle may refuse; NIXL reclaims it later
                 logger.warning("could not release a transfer handle to %s: %s", peer, exc)
+
+
+# A piece of a READ carries at least this many descriptors or bytes: below that, posting
+# it on another lane costs more than it saves.
+_MIN_PIECE_DESCS = 256
+_MIN_PIECE_BYTES = 4 << 20
+
+
+def _split(plan: ReadPlan, pieces: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut `plan` into at most `pieces` pieces of about equal cost (bytes and descriptors)."""
+    n = min(pieces, max(1, plan.descriptors // _MIN_PIECE_DESCS, plan.nbytes // _MIN_PIECE_BYTES), plan.descriptors)
+    if n <= 1:
+        return [(plan.local, plan.remote)]
+    # Cost of a descriptor: its bytes plus a fixed posting cost in byte terms, so a piece
+    # of many small runs and one of a few large runs take about as long.
+    cost = np.cumsum(plan.local[:, 1] + (_MIN_PIECE_BYTES // _MIN_PIECE_DESCS))
+    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, n) / n, side="right")
+    cuts = np.unique(np.clip(cuts, 1, plan.descriptors - 1))
+    return list(zip(np.split(plan.local, cuts), np.split(plan.remote, cuts)))
 
 
 class UcxEngine:
@@ -231,15 +262,24 @@ class UcxEngine:
                 logger.warning("removing peer %s: %s", agent_name, exc)
 
     @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    @property
     def peer_count(self) -> int:
         return len(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
-    async def read(self, peer: str, plan: ReadPlan, timeout: float) -> XferStats:
-        """Execute `plan` as one batched READ from `peer`; bounded by `timeout` seconds.
+    async def read(self, peer: str, plan: ReadPlan, timeout: float, pieces: int = 1) -> XferStats:
+        """Execute `plan` as batched READs from `peer`; bounded by `timeout` seconds.
 
-        If the caller is cancelled, this still waits for the READ to end (it is bounded by
-        the same deadline) so that no byte lands in pages the caller may hand out again.
+        With `pieces` > 1 a large plan is cut into up to that many READs posted on as many
+        lanes at once: posting costs about 8 us a descriptor on the posting thread over
+        cuda_ipc (measured on an H200), so one READ is bound by one thread. A caller with
+        more lanes than concurrent READs asks for pieces; one that already keeps every lane
+        busy does not (more, smaller posts then only cost). If the caller is
+        cancelled, this still waits for every piece to end (bounded by the same deadline)
+        so that no byte lands in pages the caller may hand out again.
         """
         regions = self._peers.get(peer)
         if regions is None:
@@ -250,22 +290,31 @@ class UcxEngine:
             raise TransferError(f"a remote descriptor falls outside what {peer} exported")
         if plan.descriptors == 0:
             return XferStats(0, 0, 0.0)
-        lane = self._lanes[next(self._next_lane)]
         deadline = time.monotonic() + timeout
-        fut = asyncio.get_running_loop().run_in_executor(
-            lane.executor, lane.read_blocking, peer, plan.local, plan.remote, self.mem_type, deadline
-        )
+        loop = asyncio.get_running_loop()
+        futs = [
+            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, self.mem_type, deadline)
+            for lane, (local, remote) in zip(self._pick_lanes(), _split(plan, min(pieces, len(self._lanes))))
+        ]
         try:
-            seconds = await asyncio.shield(fut)
+            results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
         except asyncio.CancelledError:
-            await asyncio.wait([fut])
+            await asyncio.wait(futs)
             raise
-        except (DeadlineExceeded, TransferError):
-            raise
-        except Exception as exc:
-            raise _translate(exc, f"READ from {peer}", peer) from exc
-        logger.debug("READ from %s: %d descriptors, %d bytes, %.2f ms on the lane", peer, plan.descriptors, plan.nbytes, seconds * 1e3)
-        return XferStats(plan.nbytes, plan.descriptors, seconds)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if isinstance(errors[0], (DeadlineExceeded, TransferError)):
+                raise errors[0]
+            raise _translate(errors[0], f"READ from {peer}", peer) from errors[0]
+        seconds = max(results)
+        logger.debug("READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the lanes",
+                     peer, plan.descriptors, len(futs), plan.nbytes, seconds * 1e3)
+        return XferStats(plan.nbytes, plan.descriptors, seconds, len(futs))
+
+    def _pick_lanes(self) -> list[_Lane]:
+        """Every lane, starting from the next in turn, so concurrent READs spread out."""
+        first = next(self._next_lane)
+        return self._lanes[first:] + self._lanes[:first]
 
     async def progress(self) -> None:
         """Drive the UCX worker once: a target must progress for wire-up and emulated GETs."""

@@ -43,7 +43,7 @@ class DeploymentSpec:
     layer_delay: float = 0.0
     pin: float = Timeouts().pin
     lease: float = Timeouts().lease
-    decode_lanes: int = 2
+    decode_lanes: int = 0  # 0: one a core, up to 8 (4 on a GPU)
     secret: str | None = None
     start_timeout: float = 120.0
     log_level: str = "WARNING"
