@@ -53,7 +53,14 @@ async def test_50_requests_over_two_engines_and_two_decoders(deployment):
 
 async def test_cancelling_a_request_in_flight_releases_every_page(deployment):
     task = asyncio.create_task(deployment.submit(2000, engine_id="prefill1"))
-    await asyncio.sleep(0.15)  # 7 layers x 20 ms: prefill is part-way through
+    # Cancel once the room is pinned: prefill is part-way (7 layers x 20 ms), and the decode
+    # cannot have answered, since it releases the room before it answers.
+    for _ in range(200):
+        stats = await deployment.stats()
+        if any(s["pinned_pages"] for s in stats["prefill"]):
+            break
+        await asyncio.sleep(0.005)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
