@@ -46,8 +46,18 @@ class _Slot:
 
     scratch: torch.Tensor | None
     layer_id: int | None = None
+    pages: torch.Tensor | None = None  # the pages of layer_id it holds; None: all of them
     flight: _Flight | None = None
     used: int = 0  # logical clock of the last prefetch or read, for LRU
+
+    def holds(self, layer_id: int, pages: torch.Tensor | None) -> bool:
+        """Whether this slot has (or is receiving) `pages` of `layer_id` (None: all)."""
+        if self.layer_id != layer_id:
+            return False
+        if self.pages is None or pages is self.pages:
+            return True
+        # Every rank reaches the same answer: the same calls leave the same slot state.
+        return pages is not None and bool(torch.isin(pages.reshape(-1), self.pages.reshape(-1)).all())
 
 
 class RemoteLayerCache:
@@ -119,12 +129,18 @@ class RemoteLayerCache:
             flight.finish()
 
     def prefetch(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
-        """Start the broadcast of `layer_id` (or of its `pages`) unless held or on its way."""
-        if self._broadcaster is None or self._slot_of(layer_id) is not None:
+        """Start the broadcast of `layer_id` (or of its `pages`) unless held or on its way.
+
+        A slot holding other pages of the layer is refilled with the ones asked for.
+        """
+        if self._broadcaster is None:
             return
-        victim = min(self._slots, key=lambda s: (s.layer_id is not None, s.used))
+        slot = self._slot_of(layer_id)
+        if slot is not None and slot.holds(layer_id, pages):
+            return
+        victim = slot or min(self._slots, key=lambda s: (s.layer_id is not None, s.used))
         self._settle(victim)  # a broadcast into it must land before it is reused
-        victim.layer_id = layer_id
+        victim.layer_id, victim.pages = layer_id, pages
         idx = None if pages is None else pages.reshape(-1).long()
         victim.flight = self._start(victim, layer_id, idx)
         self._touch(victim)
@@ -132,12 +148,13 @@ class RemoteLayerCache:
     def read(self, layer_id: int) -> torch.Tensor:
         """The buffer holding `layer_id`, broadcasting it first if needed (blocking).
 
-        Where only some pages were prefetched, only those pages are valid in it. It stays
-        valid until two other layers have been prefetched or read since.
+        Where only some pages were prefetched or awaited, only those pages are valid in
+        it. It stays valid until two other layers have been prefetched or read since.
         """
         if self._broadcaster is None:
             return self._owned[layer_id - self._plan.start_layer]
-        self.prefetch(layer_id)
+        if self._slot_of(layer_id) is None:
+            self.prefetch(layer_id)
         slot = self._slot_of(layer_id)
         assert slot is not None
         self._settle(slot)

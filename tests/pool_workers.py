@@ -12,9 +12,9 @@ from pdkv.synthetic import SyntheticLayer
 PAGES = torch.tensor([3, 1, 7, 2, 9])  # deliberately out of order
 
 
-def _tokens(layout):
+def _tokens(layout, pages=PAGES):
     ps = layout.page_size
-    return (PAGES[:, None] * ps + torch.arange(ps)).reshape(-1)
+    return (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
 
 
 def write_all(pool: LayerSplitDSAKVPool, seed: int) -> None:
@@ -26,19 +26,19 @@ def write_all(pool: LayerSplitDSAKVPool, seed: int) -> None:
         pool.set_index_k_and_scale(layer, loc, data.index_k, data.index_scale)
 
 
-def check_layer(pool: LayerSplitDSAKVPool, layer: int, seed: int) -> None:
+def check_layer(pool: LayerSplitDSAKVPool, layer: int, seed: int, pages: torch.Tensor = PAGES) -> None:
     layout = pool.layout
-    loc = _tokens(layout)
+    loc = _tokens(layout, pages)
     want = SyntheticLayer(layout, seed, layer, loc)
     got_kv = pool.get_key_buffer(layer)[loc].reshape(loc.numel(), -1).cpu()
     assert torch.equal(got_kv.contiguous().view(torch.uint8), want.kv), f"latent layer {layer}"
     value = pool.get_value_buffer(layer)[loc].reshape(loc.numel(), -1).cpu()
     assert torch.equal(value.contiguous().view(torch.uint8), want.kv[:, : value.shape[1] * value.element_size()])
-    k, s = (t.cpu() for t in pool.get_index_k_and_scale(layer, loc.numel(), PAGES))
+    k, s = (t.cpu() for t in pool.get_index_k_and_scale(layer, loc.numel(), pages))
     assert torch.equal(k, want.index_k), f"index keys layer {layer}"
     assert torch.equal(s, want.index_scale.view(torch.uint8).view(-1, 4)), f"index scales layer {layer}"
-    assert torch.equal(pool.get_index_k(layer, loc.numel() - 3, PAGES).cpu(), want.index_k[:-3])
-    assert torch.equal(pool.get_index_k_scale(layer, 5, PAGES).cpu(), s[:5])
+    assert torch.equal(pool.get_index_k(layer, loc.numel() - 3, pages).cpu(), want.index_k[:-3])
+    assert torch.equal(pool.get_index_k_scale(layer, 5, pages).cpu(), s[:5])
 
 
 def owner_broadcast_reads(
@@ -110,4 +110,24 @@ def owner_broadcast_reads(
     write_all(pool, seed=2)
     check_layer(pool, last, seed=2)
     check_layer(pool, 0, seed=2)
+
+    # A slot holding some pages of a layer is not taken for others: asking for pages it
+    # lacks broadcasts them (what sits there otherwise is left over from seed 2).
+    write_all(pool, seed=3)
+    head, tail = PAGES[:2], PAGES[2:]
+
+    async def other_pages() -> None:
+        for layer in range(layers):
+            pool.prefetch(layer, head)
+            await pool.wait_layer(layer, tail)
+            check_layer(pool, layer, seed=3, pages=tail)
+            await pool.wait_layer(layer, head)
+            check_layer(pool, layer, seed=3, pages=head)
+            await pool.wait_layer(layer, head[:1])  # held already: nothing travels
+            check_layer(pool, layer, seed=3, pages=head)
+
+    before = pool.remote_kv.broadcasts
+    asyncio.run(other_pages())
+    if len(plan.owned) < layers:
+        assert pool.remote_kv.broadcasts - before == 3 * layers
     return {"kv_broadcasts": pool.remote_kv.broadcasts, "owned": len(plan.owned)}
