@@ -30,7 +30,7 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 from pdkv import DSAKVPool, PageAllocator, dsa_v32  # noqa: E402
 from transfer.api import PrefillReply, PrefillRequest  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
-from transfer.engine import _nixl  # noqa: E402
+from transfer.engine import _nixl, device_id, mem_type  # noqa: E402
 from transfer.metadata import BufferKind, EngineDescriptor, RoomState  # noqa: E402
 from transfer.plan import BufferPair, build_read_plan  # noqa: E402
 from transfer.router import Deployment, DeploymentSpec  # noqa: E402
@@ -41,7 +41,7 @@ class RawNixl:
 
     def __init__(self, pool: DSAKVPool, engine: EngineDescriptor) -> None:
         nixl = _nixl()
-        self.mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
+        self.mem = mem_type(pool.device)
         self.agent = nixl.nixl_agent("raw-bench", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory([pool.kv_slab, pool.index_slab])
         self.names = [self.agent.add_remote_agent(r.agent_metadata) for r in engine.ranks]
@@ -66,9 +66,8 @@ def owner_pairs(pool: DSAKVPool, engine: EngineDescriptor) -> list[list[BufferPa
         for layer in range(r.layer_start, r.layer_end):
             for kind, bufs in ((BufferKind.LATENT, pool.kv_buffer), (BufferKind.INDEX, pool.index_buffer)):
                 d, t = r.buffer(kind, layer), bufs[layer]
-                dev = t.device.index or 0 if t.is_cuda else 0
                 pairs.append(BufferPair(t.data_ptr(), d.addr, d.item_len, t.nbytes // d.item_len, d.num_items,
-                                        dev, d.device_id))
+                                        device_id(t.device), d.device_id))
         out.append(pairs)
     return out
 

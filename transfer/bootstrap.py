@@ -98,8 +98,8 @@ class RegistryServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeouts: Timeouts = Timeouts(), secret: str | None = None) -> None:
         self.registry = Registry(timeouts.lease)
         app = make_app(secret)
-        app.router.add_put("/v1/engines/{engine}/ranks/{rank}", self._put)
-        app.router.add_delete("/v1/engines/{engine}/ranks/{rank}", self._delete)
+        app.router.add_put(r"/v1/engines/{engine}/ranks/{rank:\d+}", self._put)
+        app.router.add_delete(r"/v1/engines/{engine}/ranks/{rank:\d+}", self._delete)
         app.router.add_get("/v1/engines/{engine}", self._get)
         app.router.add_get("/v1/engines", self._list)
         app.router.add_get("/health", self._health)

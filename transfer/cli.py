@@ -58,14 +58,15 @@ def parse_mix(text: str) -> tuple[np.ndarray, np.ndarray]:
 
 def summarise(outcomes: list[RequestOutcome], wall: float) -> Summary:
     ok = [o for o in outcomes if o.ok and o.decode is not None]
+    replies = [o.decode for o in ok if o.decode is not None]
     ttft = np.array([o.seconds for o in ok]) * 1e3 if ok else np.zeros(1)
-    fetch = np.array([o.decode.fetch_seconds for o in ok]) * 1e3 if ok else np.zeros(1)  # type: ignore[union-attr]
-    fetched = sum(o.decode.nbytes for o in ok)  # type: ignore[union-attr]
+    fetch = np.array([r.fetch_seconds for r in replies]) * 1e3 if ok else np.zeros(1)
+    fetched = sum(r.nbytes for r in replies)
     return Summary(
         requests=len(outcomes), ok=len(ok), failures=len(outcomes) - len(ok),
-        verified_bytes=sum(o.decode.verified_bytes for o in ok),  # type: ignore[union-attr]
+        verified_bytes=sum(r.verified_bytes for r in replies),
         fetched_bytes=fetched, wall_seconds=wall,
-        read_gbps=fetched / max(sum(o.decode.read_seconds for o in ok), 1e-9) / 1e9,  # type: ignore[union-attr]
+        read_gbps=fetched / max(sum(r.read_seconds for r in replies), 1e-9) / 1e9,
         fetch_gbps=fetched / max(fetch.sum() / 1e3, 1e-9) / 1e9,
         ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)),
         fetch_p50_ms=float(np.percentile(fetch, 50)), fetch_p99_ms=float(np.percentile(fetch, 99)),

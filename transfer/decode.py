@@ -33,7 +33,7 @@ from pdkv.errors import (
     UnknownRoomError,
 )
 from pdkv.pool import DSAKVPool
-from transfer.engine import UcxEngine, default_lanes
+from transfer.engine import UcxEngine, default_lanes, device_id, mem_type
 from transfer.http import ControlClient
 from transfer.metadata import BufferKind, EngineDescriptor, RankDescriptor, ReleaseNotice, RoomState, RoomStatus
 from transfer.plan import BufferPair, build_read_plan
@@ -125,7 +125,7 @@ class DecodeFetcher:
         self.engine: UcxEngine | None = None
 
     async def start(self) -> None:
-        mem = "VRAM" if self.pool.device.type == "cuda" else "DRAM"
+        mem = mem_type(self.pool.device)
         lanes = self._lanes or default_lanes(mem)
         self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=lanes, mem_type=mem,
                                  connect_timeout=self.timeouts.connect)
@@ -169,13 +169,13 @@ class DecodeFetcher:
         """Ask the registry for the engine's owners (waiting until all are in) and check them."""
         deadline = _Deadline(self.timeouts.lookup)
         url = f"{self.registry_url}/v1/engines/{engine_id}"
-        give_up, delay = time.monotonic() + self.timeouts.lookup, 0.05
+        delay = 0.05
         while True:
             try:
                 desc = await self._client.request("GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request))
                 break
             except (NotReadyError, UnknownEngineError) as exc:
-                if time.monotonic() + delay > give_up:
+                if time.monotonic() + delay > deadline.at:
                     raise
                 logger.debug("engine %s not ready: %s", engine_id, exc)
                 await asyncio.sleep(deadline.left(delay))
@@ -212,9 +212,8 @@ class DecodeFetcher:
                 if remote.item_len != item:
                     raise IncompatibleLayoutError(f"{kind.value} item_len {remote.item_len} != local {item}", ("item_len",))
                 tensor = bufs[layer - layout.start_layer]
-                local_dev = tensor.device.index or 0 if tensor.is_cuda else 0
                 both.append(BufferPair(tensor.data_ptr(), remote.addr, item, tensor.nbytes // item, remote.num_items,
-                                       local_dev, remote.device_id))
+                                       device_id(tensor.device), remote.device_id))
             pairs[layer] = (both[0], both[1])
         return pairs
 

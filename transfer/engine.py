@@ -33,7 +33,7 @@ import torch
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.plan import ReadPlan
 
-__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes"]
+__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "device_id", "mem_type"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,16 @@ def configure_ucx_environment() -> None:
     if "UCX_MODULES" not in os.environ and not (ib.exists() and any(ib.iterdir())):
         os.environ["UCX_MODULES"] = "^ib"
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+
+
+def mem_type(device: torch.device) -> str:
+    """NIXL's memory type for buffers on `device`."""
+    return "VRAM" if device.type == "cuda" else "DRAM"
+
+
+def device_id(device: torch.device) -> int:
+    """The GPU index NIXL descriptors carry; 0 for host memory."""
+    return (device.index or 0) if device.type == "cuda" else 0
 
 
 def default_lanes(mem_type: str = "DRAM") -> int:

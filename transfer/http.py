@@ -31,6 +31,7 @@ CONTENT_TYPE = "application/x-msgpack"
 MAX_BODY = 32 << 20
 
 T = TypeVar("T", bound=msgspec.Struct)
+R = TypeVar("R")
 
 _STATUS = {
     "AuthError": 401,
@@ -124,18 +125,14 @@ class ControlClient:
         """One request; every wait is bounded by `timeout` (default `Timeouts.request`)."""
         limit = self.timeouts.request if timeout is None else timeout
         data = encode(body, fingerprint) if body is not None else None
+
         async def exchange() -> tuple[int, bytes]:
             async with self._sess().request(
                 method, url, data=data, headers={"Content-Type": CONTENT_TYPE}
             ) as resp:
                 return resp.status, await resp.read()
 
-        try:
-            status, payload = await asyncio.wait_for(exchange(), limit)
-        except asyncio.TimeoutError as exc:
-            raise DeadlineExceeded(f"{method} {url}: no answer within {limit:.1f}s") from exc
-        except aiohttp.ClientError as exc:
-            raise PeerLostError(f"{method} {url}: {exc}", url) from exc
+        status, payload = await _bounded(exchange(), f"{method} {url}", url, limit)
         if status != 200:
             raise _error_from_reply(status, payload, url)
         if reply_kind is None:
@@ -150,18 +147,22 @@ class ControlClient:
                 resp.raise_for_status()
                 return await resp.json()
 
-        try:
-            return await asyncio.wait_for(exchange(), self.timeouts.request)
-        except asyncio.TimeoutError as exc:
-            raise DeadlineExceeded(f"GET {url}: no answer within {self.timeouts.request:.1f}s") from exc
-        except aiohttp.ClientError as exc:
-            raise PeerLostError(f"GET {url}: {exc}", url) from exc
+        return await _bounded(exchange(), f"GET {url}", url, self.timeouts.request)
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
 
+
+async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) -> R:
+    """One HTTP exchange under `limit` seconds, its failures as pdkv errors."""
+    try:
+        return await asyncio.wait_for(exchange, limit)
+    except asyncio.TimeoutError as exc:
+        raise DeadlineExceeded(f"{what}: no answer within {limit:.1f}s") from exc
+    except aiohttp.ClientError as exc:
+        raise PeerLostError(f"{what}: {exc}", url) from exc
 
 
 class HttpService:
@@ -175,10 +176,8 @@ class HttpService:
 
     async def start(self) -> str:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        host, port = sock.getsockname()[:2]
+        await web.TCPSite(self._runner, self._host, self._port).start()
+        host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         return self.url
 

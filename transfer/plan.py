@@ -85,9 +85,8 @@ def build_read_plan(
     if not buffers or len(runs) == 0:
         empty = np.zeros((0, 3), dtype=np.int64)
         return ReadPlan(empty, empty, 0)
-    for b in buffers:
-        _check_pages(src, b.remote_items, "source")
-        _check_pages(dst, b.local_items, "destination")
+    _check_pages(src, min(b.remote_items for b in buffers), "source")
+    _check_pages(dst, min(b.local_items for b in buffers), "destination")
     item = np.array([b.item_len for b in buffers], dtype=np.int64)[:, None]
     lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)[:, None]
     rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)[:, None]

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.pool import DSAKVPool
-from transfer.engine import UcxEngine
+from transfer.engine import UcxEngine, device_id, mem_type
 from transfer.http import health, ControlClient, HttpService, make_app, read_body, reply
 from transfer.metadata import BufferKind, LayoutSpec, MemoryDescriptor, RankDescriptor, ReleaseNotice
 from transfer.rooms import RoomTable
@@ -38,12 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
-    device_id = pool.device.index or 0 if pool.device.type == "cuda" else 0
+    dev = device_id(pool.device)
     out = []
     for kind, infos in ((BufferKind.LATENT, pool.get_contiguous_buf_infos()), (BufferKind.INDEX, pool.get_state_buf_infos())):
         for layer, ptr, length, item in zip(infos.layer_ids, infos.data_ptrs, infos.data_lens, infos.item_lens):
             out.append(MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item,
-                                        device_id=device_id))
+                                        device_id=dev))
     return out
 
 
@@ -85,8 +85,7 @@ class PrefillExporter:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
-        mem = "VRAM" if self.pool.device.type == "cuda" else "DRAM"
-        self.engine = UcxEngine(name, lanes=1, mem_type=mem, connect_timeout=self.timeouts.connect)
+        self.engine = UcxEngine(name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect)
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
         self.engine.register([self.pool.kv_slab, self.pool.index_slab])
         url = await self._http.start()

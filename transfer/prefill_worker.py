@@ -35,7 +35,7 @@ from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_byte
 from transfer.api import PrefillReply, PrefillRequest
 from transfer.http import health, HttpService, make_app, read_body, reply
 from transfer.prefill import PrefillExporter
-from transfer.service import add_pool_flags, add_service_flags, run_service, secret_from_env, wait_for_signal
+from transfer.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class PrefillEngineRank:
             app.router.add_get("/health", health)
             intake = HttpService(app, a.host, a.port)
             await intake.start()
-        self._announce(intake.url if intake else "")
+        announce(self.args.ready_file, json.dumps({"control": self.exporter.control_url, "intake": intake.url if intake else ""}))
         stopper = asyncio.create_task(self._stop_on_signal())
         try:
             while await self.step():
@@ -238,12 +238,6 @@ class PrefillEngineRank:
             if intake is not None:
                 await intake.aclose()
             dist.destroy_process_group()
-
-    def _announce(self, intake_url: str) -> None:
-        if self.args.ready_file is not None:
-            tmp = self.args.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"control": self.exporter.control_url, "intake": intake_url}))
-            tmp.replace(self.args.ready_file)
 
     async def _stop_on_signal(self) -> None:
         await wait_for_signal()

@@ -117,7 +117,9 @@ class Deployment:
             self.workdir = Path(tempfile.mkdtemp(prefix="pdkv-"))
         env = {"PDKV_SECRET": self.spec.secret} if self.spec.secret else {}
         self.launcher = Launcher(self.workdir, env)
-        self.client = ControlClient(Timeouts(request=Timeouts().fetch), self.spec.secret)
+        self.timeouts = Timeouts()
+        # A decode leg answers once its fetch ends, so a request may take a whole fetch.
+        self.client = ControlClient(self.timeouts.replace(request=self.timeouts.fetch), self.spec.secret)
         self._rooms = (random.getrandbits(62) + i for i in itertools.count())
         self._generation = 0
 
@@ -235,7 +237,7 @@ class Deployment:
         t0 = time.perf_counter()
         try:
             self._check_alive(engine, decoder)  # fail fast rather than wait on a dead service
-            wait = Timeouts().ready
+            wait = self.timeouts.ready
             async with engine.budget.hold(need, wait), decoder.budget.hold(need, wait):
                 reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
             return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
@@ -270,7 +272,7 @@ class Deployment:
         """Cancel `room` everywhere: the decode's fetch, the queued prefill, every rank's pins."""
         urls = [f"{decoder.url}/v1/rooms/{room}/abort", f"{engine.intake}/v1/rooms/{room}/abort"]
         urls += [f"{c}/v1/rooms/{room}/abort" for c in engine.controls]
-        results = await asyncio.gather(*(self.client.request("POST", u, timeout=Timeouts().request) for u in urls),
+        results = await asyncio.gather(*(self.client.request("POST", u, timeout=self.timeouts.request) for u in urls),
                                        return_exceptions=True)
         for url, r in zip(urls, results):
             if isinstance(r, BaseException):
