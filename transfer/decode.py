@@ -15,7 +15,6 @@ reused while being read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -361,8 +360,8 @@ async def _all_or_cancel(tasks: list[asyncio.Task[OwnerStats]]) -> list[OwnerSta
     finally:
         for t in tasks:
             t.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # Collects every outcome; a cancel of our own arriving meanwhile propagates.
+        await asyncio.gather(*tasks, return_exceptions=True)
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
