@@ -8,6 +8,11 @@ rank does not own. This package never imports `transfer`.
 from pdkv.broadcast import BroadcastHandle, OwnerBroadcaster
 from pdkv.errors import (
     AuthError,
+    ClaimLostError,
+    ClosedError,
+    ConflictError,
+    InvalidPagesError,
+    RoomClaimedError,
     DeadlineExceeded,
     IncompatibleLayoutError,
     LayoutError,
@@ -28,6 +33,11 @@ from pdkv.sharding import ShardPlan, get_layer_owner, get_layer_shard_range
 
 __all__ = [
     "AuthError",
+    "ClaimLostError",
+    "ClosedError",
+    "ConflictError",
+    "InvalidPagesError",
+    "RoomClaimedError",
     "BroadcastHandle",
     "BufferInfos",
     "CpuKVCopy",

@@ -20,6 +20,11 @@ __all__ = [
     "NotReadyError",
     "DeadlineExceeded",
     "AuthError",
+    "ConflictError",
+    "RoomClaimedError",
+    "ClaimLostError",
+    "InvalidPagesError",
+    "ClosedError",
 ]
 
 
@@ -45,6 +50,10 @@ class PageRangeError(PdkvError, IndexError):
 
 class CapacityError(PdkvError):
     """No free pages (or other pool capacity) left for a request."""
+
+
+class InvalidPagesError(PdkvError, ValueError):
+    """A page list that is not a 1-D sequence of distinct integer page ids."""
 
 
 class MetadataError(PdkvError, ValueError):
@@ -84,3 +93,21 @@ class DeadlineExceeded(PdkvError, TimeoutError):
 
 class AuthError(PdkvError, PermissionError):
     """A request without the shared secret the service was started with."""
+
+
+class ConflictError(PdkvError):
+    """The request conflicts with the target's state (already published, already in flight)."""
+
+
+class RoomClaimedError(ConflictError):
+    """Every consumer claim the room was published with is taken: a second fetch of a
+    single-consumer room (a duplicate decode, or a retry under a new claim)."""
+
+
+class ClaimLostError(TransferError):
+    """A claim no longer pins the room's source pages (the room was aborted or its pin
+    expired, or the claim is unknown there): bytes read under it may belong to another room."""
+
+
+class ClosedError(PdkvError):
+    """An object used before it was started or after it was closed."""

@@ -5,13 +5,47 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from collections.abc import Sequence
+from typing import Union
+
 import numpy as np
+import torch
 
-from pdkv.errors import CapacityError, PageRangeError
+from pdkv.errors import CapacityError, InvalidPagesError, PageRangeError
 
-__all__ = ["PageAllocator", "fragmented_page_order"]
+__all__ = ["PageAllocator", "PageIds", "fragmented_page_order", "page_ids"]
+
+PageIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 logger = logging.getLogger(__name__)
+
+
+def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
+    """`pages` as a 1-D int64 array of distinct ids in [0, num_pages), or a typed error.
+
+    Accepts a sequence of Python or numpy integers, an integer numpy array, or an integer
+    torch tensor on any device. Refuses floats and bools (`[1.7]` must not read into page
+    1), other shapes, and duplicates (two pages of a request landing in one page lose KV).
+    """
+    if isinstance(pages, torch.Tensor):
+        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
+            raise InvalidPagesError(f"{what}: a tensor of {pages.dtype}, not of integers")
+        pages = pages.detach().to("cpu", torch.int64).numpy()
+    elif not isinstance(pages, np.ndarray):
+        items = list(pages) if isinstance(pages, (Sequence, range)) and not isinstance(pages, (str, bytes)) else None
+        if items is None or not all(isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) for p in items):
+            raise InvalidPagesError(f"{what}: expected a 1-D sequence of integer page ids")
+        pages = np.array(items, dtype=np.int64).reshape(-1)
+    if pages.ndim != 1:
+        raise InvalidPagesError(f"{what}: expected 1-D page ids, got shape {pages.shape}")
+    if pages.size and pages.dtype.kind not in "iu":
+        raise InvalidPagesError(f"{what}: page ids of dtype {pages.dtype}, not integers")
+    out = pages.astype(np.int64, copy=False)
+    if out.size and (out.min() < 0 or out.max() >= num_pages):
+        raise PageRangeError(f"{what}: page ids outside [0, {num_pages})")
+    if np.unique(out).size != out.size:
+        raise InvalidPagesError(f"{what}: page ids repeat (two pages would land in one)")
+    return out
 
 
 def fragmented_page_order(

@@ -12,7 +12,10 @@ from transfer.metadata import (
     LayoutSpec,
     MemoryDescriptor,
     RankDescriptor,
+    ClaimRequest,
     ReleaseNotice,
+    ReleaseReply,
+    claim_token,
     RoomState,
     RoomStatus,
     SCHEMA_VERSION,
@@ -21,6 +24,7 @@ from transfer.metadata import (
 )
 
 LAYOUT = tiny(layer_num=7)
+TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def rank_descriptor(rank=1, size=3, **over):
@@ -60,8 +64,10 @@ def test_round_trip_every_type():
     for msg in (
         rank_descriptor(),
         RoomState(room=5, status=RoomStatus.PENDING, src_pages=[3, 4], ready_upto=4),
-        ReleaseNotice(room=5, consumer_id="d0"),
-        ErrorReply(code="MetadataError", message="x"),
+        ReleaseNotice(room=5, consumer_id="d0", claim=TOKEN),
+        ClaimRequest(room=5, consumer_id="d0", claim=TOKEN),
+        ReleaseReply(room=5, freed=True, unreleased=0),
+        ErrorReply(code="MetadataError", message="x", lineage=["PdkvError"]),
     ):
         assert decode(encode(msg, LAYOUT.fingerprint), type(msg), LAYOUT.fingerprint) == msg
 
@@ -102,7 +108,7 @@ def test_missing_field_and_bad_buffers_refused():
 
 
 def test_envelope_checked_first():
-    good = encode(ReleaseNotice(room=1, consumer_id="d"), LAYOUT.fingerprint)
+    good = encode(ReleaseNotice(room=1, consumer_id="d", claim=TOKEN), LAYOUT.fingerprint)
     env = msgspec.msgpack.decode(good)
     with pytest.raises(MetadataError, match="version"):
         decode(msgspec.msgpack.encode([SCHEMA_VERSION + 1, *env[1:]]), ReleaseNotice)
@@ -126,7 +132,15 @@ def test_layout_spec_names_differing_fields():
     assert info.value.differing == ("page_size",)
 
 
-WIRE_TYPES = [RankDescriptor, RoomState, ReleaseNotice, ErrorReply, EngineDescriptor, MemoryDescriptor]
+WIRE_TYPES = [RankDescriptor, RoomState, ReleaseNotice, ClaimRequest, ReleaseReply, ErrorReply, EngineDescriptor,
+              MemoryDescriptor]
+
+
+def test_claim_tokens_are_checked():
+    assert claim_token(TOKEN) == TOKEN
+    for bad in ("", "short", "Z" * 32, TOKEN + "/x", "0" * 65):
+        with pytest.raises(MetadataError, match="claim token"):
+            claim_token(bad)
 
 
 @settings(max_examples=300, deadline=None)
@@ -148,7 +162,7 @@ _values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(WIRE_TYPES), st.dictionaries(st.sampled_from(
     ["room", "status", "src_pages", "ready_upto", "cp_rank", "cp_size", "buffers", "addr", "length", "kind",
-     "layer_id", "item_len", "code", "message", "consumer_id", "engine_id", "ranks"]), _values, max_size=6))
+     "layer_id", "item_len", "code", "message", "consumer_id", "engine_id", "ranks", "claim", "freed", "lineage"]), _values, max_size=6))
 def test_fuzz_wrong_fields_and_types_only_raise_metadata_error(kind, body):
     env = Envelope(SCHEMA_VERSION, "", kind.__name__, msgspec.Raw(msgspec.msgpack.encode(body)))
     try:

@@ -4,9 +4,11 @@ import time
 import numpy as np
 import pytest
 
-from pdkv import PageRangeError, PdkvError, UnknownRoomError
+from pdkv import ClaimLostError, ConflictError, InvalidPagesError, PageRangeError, RoomClaimedError, UnknownRoomError
 from transfer.metadata import RoomStatus
 from transfer.rooms import RoomTable
+
+A, B, C = "a" * 32, "b" * 32, "c" * 32
 
 
 def table(pin=60.0):
@@ -15,30 +17,79 @@ def table(pin=60.0):
     return t, freed
 
 
-async def test_release_by_every_consumer_frees_once():
+async def test_every_claim_released_frees_once():
     t, freed = table()
     t.publish(1, np.array([4, 5, 9]), consumers=2)
     assert t.pinned_pages == 3
     t.mark_ready(1, 7)
-    assert t.state(1).status is RoomStatus.READY
-    assert t.release(1, "a").status is RoomStatus.READY
-    assert t.release(1, "a").status is RoomStatus.READY  # idempotent per consumer
-    assert t.release(1, "b").status is RoomStatus.RELEASED
+    assert t.claim(1, A, "d0").status is RoomStatus.READY
+    assert t.claim(1, A, "d0").src_pages == [4, 5, 9]  # the same claim again: idempotent
+    t.claim(1, B, "d0")  # the same consumer may hold two claims: each is one fetch
+    first = t.release(1, A)
+    assert not first.freed and first.unreleased == 1 and freed == []
+    last = t.release(1, B)
+    assert last.freed and last.unreleased == 0
     assert freed == [(1, [4, 5, 9])] and t.pinned_pages == 0
-    assert t.release(1, "b").status is RoomStatus.RELEASED
+
+
+async def test_a_single_consumer_room_grants_one_claim():
+    t, _ = table()
+    t.publish(1, np.array([4]))
+    t.claim(1, A, "d0")
+    with pytest.raises(RoomClaimedError, match="1 consumer claim"):
+        t.claim(1, B, "d1")  # a duplicate decode, or a retry under a new claim
+    t.release(1, A)
+    with pytest.raises(UnknownRoomError, match="released"):
+        t.claim(1, B, "d1")
+
+
+async def test_released_room_cannot_be_released_again():
+    """The hole: a second release of a freed room used to answer success."""
+    t, _ = table()
+    t.publish(1, np.array([4]))
+    t.claim(1, A, "d0")
+    t.release(1, A)
+    with pytest.raises(ClaimLostError, match="released"):
+        t.release(1, A)
+    with pytest.raises(ClaimLostError):
+        t.check_claim(1, A)
+
+
+async def test_a_claim_never_granted_proves_nothing():
+    t, _ = table()
+    t.publish(1, np.array([4]), consumers=2)
+    t.claim(1, A, "d0")
+    with pytest.raises(ClaimLostError, match="not an open claim"):
+        t.release(1, B)
+    with pytest.raises(ClaimLostError, match="unknown"):
+        t.release(99, A)
 
 
 async def test_aborted_or_expired_rooms_refuse_release():
     t, freed = table(pin=0.0)
     t.publish(2, np.array([1]))
+    t.claim(2, A, "d0")
     assert t.expire(time.monotonic() + 1) == [2]
-    with pytest.raises(UnknownRoomError, match="aborted"):
-        t.release(2, "a")
+    with pytest.raises(ClaimLostError, match="aborted"):
+        t.release(2, A)
     t.publish(3, np.array([2]))
+    t.claim(3, B, "d0")
     assert t.abort(3) and t.counters.aborted == 1 and t.counters.expired == 1
+    with pytest.raises(ClaimLostError, match="aborted"):
+        t.release(3, B)
     assert len(freed) == 2
-    with pytest.raises(PdkvError):
+    with pytest.raises(ConflictError):
         t.publish(3, np.array([2]))
+
+
+async def test_claim_of_an_unpublished_room_grants_nothing():
+    t, _ = table()
+    assert t.claim(7, A, "d0").status is RoomStatus.UNKNOWN
+    t.publish(7, np.array([3]))
+    with pytest.raises(ClaimLostError):
+        t.check_claim(7, A)  # the earlier answer granted no claim
+    t.claim(7, A, "d0")
+    t.check_claim(7, A)
 
 
 async def test_wait_returns_when_layers_become_ready():
@@ -57,3 +108,5 @@ async def test_bad_source_pages_refused():
     t, _ = table()
     with pytest.raises(PageRangeError):
         t.publish(1, np.array([32]))
+    with pytest.raises(InvalidPagesError):
+        t.publish(1, np.array([3, 3]))

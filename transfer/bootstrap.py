@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdkv.errors import MetadataError, NotReadyError, UnknownEngineError
-from transfer.http import HttpService, make_app, read_body, reply
+from transfer.http import HttpService, make_app, path_int, read_body, reply
 from transfer.service import add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
@@ -130,13 +130,13 @@ class RegistryServer:
 
     async def _put(self, request: web.Request) -> web.Response:
         d = await read_body(request, RankDescriptor)
-        if d.engine_id != request.match_info["engine"] or str(d.cp_rank) != request.match_info["rank"]:
+        if d.engine_id != request.match_info["engine"] or d.cp_rank != path_int(request, "rank"):
             raise MetadataError(f"body names {d.engine_id}/{d.cp_rank}, path names another rank")
         self.registry.put(d, time.monotonic())
         return web.Response(status=200)
 
     async def _delete(self, request: web.Request) -> web.Response:
-        self.registry.remove(request.match_info["engine"], int(request.match_info["rank"]))
+        self.registry.remove(request.match_info["engine"], path_int(request, "rank"))
         return web.Response(status=200)
 
     async def _get(self, request: web.Request) -> web.Response:

@@ -4,25 +4,41 @@
         result = await fetcher.fetch(engine_id, room, dst_pages)
 
 A fetch looks the engine up (cached), checks that its owners cover every layer once and
-match the local layout, then, for all owners concurrently, long-polls each owner for
-the room's ready layers and reads them with one batched one-sided READ per batch of
-ready layers, so it starts before the prefill has finished. Each owner is released as
-soon as its layers are read, while other owners may still be read; a release refused
-(room aborted or expired) fails the fetch, because the source pages may have been
-reused while being read.
+match the local layout, then, for all owners concurrently, claims the room on each owner,
+long-polls for its ready layers and reads them with one batched one-sided READ per batch
+of ready layers, so it starts before the prefill has finished. Each owner's claim is
+released as soon as its layers are read, while other owners may still be read.
+
+The guarantee: a fetch that returns delivered exactly the bytes of its room into
+`dst_pages`. A claim pins the room's source pages on its owner; a release succeeds only
+while the claim still pins them, so every successful release proves that no page read
+under the claim was freed or reused meanwhile. If any owner refuses the release
+(`ClaimLostError`: aborted, expired, forgotten) the fetch raises, whatever it read.
+A room published for `consumers` claims grants no more: a duplicate decode or a second
+fetch of a single-consumer room is refused with `RoomClaimedError` before anything is read.
+
+To re-read a room (after a check of its own failed, say) a decode holds a lease instead:
+
+    async with await fetcher.claim(engine_id, room) as lease:
+        result = await lease.read(dst_pages)    # as often as needed, one claim
+    # leaving the block releases: raises ClaimLostError if the pages did not stay pinned
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
 from pdkv.errors import (
+    ClosedError,
     DeadlineExceeded,
     IncompatibleLayoutError,
     MetadataError,
@@ -31,16 +47,28 @@ from pdkv.errors import (
     UnknownEngineError,
     UnknownRoomError,
 )
+from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
 from transfer.engine import UcxEngine, default_lanes, device_id, mem_type
 from transfer.http import ControlClient
-from transfer.metadata import BufferKind, EngineDescriptor, RankDescriptor, ReleaseNotice, RoomState, RoomStatus
+from transfer.metadata import (
+    BufferKind,
+    ClaimRequest,
+    EngineDescriptor,
+    RankDescriptor,
+    ReleaseNotice,
+    ReleaseReply,
+    RoomState,
+    RoomStatus,
+)
 from transfer.plan import BufferPair, build_read_plan
 from transfer.timeouts import Timeouts
 
-__all__ = ["DecodeFetcher", "FetchResult", "OwnerStats"]
+__all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +89,7 @@ class FetchResult:
     nbytes: int
     seconds: float
     owners: tuple[OwnerStats, ...]
+    freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
 
     @property
     def descriptors(self) -> int:
@@ -79,6 +108,20 @@ class FetchResult:
 class _Owner:
     rank: RankDescriptor
     pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index)
+
+
+@dataclass
+class _Claim:
+    """One fetch's (or lease's) claim on a room: a random token, and where it stands."""
+
+    room: int
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    granted: set[int] = field(default_factory=set)  # cp ranks that granted it
+    released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
+
+    @property
+    def open_ranks(self) -> set[int]:
+        return self.granted - self.released.keys()
 
 
 class _Deadline:
@@ -122,6 +165,11 @@ class DecodeFetcher:
         self._engines: dict[str, dict[int, _Owner]] = {}
         self._lookups: dict[str, asyncio.Task[dict[int, _Owner]]] = {}
         self.engine: UcxEngine | None = None
+        self._closing = False
+        self._owner_tasks: set[asyncio.Future[Any]] = set()
+        self._active = 0  # fetches and lease calls in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def start(self) -> None:
         mem = mem_type(self.pool.device)
@@ -131,10 +179,34 @@ class DecodeFetcher:
         self.engine.register([self.pool.kv_slab, self.pool.index_slab])
 
     async def aclose(self) -> None:
+        """Refuse new fetches, end those in flight with `ClosedError` (their claims released),
+        then drop connections and registrations."""
+        self._closing = True
+        for t in [*self._owner_tasks, *self._lookups.values()]:
+            t.cancel()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.timeouts.request)
+        except asyncio.TimeoutError:
+            logger.warning("closing with %d fetches still in flight", self._active)
         await self._client.aclose()
         if self.engine is not None:
             await self.engine.aclose()
             self.engine = None
+
+    def _check_open(self) -> None:
+        if self.engine is None or self._closing:
+            state = "closed" if self._closing else "not started"
+            raise ClosedError(f"DecodeFetcher {self.consumer_id} is {state}: use `async with` or start()")
+
+    def _enter(self) -> None:
+        self._check_open()
+        self._active += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
 
     async def __aenter__(self) -> DecodeFetcher:
         await self.start()
@@ -157,6 +229,10 @@ class DecodeFetcher:
             return await asyncio.wait_for(asyncio.shield(task), deadline.left(self.timeouts.lookup))
         except asyncio.TimeoutError as exc:
             raise DeadlineExceeded(f"engine {engine_id}: lookup did not finish by the deadline") from exc
+        except asyncio.CancelledError:
+            if self._closing and task.cancelled():
+                raise ClosedError(f"the DecodeFetcher was closed while looking up {engine_id}") from None
+            raise
 
     async def _resolve(self, engine_id: str) -> dict[int, _Owner]:
         owners = await self._describe(engine_id)
@@ -164,9 +240,11 @@ class DecodeFetcher:
         self._engines[engine_id] = owners
         return owners
 
-    async def _describe(self, engine_id: str) -> dict[int, _Owner]:
+    async def _describe(self, engine_id: str, within: _Deadline | None = None) -> dict[int, _Owner]:
         """Ask the registry for the engine's owners (waiting until all are in) and check them."""
         deadline = _Deadline(self.timeouts.lookup)
+        if within is not None and within.at < deadline.at:
+            deadline = within
         url = f"{self.registry_url}/v1/engines/{engine_id}"
         delay = 0.05
         while True:
@@ -220,7 +298,10 @@ class DecodeFetcher:
         assert self.engine is not None
         for o in owners.values():
             regions = [(b.addr, b.length) for b in o.rank.buffers]
-            await self.engine.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
+            try:
+                await self.engine.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
+            except PeerLostError as exc:
+                raise _lost(o.rank, exc) from exc
 
     async def forget(self, engine_id: str) -> None:
         """Drop a cached engine and its peers' connections and keys."""
@@ -234,129 +315,297 @@ class DecodeFetcher:
         self,
         engine_id: str,
         room: int,
-        dst_pages: np.ndarray | list[int],
+        dst_pages: PageIds,
         *,
         deadline: float | None = None,
         timeout: float | None = None,
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
-        `deadline` is an instant on the `time.monotonic()` clock (a request's end-to-end
-        budget passes through unchanged); `timeout` is seconds from now. Give at most one;
-        with neither, `Timeouts.fetch` applies. Raises a `PdkvError`, `DeadlineExceeded`
-        when the deadline passes; on any error the destination pages hold no valid KV.
+        `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or CUDA
+        tensor), one per source page, checked before anything is asked. `deadline` is an
+        instant on the `time.monotonic()` clock (a request's end-to-end budget passes
+        through unchanged); `timeout` is seconds from now. Give at most one; with neither,
+        `Timeouts.fetch` applies. Returns only when every byte of the room was read under
+        a claim whose release proved the source pages stayed pinned; otherwise raises a
+        `PdkvError` and the destination pages hold no valid KV.
         """
-        if deadline is not None and timeout is not None:
-            raise ValueError("give a deadline or a timeout, not both")
-        dst = np.asarray(dst_pages, dtype=np.int64)
-        if dst.size and (dst.min() < 0 or dst.max() >= self.pool.layout.num_pages):
-            raise MetadataError(f"destination pages outside [0, {self.pool.layout.num_pages})")
-        budget = _Deadline(self.timeouts.fetch if timeout is None else timeout, at=deadline)
-        was_cached = engine_id in self._engines
-        owners = await self._lookup(engine_id, budget)
+        dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
+        budget = _budget(self.timeouts.fetch, deadline, timeout)
+        self._enter()
         try:
-            return await self._fetch_from(owners, engine_id, room, dst, budget)
-        except PeerLostError:
-            await self.forget(engine_id)  # drop the dead peers' connections and keys
-            if not was_cached:
+            was_cached = engine_id in self._engines
+            owners = await self._lookup(engine_id, budget)
+            try:
+                return await self._fetch_from(owners, engine_id, _Claim(room), dst, budget)
+            except PeerLostError:
+                fresh = await self._reregistered(engine_id, owners, was_cached, budget)
+                if fresh is None:
+                    raise
+                logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
+                return await self._fetch_from(fresh, engine_id, _Claim(room), dst, budget)
+        finally:
+            self._leave()
+
+    async def _reregistered(
+        self, engine_id: str, owners: dict[int, _Owner], was_cached: bool, budget: _Deadline
+    ) -> dict[int, _Owner] | None:
+        """After a lost peer: the engine's owners anew if it re-registered since it was
+        cached (a restart), else None."""
+        await self.forget(engine_id)  # drop the dead peers' connections and keys
+        if not was_cached:
+            return None
+        described = await self._describe(engine_id, budget)
+        if _incarnations(described) == _incarnations(owners):
+            return None
+        return await self._lookup(engine_id, budget)
+
+    async def claim(
+        self, engine_id: str, room: int, *, deadline: float | None = None, timeout: float | None = None
+    ) -> RoomLease:
+        """Claim `room` on every owner (waiting for it to be published) and hold the claim.
+
+        The source pages stay pinned until `RoomLease.release()` (or the owners' pin
+        deadline): the lease may read the room any number of times meanwhile.
+        """
+        budget = _budget(self.timeouts.fetch, deadline, timeout)
+        self._enter()
+        try:
+            owners = await self._lookup(engine_id, budget)
+            claim = _Claim(room)
+            try:
+                await self._tracked(self._claim_arbiter(owners, claim, budget))
+                await self._tracked(asyncio.gather(*(self._claim_owner(o, claim, budget) for r, o in owners.items()
+                                                     if r not in claim.granted)))
+            except BaseException:
+                await self._release_all(owners, claim)
                 raise
-            # A cached view may predate a restart: retry once if the engine re-registered.
-            described = await asyncio.wait_for(self._describe(engine_id), budget.left(self.timeouts.lookup))
-            if _incarnations(described) == _incarnations(owners):
-                raise
-            logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
-            fresh = await self._lookup(engine_id, budget)
-            return await self._fetch_from(fresh, engine_id, room, dst, budget)
+            return RoomLease(self, engine_id, owners, claim)
+        finally:
+            self._leave()
 
     async def _fetch_from(
-        self, owners: dict[int, _Owner], engine_id: str, room: int, dst: np.ndarray, deadline: _Deadline
+        self, owners: dict[int, _Owner], engine_id: str, claim: _Claim, dst: np.ndarray, deadline: _Deadline,
+        release: bool = True,
     ) -> FetchResult:
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(self._fetch_owner(o, room, dst, deadline)) for o in owners.values()]
+        tasks: list[asyncio.Task[OwnerStats]] = []
         try:
+            first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
+            tasks = [asyncio.create_task(self._fetch_owner(o, claim, dst, deadline, release, first.get(r)))
+                     for r, o in owners.items()]
+            self._owner_tasks.update(tasks)
             stats = await _all_or_cancel(tasks)
         except BaseException:  # cancellation too: never leave the room pinned
-            await self._release_all(owners, room)
+            if release:
+                await self._release_all(owners, claim)
             raise
+        finally:
+            self._owner_tasks.difference_update(tasks)
         nbytes = sum(s.nbytes for s in stats)
-        return FetchResult(engine_id, room, nbytes, time.perf_counter() - t0, tuple(stats))
+        freed = release and all(claim.released.get(r, False) for r in owners)
+        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - t0, tuple(stats), freed)
 
-    async def _poll(self, owner: _Owner, room: int, after: int, deadline: _Deadline) -> RoomState:
-        url = f"{owner.rank.control_url}/v1/rooms/{room}?after={after}"
+    async def _tracked(self, work: Awaitable[T]) -> T:
+        """`work` in a task that `aclose()` may cancel (the caller then gets `ClosedError`)."""
+        task = asyncio.ensure_future(work)
+        self._owner_tasks.add(task)
+        try:
+            return (await _all_or_cancel([task]))[0]
+        finally:
+            self._owner_tasks.discard(task)
+
+    async def _claim_arbiter(self, owners: dict[int, _Owner], claim: _Claim, deadline: _Deadline) -> dict[int, RoomState]:
+        """Claim on the lowest CP rank before any other: every claimant asks it first, so of
+        two racing for a single-consumer room one wins everywhere and the other is refused
+        there, rather than each winning some owners and both failing."""
+        rank = min(owners)
+        if rank in claim.granted:
+            return {}
+        return {rank: await self._claim_owner(owners[rank], claim, deadline)}
+
+    async def _claim_owner(self, owner: _Owner, claim: _Claim, deadline: _Deadline) -> RoomState:
+        """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
+        r = owner.rank
+        url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
+        ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
+        unknown_until = time.monotonic() + self.timeouts.ready
+        while True:
+            limit = deadline.left(self.timeouts.poll + self.timeouts.request)
+            state = await self._client.request("POST", url, RoomState, ask, fingerprint=self.pool.layout.fingerprint,
+                                               expect_fingerprint=self.pool.layout.fingerprint, timeout=limit)
+            assert state is not None
+            if state.status is not RoomStatus.UNKNOWN:
+                claim.granted.add(r.cp_rank)
+                return state
+            if time.monotonic() > unknown_until:
+                raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
+
+    async def _poll(self, owner: _Owner, claim: _Claim, after: int, deadline: _Deadline) -> RoomState:
+        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
         limit = deadline.left(self.timeouts.poll + self.timeouts.request)
         state = await self._client.request(
             "GET", url, RoomState, expect_fingerprint=self.pool.layout.fingerprint, timeout=limit
         )
         assert state is not None
-        if state.status in (RoomStatus.RELEASED, RoomStatus.ABORTED):
-            raise UnknownRoomError(f"room {room} is {state.status.value} on cp rank {owner.rank.cp_rank}")
         return state
 
-    async def _fetch_owner(self, owner: _Owner, room: int, dst: np.ndarray, deadline: _Deadline) -> OwnerStats:
+    async def _fetch_owner(
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, release: bool,
+        state: RoomState | None,
+    ) -> OwnerStats:
         """Read one owner's layers, then release them there (while other owners still read)."""
         try:
-            stats = await self._read_owner(owner, room, dst, deadline)
-            await self._release(owner, room, deadline.left(self.timeouts.request))
+            stats = await self._read_owner(owner, claim, dst, deadline, state)
+            if release:
+                await self._release(owner, claim, deadline.left(self.timeouts.request))
             return stats
         except PeerLostError as exc:
-            r = owner.rank
-            raise PeerLostError(f"engine {r.engine_id} cp rank {r.cp_rank} ({r.control_url}) lost: {exc}", r.agent_name) from exc
+            raise _lost(owner.rank, exc) from exc
 
-    async def _read_owner(self, owner: _Owner, room: int, dst: np.ndarray, deadline: _Deadline) -> OwnerStats:
+    async def _read_owner(
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, state: RoomState | None
+    ) -> OwnerStats:
         assert self.engine is not None
         r = owner.rank
         t0 = time.perf_counter()
         cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
-        src: np.ndarray | None = None
         pieces = max(1, self.engine.lanes // r.cp_size)  # owners read at once: fill the lanes, no more
-        unknown_until = time.monotonic() + self.timeouts.ready
-        while cursor < r.layer_end:
-            state = await self._poll(owner, room, cursor, deadline)
-            if state.status is RoomStatus.UNKNOWN:
-                if time.monotonic() > unknown_until:
-                    raise UnknownRoomError(f"room {room} never appeared on cp rank {r.cp_rank}")
-                continue
-            if src is None:
-                src = np.asarray(state.src_pages, dtype=np.int64)
-                if src.size != dst.size:
-                    raise MetadataError(f"room {room}: {src.size} source pages, {dst.size} destination pages")
-            if state.ready_upto <= cursor:
-                continue
-            pairs = [p for layer in range(cursor, state.ready_upto) for p in owner.pairs[layer]]
-            plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-            xfer = await self.engine.read(r.agent_name, plan, deadline.left(self.timeouts.transfer), pieces)
-            nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
-            busy += xfer.seconds
-            cursor = state.ready_upto
+        if state is None and r.cp_rank in claim.granted:
+            state = await self._poll(owner, claim, cursor - 1, deadline)
+        elif state is None:
+            state = await self._claim_owner(owner, claim, deadline)
+        src = np.asarray(state.src_pages, dtype=np.int64)
+        if src.size != dst.size:
+            raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
+        while True:
+            if state.ready_upto > cursor:
+                pairs = [p for layer in range(cursor, state.ready_upto) for p in owner.pairs[layer]]
+                plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
+                xfer = await self.engine.read(r.agent_name, plan, deadline.left(self.timeouts.transfer), pieces)
+                nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
+                busy += xfer.seconds
+                cursor = state.ready_upto
+            if cursor >= r.layer_end:
+                break
+            state = await self._poll(owner, claim, cursor, deadline)
         return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy)
 
-    async def _release(self, owner: _Owner, room: int, timeout: float) -> None:
-        """Release `room` on one owner. A refusal raises: those pages may have been reused mid-read."""
-        notice = ReleaseNotice(room=room, consumer_id=self.consumer_id)
-        url = f"{owner.rank.control_url}/v1/rooms/{room}/release"
-        await self._client.request("POST", url, body=notice, fingerprint=self.pool.layout.fingerprint, timeout=timeout)
+    async def _release(self, owner: _Owner, claim: _Claim, timeout: float) -> bool:
+        """Release the claim on one owner; True if that freed the room there.
 
-    async def _release_all(self, owners: dict[int, _Owner], room: int) -> None:
-        """Release on every owner after a failed fetch (owners released already say so again).
+        A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
+        """
+        notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
+        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
+        try:
+            answer = await self._client.request("POST", url, ReleaseReply, notice, fingerprint=self.pool.layout.fingerprint,
+                                                expect_fingerprint=self.pool.layout.fingerprint, timeout=timeout)
+        finally:
+            claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
+        assert answer is not None
+        claim.released[owner.rank.cp_rank] = answer.freed
+        return answer.freed
+
+    async def _release_all(self, owners: dict[int, _Owner], claim: _Claim) -> None:
+        """Release the claim wherever it is still open, after a failed fetch.
 
         Each gets a full request timeout, not what is left of the fetch's deadline: the
         fetch may have failed on that deadline, and the pins must not be left behind.
         """
         limit = self.timeouts.request
-        results = await asyncio.gather(*(self._release(o, room, limit) for o in owners.values()), return_exceptions=True)
+        ranks = claim.open_ranks
+        results = await asyncio.gather(
+            *(self._release(o, claim, limit) for o in owners.values() if o.rank.cp_rank in ranks),
+            return_exceptions=True,
+        )
         for e in results:
             if isinstance(e, BaseException):
-                logger.debug("release of room %d after a failed fetch: %s", room, e)
+                logger.debug("release of room %d after a failed fetch: %s", claim.room, e)
+
+
+class RoomLease:
+    """A claim on one room held on every owner; its source pages stay pinned until
+    `release()`. Reads under it may be repeated. Use `async with` or call `release()`."""
+
+    def __init__(self, fetcher: DecodeFetcher, engine_id: str, owners: dict[int, _Owner], claim: _Claim) -> None:
+        self._fetcher, self.engine_id, self._owners, self._claim = fetcher, engine_id, owners, claim
+        self._released: bool | None = None
+
+    @property
+    def room(self) -> int:
+        return self._claim.room
+
+    async def read(self, dst_pages: PageIds, *, deadline: float | None = None, timeout: float | None = None) -> FetchResult:
+        """Read every layer of the room into `dst_pages` (waiting for layers still written).
+
+        The bytes are the room's only if `release()` then succeeds: until then a reader
+        must not hand them on.
+        """
+        if self._released is not None:
+            raise ClosedError(f"lease on room {self.room} was already released")
+        f = self._fetcher
+        dst = page_ids(dst_pages, f.pool.layout.num_pages, "destination pages")
+        budget = _budget(f.timeouts.fetch, deadline, timeout)
+        f._enter()
+        try:
+            return await f._fetch_from(self._owners, self.engine_id, self._claim, dst, budget, release=False)
+        finally:
+            f._leave()
+
+    async def release(self) -> bool:
+        """Release the claim on every owner; True if that freed the room (it was the last).
+
+        Raises `ClaimLostError` if any owner had freed the pages first (aborted, expired):
+        whatever was read under this lease must then be discarded. Idempotent.
+        """
+        if self._released is not None:
+            return self._released
+        f, claim = self._fetcher, self._claim
+        self._released = False
+        ranks = claim.open_ranks
+        outcomes = await asyncio.gather(
+            *(f._release(o, claim, f.timeouts.request) for o in self._owners.values() if o.rank.cp_rank in ranks),
+            return_exceptions=True,
+        )
+        failures = [e for e in outcomes if isinstance(e, BaseException)]
+        if failures:
+            raise failures[0]
+        self._released = all(claim.released.get(r, False) for r in self._owners)
+        return self._released
+
+    async def __aenter__(self) -> RoomLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+def _budget(default: float, deadline: float | None, timeout: float | None) -> _Deadline:
+    if deadline is not None and timeout is not None:
+        raise ValueError("give a deadline or a timeout, not both")
+    return _Deadline(default if timeout is None else timeout, at=deadline)
+
+
+def _lost(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
+    """`exc` naming the engine and CP rank that was lost (once)."""
+    if str(exc).startswith(f"engine {rank.engine_id} cp rank"):
+        return exc
+    return PeerLostError(f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}",
+                         rank.agent_name)
 
 
 def _incarnations(owners: dict[int, _Owner]) -> list[str]:
     return [o.rank.incarnation for _, o in sorted(owners.items())]
 
 
-async def _all_or_cancel(tasks: list[asyncio.Task[OwnerStats]]) -> list[OwnerStats]:
-    """Await every task; on the first failure (or cancellation) cancel the rest and wait."""
+async def _all_or_cancel(tasks: list[asyncio.Future[T]]) -> list[T]:
+    """Await every task; on the first failure (or cancellation) cancel the rest and wait.
+
+    A task cancelled while this caller was not means the fetcher was closed under it.
+    """
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
         for t in tasks:
             t.cancel()
@@ -365,4 +614,6 @@ async def _all_or_cancel(tasks: list[asyncio.Task[OwnerStats]]) -> list[OwnerSta
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
+    if any(t.cancelled() for t in tasks):
+        raise ClosedError("the DecodeFetcher was closed while this fetch was in flight")
     return [t.result() for t in tasks]

@@ -20,11 +20,11 @@ import torch
 from aiohttp import web
 
 from pdkv import PRESETS, DSAKVPool, PageAllocator
-from pdkv.errors import PdkvError, TransferError, UnknownRoomError
+from pdkv.errors import ConflictError, PdkvError, TransferError, UnknownRoomError
 from pdkv.synthetic import RequestContent, prefix_seed, request_seed
 from transfer.api import DecodeReply, DecodeRequest
 from transfer.decode import DecodeFetcher
-from transfer.http import health, HttpService, make_app, read_body, reply
+from transfer.http import health, HttpService, make_app, path_int, read_body, reply
 from transfer.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
@@ -77,7 +77,7 @@ class DecodeWorker:
     async def _handle(self, request: web.Request) -> web.Response:
         req = await read_body(request, DecodeRequest)
         if req.room in self.inflight:
-            raise PdkvError(f"room {req.room} is already being fetched here")
+            raise ConflictError(f"room {req.room} is already being fetched here")
         if req.room in self.aborted:
             self.stats["failures"] += 1
             raise UnknownRoomError(f"room {req.room} was aborted before its fetch arrived")
@@ -100,7 +100,7 @@ class DecodeWorker:
             self.inflight.pop(req.room, None)
 
     async def _abort(self, request: web.Request) -> web.Response:
-        room = int(request.match_info["room"])
+        room = path_int(request, "room")
         task = self.inflight.get(room)
         if task is not None:
             task.cancel()

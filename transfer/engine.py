@@ -256,7 +256,10 @@ class UcxEngine:
         try:
             loaded = await lane.call(lambda: lane.agent.add_remote_agent(metadata))
         except Exception as exc:
-            raise _translate(exc, "loading peer metadata", agent_name) from exc
+            # NIXL says no more than NIXL_ERR_BACKEND: the peer's worker could not be
+            # reached with what it published, which is what a dead peer looks like.
+            raise PeerLostError(f"cannot load the UCX metadata of {agent_name}: {type(exc).__name__}: {exc}",
+                                agent_name) from exc
         if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
             await lane.call(lambda: lane.agent.remove_remote_agent(loaded))
             raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")

@@ -1,8 +1,15 @@
 """The HTTP control plane: msgpack bodies over aiohttp, a shared secret, typed errors.
 
 Plain HTTP keeps the control plane probeable with curl. Errors travel as `ErrorReply`
-with the error class name as the code, and come back out of the client as the same
-class of the pdkv error tree; aiohttp's own errors are translated here and nowhere else.
+with the error's class name and its ancestors' names, and come back out of the client as
+the most specific class of the pdkv error tree that the receiver knows; HTTP statuses
+follow the class with `isinstance`, so a subclass answers its parent's status. aiohttp's
+own errors are translated here and nowhere else.
+
+Every service refuses what would cost it memory or sockets before paying it: a body over
+`MAX_BODY` by its Content-Length before reading (and a body without one as soon as the
+limit is passed), a connection that does not finish a request head within
+`HEADER_TIMEOUT`, and connections beyond `MAX_CONNECTIONS`.
 """
 
 from __future__ import annotations
@@ -10,41 +17,93 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import re
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-import pdkv.errors as errors
+from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
 from transfer.metadata import ErrorReply, decode, encode
 from transfer.timeouts import Timeouts
 
-__all__ = ["SECRET_HEADER", "ControlClient", "HttpService", "health", "make_app", "reply", "read_body"]
+__all__ = [
+    "SECRET_HEADER",
+    "BodyTooLargeError",
+    "ControlClient",
+    "HttpService",
+    "health",
+    "make_app",
+    "path_int",
+    "query_int",
+    "reply",
+    "read_body",
+    "status_of",
+]
 
 logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "X-Pdkv-Secret"
 CONTENT_TYPE = "application/x-msgpack"
 MAX_BODY = 32 << 20
+HEADER_TIMEOUT = 10.0  # seconds from connect to a complete request head
+IDLE_TIMEOUT = 30.0  # seconds from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
+BODY_TIMEOUT = 30.0  # seconds to receive a body
+MAX_CONNECTIONS = 1024
 
 T = TypeVar("T", bound=msgspec.Struct)
 R = TypeVar("R")
 
-_STATUS = {
-    "AuthError": 401,
-    "MetadataError": 400,
-    "PageRangeError": 400,
-    "LayoutError": 400,
-    "IncompatibleLayoutError": 409,
-    "UnknownRoomError": 404,
-    "UnknownEngineError": 404,
-    "NotReadyError": 503,
-    "CapacityError": 503,
-    "DeadlineExceeded": 504,
-}
+class BodyTooLargeError(MetadataError):
+    """A request body over `MAX_BODY` (answered 413, the connection closed unread)."""
+
+
+# Most specific first: the first class an error is an instance of gives its status.
+_STATUS: tuple[tuple[type[PdkvError], int], ...] = (
+    (errors.AuthError, 401),
+    (errors.UnknownRoomError, 404),
+    (errors.IncompatibleLayoutError, 409),
+    (errors.ConflictError, 409),
+    (errors.ClaimLostError, 410),
+    (BodyTooLargeError, 413),
+    (errors.MetadataError, 400),
+    (errors.InvalidPagesError, 400),
+    (errors.PageRangeError, 400),
+    (errors.LayoutError, 400),
+    (errors.NotReadyError, 503),
+    (errors.CapacityError, 503),
+    (errors.ClosedError, 503),
+    (errors.DeadlineExceeded, 504),
+)
+_INT = re.compile(r"-?[0-9]{1,20}")
+
+
+def status_of(exc: PdkvError) -> int:
+    """The HTTP status for a pdkv error: its nearest listed ancestor's, else 500."""
+    return next((status for cls, status in _STATUS if isinstance(exc, cls)), 500)
+
+
+def _parse_int(text: str, what: str, lo: int, hi: int) -> int:
+    if not _INT.fullmatch(text):
+        raise MetadataError(f"{what} must be a decimal integer, got {text[:32]!r}")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise MetadataError(f"{what} {value} outside [{lo}, {hi}]")
+    return value
+
+
+def path_int(request: web.Request, name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    """An integer path segment (a room, a rank), checked; a `MetadataError` (400) otherwise."""
+    return _parse_int(request.match_info[name], name, lo, hi)
+
+
+def query_int(request: web.Request, name: str, default: int, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    """An optional integer query parameter, checked like `path_int`."""
+    text = request.query.get(name)
+    return default if text is None else _parse_int(text, name, lo, hi)
 
 
 def reply(msg: msgspec.Struct, fingerprint: str = "", status: int = 200) -> web.Response:
@@ -52,7 +111,27 @@ def reply(msg: msgspec.Struct, fingerprint: str = "", status: int = 200) -> web.
 
 
 async def read_body(request: web.Request, kind: type[T], fingerprint: str | None = None) -> T:
-    return decode(await request.read(), kind, fingerprint)
+    """The body, at most `MAX_BODY` bytes however it is framed, decoded as a `kind`."""
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise _too_large(request.content_length)
+
+    async def receive() -> bytes:
+        body = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise _too_large(len(body))
+        return bytes(body)
+
+    try:
+        data = await asyncio.wait_for(receive(), BODY_TIMEOUT)
+    except asyncio.TimeoutError as exc:
+        raise DeadlineExceeded(f"request body not received within {BODY_TIMEOUT:.0f}s") from exc
+    return decode(data, kind, fingerprint)
+
+
+def _too_large(size: int) -> BodyTooLargeError:
+    return BodyTooLargeError(f"body of {size} bytes exceeds {MAX_BODY}")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -60,9 +139,25 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _lineage(exc: PdkvError) -> Iterator[str]:
+    for cls in type(exc).__mro__[1:]:
+        if isinstance(cls, type) and issubclass(cls, PdkvError):
+            yield cls.__name__
+
+
 def _error_response(exc: PdkvError) -> web.Response:
-    name = type(exc).__name__
-    return reply(ErrorReply(code=name, message=str(exc)[:4000]), status=_STATUS.get(name, 500))
+    body = ErrorReply(code=type(exc).__name__, message=str(exc)[:4000], lineage=list(_lineage(exc))[:16])
+    return reply(body, status=status_of(exc))
+
+
+def _refuse_early(request: web.Request, secret: str | None) -> None:
+    """Checks that cost nothing and must come before a body is read."""
+    if secret is not None and request.path != "/health":
+        given = request.headers.get(SECRET_HEADER, "")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            raise AuthError("missing or wrong shared secret")
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise _too_large(request.content_length)
 
 
 def make_app(secret: str | None) -> web.Application:
@@ -70,18 +165,32 @@ def make_app(secret: str | None) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        _ConnectionGuard.request_started(request)
         try:
-            if secret is not None and request.path != "/health":
-                given = request.headers.get(SECRET_HEADER, "")
-                if not hmac.compare_digest(given.encode(), secret.encode()):
-                    raise AuthError("missing or wrong shared secret")
+            _refuse_early(request, secret)
             return await handler(request)
         except PdkvError as exc:
             if not isinstance(exc, (AuthError, errors.UnknownRoomError)):
                 logger.info("%s %s refused: %s", request.method, request.path, exc)
-            return _error_response(exc)
+            resp = _error_response(exc)
+            if isinstance(exc, (AuthError, BodyTooLargeError)):
+                resp.force_close()  # never read (or drain) an unwanted body
+            return resp
+        finally:
+            _ConnectionGuard.request_finished(request)
 
     return web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+
+
+def _known_errors() -> dict[str, type[PdkvError]]:
+    """Every pdkv error class this process has imported, by name."""
+    out: dict[str, type[PdkvError]] = {}
+    todo: list[type[PdkvError]] = [PdkvError]
+    while todo:
+        cls = todo.pop()
+        out.setdefault(cls.__name__, cls)
+        todo += cls.__subclasses__()
+    return out
 
 
 def _error_from_reply(status: int, body: bytes, url: str) -> PdkvError:
@@ -89,9 +198,8 @@ def _error_from_reply(status: int, body: bytes, url: str) -> PdkvError:
         err = decode(body, ErrorReply)
     except MetadataError:
         return PdkvError(f"{url}: HTTP {status}")
-    cls = getattr(errors, err.code, None)
-    if not (isinstance(cls, type) and issubclass(cls, PdkvError)):
-        cls = PdkvError
+    known = _known_errors()
+    cls = next((known[n] for n in [err.code, *err.lineage] if n in known), PdkvError)
     return cls(f"{url}: {err.message}")
 
 
@@ -165,21 +273,125 @@ async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) ->
         raise PeerLostError(f"{what}: {exc}", url) from exc
 
 
+class _ConnectionGuard:
+    """Counts a site's connections and closes those that stall before a request head.
+
+    aiohttp has no bound on the time to receive a request head, and keeps every
+    connection it accepts: a slow client (slow-loris) holds a socket and its buffers for
+    as long as it likes. Each connection gets a timer, armed when it opens and after each
+    reply, disarmed when a request reaches the handlers; when it fires the connection is
+    closed. Connections beyond `limit` are closed at once.
+    """
+
+    _by_transport: dict[Any, "_Tracked"] = {}
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, header_timeout: float) -> None:
+        self.factory, self.limit, self.header_timeout = factory, limit, header_timeout
+        self.live = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Tracked(self, self.factory())
+
+    @classmethod
+    def request_started(cls, request: web.Request) -> None:
+        tracked = cls._by_transport.get(request.transport)
+        if tracked is not None:
+            tracked.busy += 1
+            tracked.disarm()
+
+    @classmethod
+    def request_finished(cls, request: web.Request) -> None:
+        tracked = cls._by_transport.get(request.transport)
+        if tracked is not None:
+            tracked.busy -= 1
+            if tracked.busy == 0:
+                tracked.arm(max(IDLE_TIMEOUT, tracked.guard.header_timeout))
+
+
+class _Tracked(asyncio.Protocol):
+    """A protocol wrapper: forwards everything to aiohttp's, and owns the head timer."""
+
+    def __init__(self, guard: _ConnectionGuard, inner: Any) -> None:
+        self.guard, self.inner = guard, inner
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.busy = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.guard.live += 1
+        _ConnectionGuard._by_transport[transport] = self
+        self.inner.connection_made(transport)
+        if self.guard.live > self.guard.limit:
+            logger.warning("connection refused: %d open, limit %d", self.guard.live - 1, self.guard.limit)
+            transport.close()
+            return
+        self.arm()
+
+    def arm(self, seconds: float | None = None) -> None:
+        self.disarm()
+        wait = self.guard.header_timeout if seconds is None else seconds
+        self.timer = asyncio.get_running_loop().call_later(wait, self._expire)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expire(self) -> None:
+        if self.busy == 0 and self.transport is not None:
+            logger.info("closing a connection that sent no complete request in time")
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm()
+        self.guard.live -= 1
+        _ConnectionGuard._by_transport.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
 class HttpService:
     """An aiohttp app bound to host:port (port 0 picks a free one); `url` once started."""
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout: float = HEADER_TIMEOUT,
+    ) -> None:
         # Handlers still running at shutdown get this long; a long-poll must not hold it.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         self._host, self._port = host, port
+        self._limits = (max_connections, header_timeout)
+        self._server: asyncio.AbstractServer | None = None
         self.url = ""
 
     async def start(self) -> str:
         await self._runner.setup()
-        await web.TCPSite(self._runner, self._host, self._port).start()
-        host, port = self._runner.addresses[0][:2]
+        assert self._runner.server is not None
+        guard = _ConnectionGuard(self._runner.server, *self._limits)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(guard, self._host, self._port, reuse_address=True)
+        host, port = self._server.sockets[0].getsockname()[:2]
         self.url = f"http://{host}:{port}"
         return self.url
 
     async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
         await self._runner.cleanup()

@@ -9,6 +9,9 @@ the field.
 Schema history:
   1: first version.
   2: MemoryDescriptor.device_id (the GPU a buffer lives on; 0 for host memory).
+  3: claims: ClaimRequest; ReleaseNotice.claim; ReleaseReply replaces RoomState as the
+     answer to a release; ErrorReply.lineage (the error's ancestors, so a receiver that
+     does not know a class rebuilds its nearest known base).
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ __all__ = [
     "EngineDescriptor",
     "RoomState",
     "RoomStatus",
+    "ClaimRequest",
     "ReleaseNotice",
+    "ReleaseReply",
     "ErrorReply",
+    "claim_token",
     "encode",
     "decode",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -46,6 +52,7 @@ Positive = Annotated[int, Meta(ge=1, le=2**40)]
 Name = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
 MAX_PAGES = 1 << 24
 PageList = Annotated[list[Count], Meta(max_length=MAX_PAGES)]
+ClaimToken = Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-f]+$")]
 
 
 class _Wire(Struct, frozen=True, forbid_unknown_fields=True):
@@ -174,14 +181,37 @@ class RoomState(_Wire):
     ready_upto: Count = 0  # layers [layer_start, ready_upto) are ready
 
 
-class ReleaseNotice(_Wire):
+class ClaimRequest(_Wire):
+    """A consumer asks for one of the room's claims; `claim` is a fresh random token."""
+
     room: U63
     consumer_id: Name
+    claim: ClaimToken
+
+
+class ReleaseNotice(_Wire):
+    """A claim holder is done with the room's pages on this rank."""
+
+    room: U63
+    consumer_id: Name
+    claim: ClaimToken
+
+
+class ReleaseReply(_Wire):
+    """The pages stayed pinned under the claim until this release; `freed`: it was the last."""
+
+    room: U63
+    freed: bool
+    unreleased: Count  # claims of the room (granted or not) still to be released
+
+
+ErrorName = Annotated[str, Meta(max_length=64)]
 
 
 class ErrorReply(_Wire):
-    code: Annotated[str, Meta(max_length=64)]
+    code: ErrorName  # the error's class name
     message: Annotated[str, Meta(max_length=4096)]
+    lineage: Annotated[list[ErrorName], Meta(max_length=16)] = []  # its pdkv ancestors, nearest first
 
 
 class Envelope(Struct, frozen=True, array_like=True):
@@ -224,3 +254,11 @@ def decode(data: bytes, kind: type[T], fingerprint: str | None = None) -> T:
         return decoder.decode(env.body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MetadataError(f"invalid {kind.__name__}: {exc}") from exc
+
+
+def claim_token(text: str) -> str:
+    """A claim token from a URL, checked like the one in a `ClaimRequest`."""
+    try:
+        return msgspec.convert(text, ClaimToken)
+    except msgspec.ValidationError as exc:
+        raise MetadataError(f"claim token: {exc}") from exc

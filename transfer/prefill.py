@@ -5,8 +5,11 @@ the registry and keeps renewing it, serves decodes' control requests (readiness
 long-polls, releases), keeps each room's source pages pinned until released, aborted or
 expired, and keeps its UCX worker progressing (a target is not always passive).
 
-    GET  /v1/rooms/{room}?after=N    RoomState once layers beyond N are ready (long-poll)
-    POST /v1/rooms/{room}/release    ReleaseNotice -> RoomState
+    POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
+    GET  /v1/rooms/{room}?after=N&claim=T
+                                     RoomState once layers beyond N are ready (long-poll);
+                                     with a claim, ClaimLostError if it no longer pins the room
+    POST /v1/rooms/{room}/release    ReleaseNotice -> ReleaseReply
     POST /v1/rooms/{room}/abort      free the room now (the router cancelled it)
     GET  /v1/stats                   pinned pages and counters (JSON)
     GET  /health
@@ -27,8 +30,16 @@ from aiohttp import web
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.pool import DSAKVPool
 from transfer.engine import UcxEngine, device_id, mem_type
-from transfer.http import health, ControlClient, HttpService, make_app, read_body, reply
-from transfer.metadata import BufferKind, LayoutSpec, MemoryDescriptor, RankDescriptor, ReleaseNotice
+from transfer.http import health, ControlClient, HttpService, make_app, path_int, query_int, read_body, reply
+from transfer.metadata import (
+    BufferKind,
+    ClaimRequest,
+    LayoutSpec,
+    MemoryDescriptor,
+    RankDescriptor,
+    ReleaseNotice,
+    claim_token,
+)
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
 
@@ -73,6 +84,7 @@ class PrefillExporter:
         self._client = ControlClient(timeouts, secret)
         app = make_app(secret)
         app.router.add_get("/v1/rooms/{room}", self._wait)
+        app.router.add_post("/v1/rooms/{room}/claim", self._claim)
         app.router.add_post("/v1/rooms/{room}/release", self._release)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
@@ -186,32 +198,34 @@ class PrefillExporter:
             self.rooms.expire(time.monotonic())
 
     # ---- control endpoints -------------------------------------------------------------------
-    @staticmethod
-    def _room(request: web.Request) -> tuple[int, int]:
-        """The room in the path and the `after` query (layer cursor), both checked."""
-        try:
-            room = int(request.match_info["room"])
-            after = int(request.query.get("after", "-1"))
-        except ValueError as exc:
-            raise MetadataError(f"room and after must be integers: {exc}") from exc
-        if not 0 <= room < 2**63:
-            raise MetadataError(f"room {room} outside [0, 2**63)")
-        return room, after
-
     async def _wait(self, request: web.Request) -> web.Response:
-        room, after = self._room(request)
+        room = path_int(request, "room")
+        after = query_int(request, "after", -1, lo=-1, hi=2**31 - 1)
+        claim = request.query.get("claim")
+        if claim is not None:
+            claim = claim_token(claim)
         state = await self.rooms.wait(room, after, self.timeouts.poll)
+        if claim is not None:
+            self.rooms.check_claim(room, claim)
         return reply(state, self.pool.layout.fingerprint)
 
+    async def _claim(self, request: web.Request) -> web.Response:
+        room = path_int(request, "room")
+        ask = await read_body(request, ClaimRequest, self.pool.layout.fingerprint)
+        if ask.room != room:
+            raise MetadataError(f"claim names room {ask.room}, path names {room}")
+        await self.rooms.wait(room, -1, self.timeouts.poll)  # until it is published
+        return reply(self.rooms.claim(room, ask.claim, ask.consumer_id), self.pool.layout.fingerprint)
+
     async def _release(self, request: web.Request) -> web.Response:
-        room, _ = self._room(request)
+        room = path_int(request, "room")
         notice = await read_body(request, ReleaseNotice, self.pool.layout.fingerprint)
         if notice.room != room:
             raise MetadataError(f"release names room {notice.room}, path names {room}")
-        return reply(self.rooms.release(room, notice.consumer_id), self.pool.layout.fingerprint)
+        return reply(self.rooms.release(room, notice.claim), self.pool.layout.fingerprint)
 
     async def _abort(self, request: web.Request) -> web.Response:
-        self.abort_room(self._room(request)[0])
+        self.abort_room(path_int(request, "room"))
         return web.Response(status=200)
 
     async def _stats(self, request: web.Request) -> web.Response:

@@ -30,10 +30,10 @@ from aiohttp import web
 
 from pdkv import PRESETS, LayerSplitDSAKVPool, OwnerBroadcaster, PageAllocator, ShardPlan
 from pdkv.broadcast import BroadcastHandle
-from pdkv.errors import DeadlineExceeded, PdkvError
+from pdkv.errors import ClosedError, DeadlineExceeded, PdkvError, UnknownRoomError
 from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_bytes, token_locations
 from transfer.api import PrefillReply, PrefillRequest
-from transfer.http import health, HttpService, make_app, read_body, reply
+from transfer.http import health, HttpService, make_app, path_int, read_body, reply
 from transfer.prefill import PrefillExporter
 from transfer.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
@@ -195,10 +195,10 @@ class PrefillEngineRank:
             raise DeadlineExceeded(f"room {pending.request.room} not prefilled in {self.timeouts.ready}s") from exc
 
     async def _abort(self, request: web.Request) -> web.Response:
-        room = int(request.match_info["room"])
+        room = path_int(request, "room")
         for p in [p for p in self.queue if p.request.room == room]:
             self.queue.remove(p)
-            p.done.set_exception(PdkvError(f"room {room} aborted before it ran"))
+            p.done.set_exception(UnknownRoomError(f"room {room} aborted before it ran"))
         return web.Response(status=200)
 
     # ---- process ----------------------------------------------------------------------------
@@ -233,7 +233,7 @@ class PrefillEngineRank:
         finally:
             stopper.cancel()
             for p in self.queue:
-                p.done.set_exception(PdkvError("prefill engine is shutting down"))
+                p.done.set_exception(ClosedError("prefill engine is shutting down"))
             await self.exporter.aclose()
             if intake is not None:
                 await intake.aclose()

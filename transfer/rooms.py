@@ -1,9 +1,18 @@
-"""Rooms on a prefill rank: pinned source pages, layer readiness, releases, expiry.
+"""Rooms on a prefill rank: pinned source pages, layer readiness, claims, expiry.
 
-A room's pages stay pinned from publication until every expected consumer released them,
-the room was aborted, or its pin deadline passed; whichever comes first frees the pages
-through `on_free`, once. Finished rooms are remembered (bounded) so a late fetch gets a
-clear answer instead of waiting for a room that will never come.
+A room is published for `consumers` claims. A consumer (one fetch, or one explicit lease)
+first claims the room with a fresh random token; a claim is granted at most `consumers`
+times, so a duplicate or late fetch of a single-consumer room is refused
+(`RoomClaimedError`). The pages stay pinned until every granted-or-owed claim was
+released, the room was aborted, or its pin deadline passed; whichever comes first frees
+them through `on_free`, once.
+
+A claim is the proof of a read: releasing it succeeds only while the room is still live
+and the claim is one of its open claims, so a successful release proves that the pages
+were pinned for this room from the claim to the release, i.e. during every READ made
+under the claim. A release after the room was freed (aborted, expired, forgotten) or
+with an unknown claim raises `ClaimLostError`: the reader must discard what it read.
+Finished rooms are remembered (bounded) so a late fetch gets a clear answer.
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdkv.errors import PageRangeError, PdkvError, UnknownRoomError
-from transfer.metadata import RoomState, RoomStatus
+from pdkv.errors import ClaimLostError, ConflictError, RoomClaimedError, UnknownRoomError
+from pdkv.pages import page_ids
+from transfer.metadata import ReleaseReply, RoomState, RoomStatus
 
 __all__ = ["RoomTable", "RoomCounters"]
 
@@ -34,7 +44,9 @@ class _Room:
     consumers: int
     pinned_until: float
     ready_upto: int
-    released_by: set[str] = field(default_factory=set)
+    open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
+    granted: int = 0
+    released: int = 0
 
 
 @dataclass
@@ -66,11 +78,9 @@ class RoomTable:
 
     # ---- the model side -------------------------------------------------------------------
     def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
-        pages = np.asarray(src_pages, dtype=np.int64)
         if room in self._live or room in self._finished:
-            raise PdkvError(f"room {room} was already published on this rank")
-        if pages.size and (pages.min() < 0 or pages.max() >= self.num_pages):
-            raise PageRangeError(f"room {room}: source pages outside [0, {self.num_pages})")
+            raise ConflictError(f"room {room} was already published on this rank")
+        pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
         self._live[room] = _Room(room, pages, consumers, time.monotonic() + self.pin_seconds, self.layers.start)
         self.counters.published += 1
         self._notify()
@@ -123,18 +133,50 @@ class RoomTable:
                 break
         return self.state(room)
 
-    def release(self, room: int, consumer: str) -> RoomState:
+    def claim(self, room: int, token: str, consumer: str) -> RoomState:
+        """Grant `token` one of the room's claims (idempotent for a token already granted).
+
+        A room not published yet answers UNKNOWN and grants nothing: ask again.
+        """
         r = self._live.get(room)
         if r is None:
             status = self._finished.get(room, RoomStatus.UNKNOWN)
-            if status is RoomStatus.RELEASED:
+            if status is RoomStatus.UNKNOWN:
                 return RoomState(room=room, status=status)
-            raise UnknownRoomError(f"room {room} is {status.value} on this rank: its pages may be reused")
-        r.released_by.add(consumer)
-        if len(r.released_by) >= r.consumers:
+            raise UnknownRoomError(f"room {room} is {status.value} on this rank")
+        if token not in r.open_claims:
+            if r.granted >= r.consumers:
+                raise RoomClaimedError(
+                    f"room {room}: all {r.consumers} consumer claim(s) taken; {consumer} may not read it again"
+                )
+            r.open_claims[token] = consumer
+            r.granted += 1
+        return self.state(room)
+
+    def check_claim(self, room: int, token: str) -> None:
+        """Raise `ClaimLostError` unless `token` is an open claim of the live `room`."""
+        r = self._live.get(room)
+        if r is not None and token in r.open_claims:
+            return
+        if r is not None:
+            why = "it is not an open claim of the room"
+        else:
+            why = f"the room is {self._finished.get(room, RoomStatus.UNKNOWN).value} here"
+        raise ClaimLostError(
+            f"room {room}: claim {token[:8]} does not pin its pages ({why}); bytes read under it may belong to another room"
+        )
+
+    def release(self, room: int, token: str) -> ReleaseReply:
+        """Close claim `token`; the room is freed once its last claim is released."""
+        self.check_claim(room, token)
+        r = self._live[room]
+        del r.open_claims[token]
+        r.released += 1
+        freed = r.released >= r.consumers
+        if freed:
             self._finish(room, RoomStatus.RELEASED)
             self.counters.released += 1
-        return self.state(room)
+        return ReleaseReply(room=room, freed=freed, unreleased=r.consumers - r.released)
 
     # ---- housekeeping ---------------------------------------------------------------------
     def expire(self, now: float) -> list[int]:
