@@ -17,6 +17,7 @@ from pdkv import (
     DSAKVPool,
     IncompatibleLayoutError,
     InvalidPagesError,
+    MetadataError,
     NotReadyError,
     PageRangeError,
     RoomClaimedError,
@@ -29,6 +30,7 @@ from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillReques
 from transfer.decode import DecodeFetcher, FetchResult
 from transfer.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
+from tests.http_probe import rss_bytes, send_big
 from tests.test_metadata import rank_descriptor
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -250,3 +252,38 @@ async def test_fetcher_misuse_is_typed(deployment):
         await slow
     with pytest.raises(ClosedError, match="closed"):
         await fetcher.fetch("prefill0", room, [1])
+
+
+# ---- every service: typed paths, refused bodies, flat memory (issue 10) -----------------------
+def _services(deployment):
+    """(name, pid, url, a POST path that reads a body) for one process of each kind."""
+    child = {c.name: c for c in deployment.launcher.children}
+    engine = deployment.engines[1]
+    return [
+        ("registry", child["registry"].pid, deployment.registry_url, "/v1/engines/e9/ranks/0"),
+        ("exporter", child["prefill1-cp0"].pid, engine.controls[0], "/v1/rooms/5/release"),
+        ("intake", child["prefill1-cp0"].pid, engine.intake, "/v1/prefill"),
+        ("decode", child["decode0"].pid, deployment.decoders[0].url, "/v1/decode"),
+    ]
+
+
+async def test_non_integer_rooms_answer_400_on_every_service(deployment):
+    engine = deployment.engines[1]
+    urls = [deployment.decoders[0].url, engine.intake, engine.controls[0]]
+    for url in urls:
+        for bad in ("abc", "1e3", "..%2Fx", "-4", "1" * 30):
+            with pytest.raises(MetadataError, match="room"):
+                await deployment.client.request("POST", f"{url}/v1/rooms/{bad}/abort")
+    with pytest.raises(MetadataError, match="rank"):
+        await deployment.client.request("DELETE", f"{deployment.registry_url}/v1/engines/e9/ranks/{'9' * 30}")
+
+
+async def test_oversized_bodies_leave_every_service_flat(deployment):
+    for name, pid, url, path in _services(deployment):
+        before = rss_bytes(pid)
+        for _ in range(10):
+            assert await send_big(url, path, 200 << 20) == 413, name
+        for _ in range(3):
+            assert await send_big(url, path, 200 << 20, chunked=True) == 413, name
+        grown = rss_bytes(pid) - before
+        assert grown < 64 << 20, f"{name} grew by {grown / 2**20:.0f} MiB"

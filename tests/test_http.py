@@ -1,0 +1,121 @@
+"""The control plane's HTTP layer in one process: typed paths, error identity, refusals."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from pdkv import ConflictError, PdkvError, RoomClaimedError, UnknownRoomError
+from pdkv.errors import MetadataError
+from transfer.http import ControlClient, HttpService, _error_from_reply, make_app, path_int, query_int, read_body, status_of
+from transfer.metadata import ErrorReply, RoomState, RoomStatus, encode
+from transfer.timeouts import Timeouts
+from tests.http_probe import closed_by_server, send_big
+
+
+class _Private(RoomClaimedError):
+    """An error class that only this test module knows."""
+
+
+async def _serve(**limits):
+    app = make_app(None)
+
+    async def room(request: web.Request) -> web.Response:
+        r = path_int(request, "room")
+        return web.json_response({"room": r, "after": query_int(request, "after", -1, lo=-1)})
+
+    async def fail(request: web.Request) -> web.Response:
+        raise {"conflict": ConflictError, "private": _Private, "plain": PdkvError}[request.match_info["what"]]("no")
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=encode(await read_body(request, RoomState)))
+
+    app.router.add_get("/v1/rooms/{room}", room)
+    app.router.add_get("/fail/{what}", fail)
+    app.router.add_post("/echo", echo)
+    svc = HttpService(app, **limits)
+    await svc.start()
+    return svc
+
+
+@pytest.mark.parametrize("bad", ["abc", "1e3", "..%2Fx", "-1", "99999999999999999999", "0x10", "1.0", " 1"])
+async def test_bad_path_integers_answer_400(bad):
+    svc = await _serve()
+    client = ControlClient(Timeouts())
+    try:
+        with pytest.raises(MetadataError, match="room"):
+            await client.request("GET", f"{svc.url}/v1/rooms/{bad}")
+        with pytest.raises(MetadataError, match="after"):
+            await client.request("GET", f"{svc.url}/v1/rooms/3?after=x")
+        assert await client.get_json(f"{svc.url}/v1/rooms/7?after=2") == {"room": 7, "after": 2}
+    finally:
+        await client.aclose()
+        await svc.aclose()
+
+
+async def test_errors_keep_their_class_and_status_follows_the_tree():
+    svc = await _serve()
+    client = ControlClient(Timeouts())
+    try:
+        with pytest.raises(ConflictError) as info:
+            await client.request("GET", f"{svc.url}/fail/conflict")
+        assert type(info.value) is ConflictError
+        with pytest.raises(_Private):
+            await client.request("GET", f"{svc.url}/fail/private")
+    finally:
+        await client.aclose()
+        await svc.aclose()
+    assert status_of(_Private("x")) == 409 and status_of(ConflictError("x")) == 409
+    assert status_of(type("Sub", (UnknownRoomError,), {})("x")) == 404
+    assert status_of(PdkvError("x")) == 500
+
+
+def test_an_unknown_error_class_comes_back_as_its_nearest_known_ancestor():
+    body = encode(ErrorReply(code="NoSuchErrorHere", message="m", lineage=["NoSuchBase", "ConflictError", "PdkvError"]))
+    err = _error_from_reply(409, body, "http://x")
+    assert type(err) is ConflictError and "m" in str(err)
+
+
+async def test_oversized_bodies_are_refused_unread():
+    svc = await _serve()
+    try:
+        assert await send_big(svc.url, "/echo", 200 << 20) == 413  # by Content-Length
+        assert await send_big(svc.url, "/echo", 64 << 20, chunked=True) == 413  # as the limit passes
+        client = ControlClient(Timeouts())
+        state = RoomState(room=1, status=RoomStatus.READY, src_pages=[1, 2])
+        try:  # and the service still answers
+            assert await client.request("POST", f"{svc.url}/echo", RoomState, state) == state
+        finally:
+            await client.aclose()
+    finally:
+        await svc.aclose()
+
+
+async def test_a_connection_that_stalls_before_its_request_head_is_closed():
+    svc = await _serve(header_timeout=0.3)
+    host, port = svc.url.removeprefix("http://").split(":")
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /v1/rooms/1 HTTP/1.1\r\nHost: x\r\n")  # ... and never the blank line
+        assert await closed_by_server(reader, 5.0)
+        writer.close()
+        idle_reader, idle_writer = await asyncio.open_connection(host, int(port))  # sends nothing at all
+        assert await closed_by_server(idle_reader, 5.0)
+        idle_writer.close()
+    finally:
+        await svc.aclose()
+
+
+async def test_connections_beyond_the_limit_are_closed():
+    svc = await _serve(max_connections=3)
+    host, port = svc.url.removeprefix("http://").split(":")
+    try:
+        conns = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+        assert [await closed_by_server(r, 0.5) for r, _ in conns[3:]] == [True, True]
+        reader, writer = conns[0]
+        writer.write(b"GET /v1/rooms/5 HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+        for _, w in conns:
+            w.close()
+    finally:
+        await svc.aclose()
