@@ -256,14 +256,14 @@ async def test_fetcher_misuse_is_typed(deployment):
 
 # ---- every service: typed paths, refused bodies, flat memory (issue 10) -----------------------
 def _services(deployment):
-    """(name, pid, url, a POST path that reads a body) for one process of each kind."""
+    """(name, pid, url, method, a path that reads a body) for one process of each kind."""
     child = {c.name: c for c in deployment.launcher.children}
     engine = deployment.engines[1]
     return [
-        ("registry", child["registry"].pid, deployment.registry_url, "/v1/engines/e9/ranks/0"),
-        ("exporter", child["prefill1-cp0"].pid, engine.controls[0], "/v1/rooms/5/release"),
-        ("intake", child["prefill1-cp0"].pid, engine.intake, "/v1/prefill"),
-        ("decode", child["decode0"].pid, deployment.decoders[0].url, "/v1/decode"),
+        ("registry", child["registry"].pid, deployment.registry_url, "PUT", "/v1/engines/e9/ranks/0"),
+        ("exporter", child["prefill1-cp0"].pid, engine.controls[0], "POST", "/v1/rooms/5/release"),
+        ("intake", child["prefill1-cp0"].pid, engine.intake, "POST", "/v1/prefill"),
+        ("decode", child["decode0"].pid, deployment.decoders[0].url, "POST", "/v1/decode"),
     ]
 
 
@@ -279,11 +279,11 @@ async def test_non_integer_rooms_answer_400_on_every_service(deployment):
 
 
 async def test_oversized_bodies_leave_every_service_flat(deployment):
-    for name, pid, url, path in _services(deployment):
+    for name, pid, url, method, path in _services(deployment):
         before = rss_bytes(pid)
         for _ in range(10):
-            assert await send_big(url, path, 200 << 20) == 413, name
+            assert await send_big(url, path, 200 << 20, method=method) == 413, name
         for _ in range(3):
-            assert await send_big(url, path, 200 << 20, chunked=True) == 413, name
+            assert await send_big(url, path, 200 << 20, chunked=True, method=method) == 413, name
         grown = rss_bytes(pid) - before
         assert grown < 64 << 20, f"{name} grew by {grown / 2**20:.0f} MiB"

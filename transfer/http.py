@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "X-Pdkv-Secret"
 CONTENT_TYPE = "application/x-msgpack"
-MAX_BODY = 32 << 20
+MAX_BODY = 4 << 20  # the largest message, a RankDescriptor, is kilobytes
 HEADER_TIMEOUT = 10.0  # seconds from connect to a complete request head
 IDLE_TIMEOUT = 30.0  # seconds from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
 BODY_TIMEOUT = 30.0  # seconds to receive a body

@@ -122,7 +122,7 @@ class RankDescriptor(_Wire):
     layout: LayoutSpec
     buffers: Annotated[list[MemoryDescriptor], Meta(max_length=2 * 4096)]
     agent_name: Name
-    agent_metadata: Annotated[bytes, Meta(max_length=16 << 20)]
+    agent_metadata: Annotated[bytes, Meta(max_length=2 << 20)]
     control_url: Annotated[str, Meta(min_length=1, max_length=512)]
     incarnation: Name
 
