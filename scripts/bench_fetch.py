@@ -125,23 +125,30 @@ async def bench(args: argparse.Namespace) -> None:
         local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items,
                                    p.local_dev, q.local_dev)
                         for p, q in zip(ps, qs)] for ps, qs in zip(pairs, owner_pairs(source_copy, desc))]
-        async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None) as fetcher:
+        gpu = args.device == "cuda"
+        async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher, \
+                DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane:
             args.lanes = fetcher.engine.lanes
             rows = []
             for n in args.sizes:
                 slabs = (decode_pool.kv_slab, source_copy.kv_slab)
                 pools = (decode_pool, source_copy)
-                rows.append(await bench_size(d, engine_url, fetcher, raw, pairs, local_pairs, slabs, pools, alloc, n, args.runs))
+                rows.append(await bench_size(d, engine_url, (fetcher, lane if gpu else None), raw, pairs, local_pairs,
+                                             slabs, pools, alloc, n, args.runs))
     print_table(rows, args)
 
 
-async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, pools, alloc, n, runs):
+async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools, alloc, n, runs):
+    fetcher, lane = fetchers
     samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": []}
+    if lane is not None:
+        samples.update({"lane": [], "lane_copy": []})
     desc_merged = desc_unmerged = 0
     nbytes = 0
     for i in range(runs + 1):  # the first run is a warm-up
         room = (n << 20) + i
-        await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n))
+        ask = PrefillRequest(room=room, num_tokens=n, consumers=1 if lane is None else 2)  # one claim each
+        await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, ask)
         state = await d.client.request("GET", f"{engine.controls[0]}/v1/rooms/{room}?after=-1", RoomState)
         src = np.asarray(state.src_pages)
         dst = alloc.alloc(len(src))
@@ -151,6 +158,9 @@ async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, pools, 
         nbytes = sum(p.nbytes for p in plans)
         t_raw = raw.read(plans)
         result = await fetcher.fetch("prefill0", room, dst)
+        if lane is not None:
+            through_lane = await lane.fetch("prefill0", room, dst)
+            assert {o.path for o in through_lane.owners} == {"cuda_ipc"}
         if pools[0].device.type == "cuda":
             t_copy = device_copy_limit(pools[0], pools[1], src, dst)
         else:
@@ -162,6 +172,9 @@ async def bench_size(d, engine, fetcher, raw, pairs, local_pairs, slabs, pools, 
             samples["pdkv"].append(result.seconds)
             samples["memcpy"].append(t_copy)
             samples["bandwidth"].append(t_bw)
+            if lane is not None:
+                samples["lane"].append(through_lane.seconds)
+                samples["lane_copy"].append(through_lane.read_seconds)
     return n, nbytes, desc_unmerged, desc_merged, samples
 
 
@@ -180,6 +193,16 @@ def print_table(rows, args) -> None:
         vals = (n, nbytes / 1e6, du, dm, g["pdkv"], g["raw"], g["memcpy"], g["bandwidth"], g["pdkv"] / g["raw"],
                 g["pdkv"] / g["memcpy"], g["pdkv"] / g["bandwidth"], np.percentile(lat, 50), np.percentile(lat, 99))
         print("".join(f"{v:>12.0f}" if i < 4 else f"{v:>12.2f}" for i, v in enumerate(vals)))
+    if any("lane" in s for *_, s in rows):
+        print("same-host GPU lane (CUDA IPC + one gather kernel per batch): fetch() end to end, and its kernels alone")
+        head = ("tokens", "MB", "lane GB/s", "copy GB/s", "bandw. GB/s", "lane/bandw.", "copy/bandw.", "p50 ms", "p99 ms")
+        print("".join(f"{h:>12}" for h in head))
+        for n, nbytes, _, _, s in rows:
+            g = {k: nbytes / statistics.median(v) / 1e9 for k, v in s.items()}
+            lat = np.array(s["lane"]) * 1e3
+            vals = (n, nbytes / 1e6, g["lane"], g["lane_copy"], g["bandwidth"], g["lane"] / g["bandwidth"],
+                    g["lane_copy"] / g["bandwidth"], np.percentile(lat, 50), np.percentile(lat, 99))
+            print("".join(f"{v:>12.0f}" if i < 2 else f"{v:>12.2f}" for i, v in enumerate(vals)))
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -44,12 +44,13 @@ from pdkv.errors import (
     MetadataError,
     NotReadyError,
     PeerLostError,
+    TransferError,
     UnknownEngineError,
     UnknownRoomError,
 )
 from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
-from transfer.engine import UcxEngine, default_lanes, device_id, mem_type
+from transfer.engine import UcxEngine, XferStats, default_lanes, device_id, mem_type
 from transfer.http import ControlClient
 from transfer.metadata import (
     BufferKind,
@@ -63,6 +64,9 @@ from transfer.metadata import (
 )
 from transfer.plan import BufferPair, build_read_plan
 from transfer.timeouts import Timeouts
+
+if TYPE_CHECKING:
+    from transfer.gpu_lane import GpuLane, IpcPeer
 
 __all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 
@@ -80,6 +84,7 @@ class OwnerStats:
     reads: int
     seconds: float  # from the first poll to the last byte from this owner
     read_seconds: float  # inside READs only (the rest is waiting for prefill)
+    path: str = "ucx"  # what moved the bytes: "ucx", or "cuda_ipc" (the same-host GPU lane)
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,11 @@ class FetchResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Owner:
     rank: RankDescriptor
-    pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index)
+    pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), UCX addresses
+    ipc: IpcPeer | None = None  # set when the same-host GPU lane reads this owner
 
 
 @dataclass
@@ -140,7 +146,12 @@ class DecodeFetcher:
 
     `lanes` is how many threads post READs (None: `default_lanes`, one a core up to 8,
     4 for a GPU pool); an owner's READ is cut into pieces when lanes outnumber owners.
+    `path` picks what moves the bytes: "auto" reads owners on this host's GPUs through the
+    same-host GPU lane (CUDA IPC and one gather kernel) and the rest over UCX; "ucx" and
+    "cuda_ipc" force one (the latter fails the lookup of an engine it cannot reach so).
     """
+
+    PATHS = ("auto", "ucx", "cuda_ipc")
 
     def __init__(
         self,
@@ -152,7 +163,14 @@ class DecodeFetcher:
         secret: str | None = None,
         lanes: int | None = None,
         merge_runs: bool = True,
+        path: str = "auto",
     ) -> None:
+        if path not in self.PATHS:
+            raise ValueError(f"path must be one of {self.PATHS}, not {path!r}")
+        if path == "cuda_ipc" and pool.device.type != "cuda":
+            raise ValueError("the cuda_ipc path needs a decode pool on a GPU")
+        self.path = path
+        self._gpu: GpuLane | None = None
         if len(pool.owned) != pool.layout.layer_num:
             raise IncompatibleLayoutError("a decode pool must hold every layer")
         self.pool = pool
@@ -177,6 +195,10 @@ class DecodeFetcher:
         self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=lanes, mem_type=mem,
                                  connect_timeout=self.timeouts.connect)
         self.engine.register([self.pool.kv_slab, self.pool.index_slab])
+        if self.pool.device.type == "cuda" and self.path != "ucx":
+            from transfer.gpu_lane import GpuLane  # CUDA and Triton: only where a GPU is
+
+            self._gpu = GpuLane(self.pool.device)
 
     async def aclose(self) -> None:
         """Refuse new fetches, end those in flight with `ClosedError` (their claims released),
@@ -189,6 +211,8 @@ class DecodeFetcher:
         except asyncio.TimeoutError:
             logger.warning("closing with %d fetches still in flight", self._active)
         await self._client.aclose()
+        if self._gpu is not None:
+            await self._gpu.aclose()
         if self.engine is not None:
             await self.engine.aclose()
             self.engine = None
@@ -297,17 +321,41 @@ class DecodeFetcher:
     async def _connect(self, owners: dict[int, _Owner]) -> None:
         assert self.engine is not None
         for o in owners.values():
+            if self._open_ipc(o):
+                continue
             regions = [(b.addr, b.length) for b in o.rank.buffers]
             try:
                 await self.engine.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
             except PeerLostError as exc:
                 raise _lost(o.rank, exc) from exc
 
+    def _open_ipc(self, owner: _Owner) -> bool:
+        """Map `owner` for the same-host GPU lane if the path allows and it is reachable."""
+        if self.path == "ucx":
+            return False
+        from transfer.gpu_lane import ipc_unreachable
+
+        why = ipc_unreachable(owner.rank, self.pool.device) if self._gpu is not None else "no GPU lane here"
+        if why is None:
+            assert self._gpu is not None
+            try:
+                owner.ipc = self._gpu.open(owner.rank, owner.pairs)
+                return True
+            except TransferError as exc:
+                why = str(exc)
+        r = owner.rank
+        if self.path == "cuda_ipc":
+            raise TransferError(f"engine {r.engine_id} cp rank {r.cp_rank}: no same-host GPU lane: {why}")
+        logger.info("engine %s cp rank %d over UCX: %s", r.engine_id, r.cp_rank, why)
+        return False
+
     async def forget(self, engine_id: str) -> None:
         """Drop a cached engine and its peers' connections and keys."""
         owners = self._engines.pop(engine_id, None)
-        if owners and self.engine is not None:
-            for o in owners.values():
+        for o in (owners or {}).values():
+            if o.ipc is not None and self._gpu is not None:
+                await self._gpu.close(o.ipc)  # a dead owner's memory is freed only then
+            if self.engine is not None:
                 await self.engine.remove_peer(o.rank.agent_name)
 
     # ---- the fetch -----------------------------------------------------------------------------
@@ -480,16 +528,27 @@ class DecodeFetcher:
             raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
         while True:
             if state.ready_upto > cursor:
-                pairs = [p for layer in range(cursor, state.ready_upto) for p in owner.pairs[layer]]
-                plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-                xfer = await self.engine.read(r.agent_name, plan, deadline.left(self.timeouts.transfer), pieces)
+                xfer = await self._read_layers(owner, range(cursor, state.ready_upto), src, dst, deadline, pieces)
                 nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
                 busy += xfer.seconds
                 cursor = state.ready_upto
             if cursor >= r.layer_end:
                 break
             state = await self._poll(owner, claim, cursor, deadline)
-        return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy)
+        return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy,
+                          "cuda_ipc" if owner.ipc is not None else "ucx")
+
+    async def _read_layers(
+        self, owner: _Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: _Deadline, pieces: int
+    ) -> XferStats:
+        """Copy `layers` of one owner: one gather kernel on the GPU lane, or one batched READ."""
+        if owner.ipc is not None:
+            assert self._gpu is not None
+            return await self._gpu.read(owner.ipc, layers, src, dst)
+        assert self.engine is not None
+        pairs = [p for layer in layers for p in owner.pairs[layer]]
+        plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
+        return await self.engine.read(owner.rank.agent_name, plan, deadline.left(self.timeouts.transfer), pieces)
 
     async def _release(self, owner: _Owner, claim: _Claim, timeout: float) -> bool:
         """Release the claim on one owner; True if that freed the room there.

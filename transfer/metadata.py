@@ -12,6 +12,8 @@ Schema history:
   3: claims: ClaimRequest; ReleaseNotice.claim; ReleaseReply replaces RoomState as the
      answer to a release; ErrorReply.lineage (the error's ancestors, so a receiver that
      does not know a class rebuilds its nearest known base).
+  4: RankDescriptor.ipc: CUDA IPC handles of a GPU rank's owned slabs, for decodes on
+     the same host (the same-host GPU lane).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ __all__ = [
     "BufferKind",
     "MemoryDescriptor",
     "LayoutSpec",
+    "IpcSlab",
+    "IpcExport",
     "RankDescriptor",
     "EngineDescriptor",
     "RoomState",
@@ -44,7 +48,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -110,6 +114,30 @@ class LayoutSpec(_Wire):
             raise IncompatibleLayoutError(f"KV layouts differ ({detail})", diff)
 
 
+class IpcSlab(_Wire):
+    """One owned slab as a CUDA IPC handle: the layer buffers of its kind lie inside it."""
+
+    kind: BufferKind
+    addr: U63  # the slab's address in the owner
+    length: Positive
+    alloc_offset: U63  # the slab's offset in the allocation the handle maps
+    handle: Annotated[bytes, Meta(min_length=64, max_length=64)]
+
+
+class IpcExport(_Wire):
+    """What a decode needs to map a GPU rank's slabs: the same host, and which GPU."""
+
+    host_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    gpu_uuid: Annotated[str, Meta(min_length=1, max_length=64)]
+    slabs: Annotated[list[IpcSlab], Meta(min_length=1, max_length=2)]
+
+    def slab(self, kind: BufferKind) -> IpcSlab:
+        for s in self.slabs:
+            if s.kind is kind:
+                return s
+        raise KeyError(kind)
+
+
 class RankDescriptor(_Wire):
     """What one prefill CP rank publishes: its layers, buffers and UCX connection blob."""
 
@@ -125,6 +153,7 @@ class RankDescriptor(_Wire):
     agent_metadata: Annotated[bytes, Meta(max_length=2 << 20)]
     control_url: Annotated[str, Meta(min_length=1, max_length=512)]
     incarnation: Name
+    ipc: IpcExport | None = None  # GPU ranks only
 
     def __post_init__(self) -> None:
         if self.cp_rank >= self.cp_size:
@@ -141,6 +170,16 @@ class RankDescriptor(_Wire):
         want = sorted((k.value, layer) for k in BufferKind for layer in range(start, end))
         if seen != want:
             raise ValueError("buffers must describe each owned layer exactly once per kind")
+        if self.ipc is not None:
+            self._check_ipc(self.ipc)
+
+    def _check_ipc(self, ipc: IpcExport) -> None:
+        if sorted(s.kind.value for s in ipc.slabs) != sorted(k.value for k in BufferKind):
+            raise ValueError("ipc must carry one slab of each kind")
+        for b in self.buffers:
+            s = ipc.slab(b.kind)
+            if not (s.addr <= b.addr and b.addr + b.length <= s.addr + s.length):
+                raise ValueError(f"{b.kind.value} buffer of layer {b.layer_id} lies outside its ipc slab")
 
     def buffer(self, kind: BufferKind, layer_id: int) -> MemoryDescriptor:
         for b in self.buffers:

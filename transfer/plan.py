@@ -14,7 +14,7 @@ import numpy as np
 
 from pdkv.errors import PageRangeError
 
-__all__ = ["PageRuns", "page_runs", "BufferPair", "ReadPlan", "build_read_plan"]
+__all__ = ["PageRuns", "page_runs", "BufferPair", "ReadPlan", "build_read_plan", "GatherPlan", "build_gather_plan"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,46 @@ def build_read_plan(
     local = np.stack([(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, (ldev * ones).reshape(-1)], axis=1)
     remote = np.stack([(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, (rdev * ones).reshape(-1)], axis=1)
     return ReadPlan(local, remote, int(lengths.sum()))
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """One gather-kernel launch: per buffer (src base, dst base, item length in words), and
+    the page ids; every address already local to the decode (mapped) and checked."""
+
+    table: np.ndarray  # int64 (3, buffers)
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    word: int  # bytes a load moves: the largest of 8, 4, 2, 1 that every address and length allows
+    nbytes: int
+
+    @property
+    def buffers(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def pages(self) -> int:
+        return len(self.src_pages)
+
+
+def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_pages: np.ndarray) -> GatherPlan:
+    """The launch that copies `src_pages` of every buffer into `dst_pages` of its twin.
+
+    `remote_addr` of each pair must already be the address the decode's GPU reads the
+    owner's buffer at. Page ids are checked against both sides' item counts here, on the
+    host: a kernel given a bad one would fault the decode's GPU context.
+    """
+    src, dst = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise PageRangeError(f"{src.size} source pages but {dst.size} destination pages")
+    if not buffers or src.size == 0:
+        return GatherPlan(np.zeros((3, 0), np.int64), src, dst, 1, 0)
+    _check_pages(src, min(b.remote_items for b in buffers), "source")
+    _check_pages(dst, min(b.local_items for b in buffers), "destination")
+    rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)
+    lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)
+    item = np.array([b.item_len for b in buffers], dtype=np.int64)
+    every = np.concatenate([rbase, lbase, item])
+    word = next(w for w in (8, 4, 2, 1) if not (every % w).any())
+    table = np.stack([rbase, lbase, item // word])
+    return GatherPlan(table, src, dst, word, int(item.sum()) * src.size)

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from aiohttp import web
 
 from pdkv.errors import MetadataError, PdkvError
@@ -34,6 +35,8 @@ from transfer.http import health, ControlClient, HttpService, make_app, path_int
 from transfer.metadata import (
     BufferKind,
     ClaimRequest,
+    IpcExport,
+    IpcSlab,
     LayoutSpec,
     MemoryDescriptor,
     RankDescriptor,
@@ -56,6 +59,25 @@ def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
             out.append(MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item,
                                         device_id=dev))
     return out
+
+
+def _ipc_export(pool: DSAKVPool) -> IpcExport | None:
+    """CUDA IPC handles of a GPU pool's owned slabs, for decodes on this host; else None."""
+    if pool.device.type != "cuda" or pool.kv_slab.numel() == 0:
+        return None
+    from transfer.cuda_ipc import CudaDriver, host_id
+
+    dev = device_id(pool.device)
+    try:
+        driver = CudaDriver.get()
+        slabs = []
+        for kind, slab in ((BufferKind.LATENT, pool.kv_slab), (BufferKind.INDEX, pool.index_slab)):
+            handle, offset = driver.export(dev, slab.data_ptr())
+            slabs.append(IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle))
+    except PdkvError as exc:  # e.g. an allocator that cannot export: decodes use UCX
+        logger.warning("no CUDA IPC export (decodes will read over UCX): %s", exc)
+        return None
+    return IpcExport(host_id=host_id(), gpu_uuid=str(torch.cuda.get_device_properties(dev).uuid), slabs=slabs)
 
 
 class PrefillExporter:
@@ -93,6 +115,7 @@ class PrefillExporter:
         self.engine: UcxEngine | None = None
         self.descriptor: RankDescriptor | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._written: asyncio.Queue[tuple[torch.cuda.Event, int, int]] = asyncio.Queue()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,12 +138,14 @@ class PrefillExporter:
             agent_metadata=self.engine.agent_metadata(),
             control_url=url,
             incarnation=self.incarnation,
+            ipc=_ipc_export(self.pool),
         )
         await self._register(deadline=time.monotonic() + self.timeouts.lookup)
         self._tasks = [
             asyncio.create_task(self._renew_forever()),
             asyncio.create_task(self._progress_forever()),
             asyncio.create_task(self._expire_forever()),
+            asyncio.create_task(self._ready_after_writes()),
         ]
         logger.info("exporter %s/cp%d serving layers %s on %s", self.engine_id, self.cp_rank, self.pool.owned, url)
 
@@ -154,8 +179,25 @@ class PrefillExporter:
         self.rooms.publish(room, src_pages, consumers)
 
     def mark_ready(self, room: int, upto_layer: int) -> None:
-        """Owned layers below `upto_layer` (global id) of `room` are written."""
-        self.rooms.mark_ready(room, upto_layer)
+        """Owned layers below `upto_layer` (global id) of `room` are written.
+
+        On a GPU the writes were only queued on the current stream: the layers become
+        readable for decodes once that stream has passed this point, not before.
+        """
+        if self.pool.device.type != "cuda":
+            self.rooms.mark_ready(room, upto_layer)
+            return
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.pool.device))
+        self._written.put_nowait((written, room, upto_layer))
+
+    async def _ready_after_writes(self) -> None:
+        """Publish GPU layers as their writes complete, in the order they were queued."""
+        while True:
+            written, room, upto = await self._written.get()
+            if not written.query():
+                await asyncio.to_thread(written.synchronize)
+            self.rooms.mark_ready(room, upto)
 
     def abort_room(self, room: int) -> bool:
         return self.rooms.abort(room)

@@ -1,0 +1,151 @@
+"""CUDA IPC through the driver API: export a slab's handle, map a peer's slab, close it.
+
+The same-host GPU lane reads the owners' VRAM directly: each owner publishes a CUDA IPC
+handle of its two owned slabs, and the decode maps them once, under its own GPU's
+context, and gathers pages with one kernel (`transfer.gather`).
+
+Why the driver API through ctypes: `libcuda.so.1` is present wherever a GPU is, it needs
+no package beyond the driver, and it lets the decode open a handle under a context it
+chooses. torch opens IPC handles under the exporting device's context; a kernel on the
+decode's GPU reading such a mapping faulted and poisoned the whole context (seen on
+H200s). Nothing here runs, or is imported by anything that runs, without CUDA.
+
+An IPC mapping grants read and write to the whole slab, so the lane is only for
+processes of one host and one trust boundary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+from pdkv.errors import TransferError
+
+__all__ = ["CudaDriver", "IpcMapping", "host_id", "HANDLE_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 0x1
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+    """This host as one kernel sees it: processes with the same id can share CUDA IPC."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}:{boot}"
+
+
+class CudaDriver:
+    """The few driver calls the lane needs; each runs with a device's primary context pushed."""
+
+    _lock = threading.Lock()
+    _instance: CudaDriver | None = None
+
+    def __init__(self) -> None:
+        try:
+            self._lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise TransferError(f"CUDA driver not available: {exc}") from exc
+        self._check(self._lib.cuInit(0), "cuInit")
+        self._open = getattr(self._lib, "cuIpcOpenMemHandle_v2", None) or self._lib.cuIpcOpenMemHandle
+        self._open.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
+        self._range = getattr(self._lib, "cuMemGetAddressRange_v2", None) or self._lib.cuMemGetAddressRange
+        self._ctx: dict[int, ctypes.c_void_p] = {}
+
+    @classmethod
+    def get(cls) -> CudaDriver:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self._lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise TransferError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+    def _context(self, device: int) -> ctypes.c_void_p:
+        ctx = self._ctx.get(device)
+        if ctx is None:
+            dev = ctypes.c_int()
+            self._check(self._lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+            ctx = ctypes.c_void_p()
+            self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._ctx[device] = ctx
+        return ctx
+
+    def _on(self, device: int, fn, what: str) -> None:  # type: ignore[no-untyped-def]
+        self._check(self._lib.cuCtxPushCurrent(self._context(device)), "cuCtxPushCurrent")
+        try:
+            self._check(fn(), what)
+        finally:
+            popped = ctypes.c_void_p()
+            self._lib.cuCtxPopCurrent(ctypes.byref(popped))
+
+    def address_range(self, device: int, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation holding `ptr`."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._on(device, lambda: self._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
+                 "cuMemGetAddressRange")
+        return base.value, size.value
+
+    def export(self, device: int, ptr: int) -> tuple[bytes, int]:
+        """An IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it."""
+        handle = _Handle()
+        self._on(device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)),
+                 "cuIpcGetMemHandle")
+        base, _ = self.address_range(device, ptr)
+        return bytes(handle.reserved), ptr - base
+
+    def open(self, device: int, handle: bytes) -> tuple[int, int]:
+        """Map a peer's allocation into `device`'s context: (address, size)."""
+        if len(handle) != HANDLE_BYTES:
+            raise TransferError(f"an IPC handle has {HANDLE_BYTES} bytes, not {len(handle)}")
+        h = _Handle()
+        ctypes.memmove(h.reserved, handle, HANDLE_BYTES)
+        ptr = ctypes.c_uint64()
+        self._on(device, lambda: self._open(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        return ptr.value, self.address_range(device, ptr.value)[1]
+
+    def close(self, device: int, ptr: int) -> None:
+        self._on(device, lambda: self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+
+
+@dataclass
+class IpcMapping:
+    """One peer slab mapped on `device`: owner addresses inside it translate to local ones."""
+
+    device: int
+    owner_addr: int  # the slab's address in the owner's process
+    length: int
+    mapped: int  # the allocation's address here
+    alloc_offset: int  # the slab's offset inside that allocation
+    closed: bool = False
+
+    def translate(self, owner_addr: int, nbytes: int) -> int:
+        """The local address of owner bytes [owner_addr, owner_addr + nbytes), checked."""
+        if not (self.owner_addr <= owner_addr and owner_addr + nbytes <= self.owner_addr + self.length):
+            raise TransferError(f"[{owner_addr:#x}, +{nbytes}) lies outside the mapped slab")
+        return self.mapped + self.alloc_offset + (owner_addr - self.owner_addr)
+
+    def close(self, driver: CudaDriver) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                driver.close(self.device, self.mapped)
+            except TransferError as exc:
+                logger.warning("closing an IPC mapping: %s", exc)

@@ -1,0 +1,85 @@
+"""The same-host GPU lane's copy: one gather kernel per batch of layers.
+
+A batch is every layer of the batch and both kinds (latent, indexer): a table of
+per-buffer source and destination base pointers and item lengths, and the request's
+source and destination page ids. Program (i, b) copies item `src_pages[i]` of buffer `b`
+to item `dst_pages[i]` of its local twin. Measured on an H200: this reached 0.95-0.99x a
+contiguous device copy, where UCX cuda_ipc (8 us a descriptor) reached 0.01x and a
+per-layer torch `index_select` 0.1x.
+
+Every pointer and page id in a plan is validated on the host before the launch
+(`transfer.plan.build_gather_plan`, `IpcMapping.translate`): a bad one would fault the
+decode's GPU context and with it every request on that GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from transfer.plan import GatherPlan
+
+__all__ = ["GatherLane"]
+
+_BLOCK_BYTES = 8192
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_pages(table, pages, n_pages, n_bufs, WORD: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        b = tl.program_id(1)
+        if WORD == 8:
+            ty = tl.int64
+        elif WORD == 4:
+            ty = tl.int32
+        elif WORD == 2:
+            ty = tl.int16
+        else:
+            ty = tl.int8
+        src_base = tl.load(table + b).to(tl.pointer_type(ty))
+        dst_base = tl.load(table + n_bufs + b).to(tl.pointer_type(ty))
+        words = tl.load(table + 2 * n_bufs + b)
+        sp = tl.load(pages + i)
+        dp = tl.load(pages + n_pages + i)
+        src = src_base + sp * words
+        dst = dst_base + dp * words
+        for off in range(0, words, BLOCK):
+            o = off + tl.arange(0, BLOCK)
+            m = o < words
+            tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
+
+    return gather_pages
+
+
+class GatherLane:
+    """Launches gather plans on a stream of its own on `device`; `await` a launch's end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    async def run(self, plan: GatherPlan) -> float:
+        """Copy `plan` and return once the bytes are in place (seconds on the GPU)."""
+        if plan.buffers == 0 or plan.pages == 0:
+            return 0.0
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            table = torch.from_numpy(plan.table.reshape(-1)).to(self.device, non_blocking=False)
+            pages = torch.from_numpy(np.concatenate([plan.src_pages, plan.dst_pages])).to(self.device)
+            words_per_block = max(1, _BLOCK_BYTES // plan.word)
+            _kernel()[(plan.pages, plan.buffers)](table, pages, plan.pages, plan.buffers,
+                                                  WORD=plan.word, BLOCK=words_per_block, num_warps=4)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        await asyncio.to_thread(done.synchronize)  # the loop stays free while the GPU copies
+        return time.perf_counter() - t0
