@@ -49,7 +49,7 @@ def host_id() -> str:
 
 
 class CudaDriver:
-    """The few driver calls the lane needs; each runs with a device's primary context pushed."""
+    """The few driver calls the lane needs; each runs under a chosen device's primary context."""
 
     _lock = threading.Lock()
     _instance: CudaDriver | None = None
@@ -63,7 +63,6 @@ class CudaDriver:
         self._open = getattr(self._lib, "cuIpcOpenMemHandle_v2", None) or self._lib.cuIpcOpenMemHandle
         self._open.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
         self._range = getattr(self._lib, "cuMemGetAddressRange_v2", None) or self._lib.cuMemGetAddressRange
-        self._ctx: dict[int, ctypes.c_void_p] = {}
 
     @classmethod
     def get(cls) -> CudaDriver:
@@ -78,23 +77,24 @@ class CudaDriver:
             self._lib.cuGetErrorName(rc, ctypes.byref(name))
             raise TransferError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
 
-    def _context(self, device: int) -> ctypes.c_void_p:
-        ctx = self._ctx.get(device)
-        if ctx is None:
-            dev = ctypes.c_int()
-            self._check(self._lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-            ctx = ctypes.c_void_p()
-            self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            self._ctx[device] = ctx
-        return ctx
-
     def _on(self, device: int, fn, what: str) -> None:  # type: ignore[no-untyped-def]
-        self._check(self._lib.cuCtxPushCurrent(self._context(device)), "cuCtxPushCurrent")
-        try:
+        """Run driver call `fn` with `device`'s primary context current on this thread.
+
+        torch's device guard makes the runtime set that context current (CUDA 12+ does
+        so eagerly); the check below makes sure of it rather than trusting it.
+        """
+        import torch
+
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            ctx = ctypes.c_void_p()
+            self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            current = ctypes.c_int(-1)
+            if ctx.value:
+                self._check(self._lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
+            if current.value != device:
+                raise TransferError(f"no CUDA context of device {device} current (got {current.value})")
             self._check(fn(), what)
-        finally:
-            popped = ctypes.c_void_p()
-            self._lib.cuCtxPopCurrent(ctypes.byref(popped))
 
     def address_range(self, device: int, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation holding `ptr`."""
