@@ -109,7 +109,7 @@ class CudaDriver:
         self._on(device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)),
                  "cuIpcGetMemHandle")
         base, _ = self.address_range(device, ptr)
-        return bytes(handle.reserved), ptr - base
+        return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base  # .reserved stops at a NUL
 
     def open(self, device: int, handle: bytes) -> tuple[int, int]:
         """Map a peer's allocation into `device`'s context: (address, size)."""

@@ -38,16 +38,8 @@ def _kernel() -> Any:
     def gather_pages(table, pages, n_pages, n_bufs, WORD: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0)
         b = tl.program_id(1)
-        if WORD == 8:
-            ty = tl.int64
-        elif WORD == 4:
-            ty = tl.int32
-        elif WORD == 2:
-            ty = tl.int16
-        else:
-            ty = tl.int8
-        src_base = tl.load(table + b).to(tl.pointer_type(ty))
-        dst_base = tl.load(table + n_bufs + b).to(tl.pointer_type(ty))
+        src_base = tl.load(table + b).to(tl.pointer_type(WORD))
+        dst_base = tl.load(table + n_bufs + b).to(tl.pointer_type(WORD))
         words = tl.load(table + 2 * n_bufs + b)
         sp = tl.load(pages + i)
         dp = tl.load(pages + n_pages + i)
@@ -59,6 +51,12 @@ def _kernel() -> Any:
             tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 
     return gather_pages
+
+
+def _word_type(nbytes: int) -> Any:
+    import triton.language as tl
+
+    return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[nbytes]
 
 
 class GatherLane:
@@ -78,7 +76,7 @@ class GatherLane:
             pages = torch.from_numpy(np.concatenate([plan.src_pages, plan.dst_pages])).to(self.device)
             words_per_block = max(1, _BLOCK_BYTES // plan.word)
             _kernel()[(plan.pages, plan.buffers)](table, pages, plan.pages, plan.buffers,
-                                                  WORD=plan.word, BLOCK=words_per_block, num_warps=4)
+                                                  WORD=_word_type(plan.word), BLOCK=words_per_block, num_warps=4)
             done = torch.cuda.Event()
             done.record(self.stream)
         await asyncio.to_thread(done.synchronize)  # the loop stays free while the GPU copies

@@ -394,4 +394,5 @@ class HttpService:
     async def aclose(self) -> None:
         if self._server is not None:
             self._server.close()
-        await self._runner.cleanup()
+        if self._runner.server is not None:  # set up (a failed start may not have got there)
+            await self._runner.cleanup()

@@ -119,6 +119,13 @@ class PrefillExporter:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
         self.engine = UcxEngine(name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect)
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
