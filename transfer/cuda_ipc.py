@@ -115,8 +115,7 @@ class CudaDriver:
         """Map a peer's allocation into `device`'s context: (address, size)."""
         if len(handle) != HANDLE_BYTES:
             raise TransferError(f"an IPC handle has {HANDLE_BYTES} bytes, not {len(handle)}")
-        h = _Handle()
-        ctypes.memmove(h.reserved, handle, HANDLE_BYTES)
+        h = _Handle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
         self._on(device, lambda: self._open(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         return ptr.value, self.address_range(device, ptr.value)[1]
