@@ -59,7 +59,7 @@ def ipc_unreachable(rank: RankDescriptor, device: torch.device) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: kept in a set until closed
 class IpcPeer:
     """One owner's slabs mapped here, and its layers' buffer pairs in local addresses."""
 
