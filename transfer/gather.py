@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from transfer.plan import GatherPlan
 __all__ = ["GatherLane"]
 
 _BLOCK_BYTES = 8192
+_NUM_WARPS = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,22 +62,27 @@ def _word_type(nbytes: int) -> Any:
 class GatherLane:
     """Launches gather plans on a stream of its own on `device`; `await` a launch's end."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, block_bytes: int = _BLOCK_BYTES, num_warps: int = _NUM_WARPS) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.block_bytes, self.num_warps = block_bytes, num_warps
+
+    def launch(self, plan: GatherPlan) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue `plan` on the lane's stream; the events bracket its uploads and kernel."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            table = torch.from_numpy(plan.table.reshape(-1)).to(self.device)
+            pages = torch.from_numpy(np.concatenate([plan.src_pages, plan.dst_pages])).to(self.device)
+            _kernel()[(plan.pages, plan.buffers)](table, pages, plan.pages, plan.buffers, WORD=_word_type(plan.word),
+                                                  BLOCK=max(1, self.block_bytes // plan.word), num_warps=self.num_warps)
+            done.record(self.stream)
+        return start, done
 
     async def run(self, plan: GatherPlan) -> float:
-        """Copy `plan` and return once the bytes are in place (seconds on the GPU)."""
+        """Copy `plan` and return once the bytes are in place: seconds on the GPU."""
         if plan.buffers == 0 or plan.pages == 0:
             return 0.0
-        t0 = time.perf_counter()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            table = torch.from_numpy(plan.table.reshape(-1)).to(self.device, non_blocking=False)
-            pages = torch.from_numpy(np.concatenate([plan.src_pages, plan.dst_pages])).to(self.device)
-            words_per_block = max(1, _BLOCK_BYTES // plan.word)
-            _kernel()[(plan.pages, plan.buffers)](table, pages, plan.pages, plan.buffers,
-                                                  WORD=_word_type(plan.word), BLOCK=words_per_block, num_warps=4)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        start, done = self.launch(plan)
         await asyncio.to_thread(done.synchronize)  # the loop stays free while the GPU copies
-        return time.perf_counter() - t0
+        return start.elapsed_time(done) / 1e3
