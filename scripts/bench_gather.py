@@ -70,7 +70,7 @@ def main() -> None:
         plan = build_gather_plan(bufs, s_pages, d_pages)
         flat_d, flat_s = dst.kv_slab.view(torch.uint8).view(-1), src.kv_slab.view(torch.uint8).view(-1)
         contig = plan.nbytes / timed(lambda: copy(flat_d[: plan.nbytes], flat_s[: plan.nbytes]), args.runs) / 1e9
-        for block in (4096, 8192, 16384):
+        for block in (2048, 4096, 8192):
             for warps in (4, 8):
                 lane = GatherLane(torch.device("cuda:0"), block, warps)
                 t = timed(lambda: lane.launch(plan), args.runs)
