@@ -9,6 +9,8 @@ from transfer.metadata import (
     EngineDescriptor,
     Envelope,
     ErrorReply,
+    IpcExport,
+    IpcSlab,
     LayoutSpec,
     MemoryDescriptor,
     RankDescriptor,
@@ -169,3 +171,37 @@ def test_fuzz_wrong_fields_and_types_only_raise_metadata_error(kind, body):
         decode(msgspec.msgpack.encode(env), kind)
     except MetadataError:
         pass
+
+
+def _ipc(rank: RankDescriptor, shrink: int = 0) -> IpcExport:
+    slabs = []
+    for kind in BufferKind:
+        bufs = [b for b in rank.buffers if b.kind is kind]
+        lo, hi = min(b.addr for b in bufs), max(b.addr + b.length for b in bufs)
+        slabs.append(IpcSlab(kind=kind, addr=lo, length=hi - lo - shrink, alloc_offset=0, handle=bytes(64)))
+    return IpcExport(host_id="h:1", gpu_uuid="GPU-1", slabs=slabs)
+
+
+def test_ipc_slabs_must_hold_every_buffer_they_export():
+    rank = rank_descriptor()
+    ok = msgspec.structs.replace(rank, ipc=_ipc(rank))
+    assert decode(encode(ok), RankDescriptor).ipc == ok.ipc
+    bad = msgspec.to_builtins(_ipc(rank, shrink=1), builtin_types=(bytes,))
+    with pytest.raises(MetadataError, match="outside its ipc slab"):
+        decode(_raw(rank, ipc=bad), RankDescriptor)
+    short = msgspec.to_builtins(_ipc(rank), builtin_types=(bytes,))
+    short["slabs"][0]["handle"] = bytes(63)
+    with pytest.raises(MetadataError, match="handle"):
+        decode(_raw(rank, ipc=short), RankDescriptor)
+
+
+def test_the_gpu_lane_says_why_it_cannot_read_an_owner():
+    import torch
+
+    from transfer.gpu_lane import ipc_unreachable
+
+    rank = rank_descriptor()
+    assert "not on a GPU" in ipc_unreachable(rank, torch.device("cpu"))
+    assert "no IPC handles" in ipc_unreachable(rank, torch.device("cuda", 0))
+    other_host = msgspec.structs.replace(rank, ipc=_ipc(rank))
+    assert "another host" in ipc_unreachable(other_host, torch.device("cuda", 0))

@@ -1,3 +1,5 @@
+import asyncio
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -6,7 +8,7 @@ from hypothesis import strategies as st
 from pdkv import PageRangeError
 from pdkv.pages import PageAllocator, fragmented_page_order
 from transfer.engine import _split
-from transfer.plan import BufferPair, ReadPlan, build_read_plan, page_runs
+from transfer.plan import BufferPair, ReadPlan, build_gather_plan, build_read_plan, merge_gather_plans, page_runs
 
 
 def test_runs_merge_only_where_both_sides_are_consecutive():
@@ -79,3 +81,63 @@ def test_a_split_read_covers_the_plan_once_in_order(lengths, pieces):
     assert np.array_equal(np.concatenate([b for _, b in parts]), plan.remote)
     if n < 512 and plan.nbytes < 8 << 20:
         assert len(parts) == 1  # too small to be worth another lane
+
+
+# ---- gather plans: the same-host GPU lane's launches, checked on the host -----------------------
+
+def _pair(local, remote, item=64, items=10):
+    return BufferPair(local, remote, item, items, items)
+
+
+def test_gather_plan_table_and_widest_word():
+    plan = build_gather_plan([_pair(4096, 8192), _pair(1 << 20, 1 << 21, item=24)], np.array([3, 1]), np.array([0, 9]))
+    assert plan.table.tolist() == [[8192, 1 << 21], [4096, 1 << 20], [64, 24], [0, 0]]
+    assert plan.word == 8 and plan.pages == 2 and plan.nbytes == (64 + 24) * 2
+    odd = build_gather_plan([_pair(4098, 8192)], np.array([1]), np.array([2]))
+    assert odd.word == 2  # an address only 2-aligned: loads of 2 bytes
+
+
+def test_gather_plan_refuses_pages_outside_either_side():
+    with pytest.raises(PageRangeError, match="source"):
+        build_gather_plan([_pair(0, 0, items=4)], np.array([4]), np.array([0]))
+    with pytest.raises(PageRangeError, match="destination"):
+        build_gather_plan([BufferPair(0, 0, 64, 3, 10)], np.array([0]), np.array([3]))
+    with pytest.raises(PageRangeError):
+        build_gather_plan([_pair(0, 0)], np.array([-1]), np.array([0]))
+
+
+def test_merged_plans_keep_each_owners_source_pages():
+    a = build_gather_plan([_pair(0, 4096)], np.array([5, 6]), np.array([1, 2]))
+    b = build_gather_plan([_pair(8192, 16384, item=32), _pair(9000 * 8, 20000 * 8)], np.array([7, 3]), np.array([1, 2]))
+    m = merge_gather_plans([a, b])
+    assert m.src_pages.tolist() == [5, 6, 7, 3] and m.table[3].tolist() == [0, 2, 2]
+    assert m.nbytes == a.nbytes + b.nbytes and m.word == 8
+    with pytest.raises(PageRangeError, match="destination"):
+        merge_gather_plans([a, build_gather_plan([_pair(0, 0)], np.array([1, 2]), np.array([2, 1]))])
+
+
+async def test_a_launch_group_waits_for_every_owner_then_launches_once():
+    from transfer.gpu_lane import IpcPeer, LaunchGroup
+
+    class Lane:  # stands in for the GPU: records what would be launched
+        launched = []
+
+        plan = staticmethod(lambda peer, layers, src, dst: build_gather_plan(
+            [p for layer in layers for p in peer.pairs[layer]], src, dst))
+
+        async def run(self, plan, peers):
+            self.launched.append((plan.buffers, len(peers)))
+            return 0.004
+
+    lane = Lane()
+    peers = [IpcPeer(f"p{i}", {}, {i: (_pair(i * 4096, i * 8192), _pair(i * 4096 + 640, i * 8192 + 640))})
+             for i in range(3)]
+    group = LaunchGroup(lane, 3)
+    slots = [group.slot() for _ in range(3)]
+    src, dst = np.array([1, 2]), np.array([3, 4])
+    reads = [asyncio.create_task(slots[i].read(peers[i], range(i, i + 1), src, dst)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert lane.launched == [] and not any(r.done() for r in reads)  # the third owner is still out
+    slots[2].close()  # it reads alone (its layers came in batches): the two go out together
+    stats = await asyncio.gather(*reads)
+    assert lane.launched == [(4, 2)] and sum(s.seconds for s in stats) == pytest.approx(0.004)

@@ -66,7 +66,7 @@ from transfer.plan import BufferPair, build_read_plan
 from transfer.timeouts import Timeouts
 
 if TYPE_CHECKING:
-    from transfer.gpu_lane import GpuLane, IpcPeer
+    from transfer.gpu_lane import GpuLane, IpcPeer, LaunchGroup, LaunchSlot
 
 __all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 
@@ -440,7 +440,9 @@ class DecodeFetcher:
         tasks: list[asyncio.Task[OwnerStats]] = []
         try:
             first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
-            tasks = [asyncio.create_task(self._fetch_owner(o, claim, dst, deadline, release, first.get(r)))
+            group = self._launch_group(owners)
+            tasks = [asyncio.create_task(self._fetch_owner(o, claim, dst, deadline, release, first.get(r),
+                                                           group if o.ipc is not None else None))
                      for r, o in owners.items()]
             self._owner_tasks.update(tasks)
             stats = await _all_or_cancel(tasks)
@@ -462,6 +464,15 @@ class DecodeFetcher:
             return (await _all_or_cancel([task]))[0]
         finally:
             self._owner_tasks.discard(task)
+
+    def _launch_group(self, owners: dict[int, _Owner]) -> LaunchGroup | None:
+        """A group for the owners the GPU lane reads, when there are several."""
+        lane_owners = sum(o.ipc is not None for o in owners.values())
+        if self._gpu is None or lane_owners < 2:
+            return None
+        from transfer.gpu_lane import LaunchGroup
+
+        return LaunchGroup(self._gpu, lane_owners)
 
     async def _claim_arbiter(self, owners: dict[int, _Owner], claim: _Claim, deadline: _Deadline) -> dict[int, RoomState]:
         """Claim on the lowest CP rank before any other: every claimant asks it first, so of
@@ -500,11 +511,11 @@ class DecodeFetcher:
 
     async def _fetch_owner(
         self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, release: bool,
-        state: RoomState | None,
+        state: RoomState | None, group: LaunchGroup | None = None,
     ) -> OwnerStats:
         """Read one owner's layers, then release them there (while other owners still read)."""
         try:
-            stats = await self._read_owner(owner, claim, dst, deadline, state)
+            stats = await self._read_owner(owner, claim, dst, deadline, state, group)
             if release:
                 await self._release(owner, claim, deadline.left(self.timeouts.request))
             return stats
@@ -512,7 +523,19 @@ class DecodeFetcher:
             raise _lost(owner.rank, exc) from exc
 
     async def _read_owner(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, state: RoomState | None
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, state: RoomState | None,
+        group: LaunchGroup | None = None,
+    ) -> OwnerStats:
+        slot = group.slot() if group is not None else None
+        try:
+            return await self._read_owner_layers(owner, claim, dst, deadline, state, slot)
+        finally:
+            if slot is not None:
+                slot.close()  # others must not wait for an owner that read alone or failed
+
+    async def _read_owner_layers(
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, state: RoomState | None,
+        slot: LaunchSlot | None,
     ) -> OwnerStats:
         assert self.engine is not None
         r = owner.rank
@@ -528,7 +551,13 @@ class DecodeFetcher:
             raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
         while True:
             if state.ready_upto > cursor:
-                xfer = await self._read_layers(owner, range(cursor, state.ready_upto), src, dst, deadline, pieces)
+                layers = range(cursor, state.ready_upto)
+                if slot is not None and owner.ipc is not None and layers == range(r.layer_start, r.layer_end):
+                    xfer = await slot.read(owner.ipc, layers, src, dst)  # every layer ready: one launch for all owners
+                else:
+                    if slot is not None:
+                        slot.close()
+                    xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
                 nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
                 busy += xfer.seconds
                 cursor = state.ready_upto

@@ -35,19 +35,20 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def gather_pages(meta, n_pages, n_bufs, WORD: tl.constexpr, BLOCK: tl.constexpr):
-        # meta: src bases, dst bases, item words (n_bufs each), then src and dst page ids.
+    def gather_pages(meta, n_pages, n_bufs, n_src, WORD: tl.constexpr, WORD_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+        # meta: per buffer src base, dst base, item bytes, src page list offset (n_bufs
+        # each), then the source page lists (n_src), then the destination pages (n_pages).
         i = tl.program_id(0)  # the request's i-th page
         b = tl.program_id(1)  # a buffer: one layer's latent or indexer
         c = tl.program_id(2)  # a BLOCK-sized chunk of the item: many small programs keep
         # enough loads in flight on a small request, where one program per item did not
-        words = tl.load(meta + 2 * n_bufs + b)
+        words = tl.load(meta + 2 * n_bufs + b) // WORD_BYTES
         o = c * BLOCK + tl.arange(0, BLOCK)
         m = o < words
         src_base = tl.load(meta + b).to(tl.pointer_type(WORD))
         dst_base = tl.load(meta + n_bufs + b).to(tl.pointer_type(WORD))
-        sp = tl.load(meta + 3 * n_bufs + i)
-        dp = tl.load(meta + 3 * n_bufs + n_pages + i)
+        sp = tl.load(meta + 4 * n_bufs + tl.load(meta + 3 * n_bufs + b) + i)
+        dp = tl.load(meta + 4 * n_bufs + n_src + i)
         tl.store(dst_base + dp * words + o, tl.load(src_base + sp * words + o, mask=m), mask=m)
 
     return gather_pages
@@ -75,9 +76,10 @@ class GatherLane:
             meta = torch.from_numpy(np.concatenate([plan.table.reshape(-1), plan.src_pages, plan.dst_pages]))
             meta = meta.to(self.device)  # one upload
             block = max(1, self.block_bytes // plan.word)
-            chunks = -(-int(plan.table[2].max()) // block)
-            _kernel()[(plan.pages, plan.buffers, chunks)](meta, plan.pages, plan.buffers, WORD=_word_type(plan.word),
-                                                          BLOCK=block, num_warps=self.num_warps)
+            chunks = -(-int(plan.table[2].max()) // plan.word // block)
+            _kernel()[(plan.pages, plan.buffers, chunks)](meta, plan.pages, plan.buffers, len(plan.src_pages),
+                                                          WORD=_word_type(plan.word), WORD_BYTES=plan.word, BLOCK=block,
+                                                          num_warps=self.num_warps)
             done.record(self.stream)
         return start, done
 
@@ -86,5 +88,12 @@ class GatherLane:
         if plan.buffers == 0 or plan.pages == 0:
             return 0.0
         start, done = self.launch(plan)
-        await asyncio.to_thread(done.synchronize)  # the loop stays free while the GPU copies
+        # The loop stays free while the GPU copies. A cancelled caller still waits for the
+        # kernel to end: bytes must not land in pages that may be handed out again.
+        ended = asyncio.ensure_future(asyncio.to_thread(done.synchronize))
+        try:
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            await ended
+            raise
         return start.elapsed_time(done) / 1e3

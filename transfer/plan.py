@@ -14,7 +14,7 @@ import numpy as np
 
 from pdkv.errors import PageRangeError
 
-__all__ = ["PageRuns", "page_runs", "BufferPair", "ReadPlan", "build_read_plan", "GatherPlan", "build_gather_plan"]
+__all__ = ["PageRuns", "page_runs", "BufferPair", "ReadPlan", "build_read_plan", "GatherPlan", "build_gather_plan", "merge_gather_plans"]
 
 
 @dataclass(frozen=True)
@@ -101,14 +101,17 @@ def build_read_plan(
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """One gather-kernel launch: per buffer (src base, dst base, item length in words), and
-    the page ids; every address already local to the decode (mapped) and checked."""
+    """One gather-kernel launch, every address already local to the decode and checked.
 
-    table: np.ndarray  # int64 (3, buffers)
-    src_pages: np.ndarray
+    `table` rows, one column a buffer: source base, destination base, item bytes, and the
+    offset of the buffer's source page list in `src_pages` (owners of one request may
+    keep it in different pages; every list has `pages` entries, one per `dst_pages`).
+    """
+
+    table: np.ndarray  # int64 (4, buffers)
+    src_pages: np.ndarray  # the source page lists, concatenated
     dst_pages: np.ndarray
     word: int  # bytes a load moves: the largest of 8, 4, 2, 1 that every address and length allows
-    nbytes: int
 
     @property
     def buffers(self) -> int:
@@ -116,7 +119,16 @@ class GatherPlan:
 
     @property
     def pages(self) -> int:
-        return len(self.src_pages)
+        return len(self.dst_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table[2].sum()) * self.pages
+
+
+def _word(*arrays: np.ndarray) -> int:
+    every = np.concatenate(arrays)
+    return next(w for w in (8, 4, 2, 1) if not (every % w).any())
 
 
 def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_pages: np.ndarray) -> GatherPlan:
@@ -130,13 +142,30 @@ def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_page
     if src.shape != dst.shape or src.ndim != 1:
         raise PageRangeError(f"{src.size} source pages but {dst.size} destination pages")
     if not buffers or src.size == 0:
-        return GatherPlan(np.zeros((3, 0), np.int64), src, dst, 1, 0)
+        return GatherPlan(np.zeros((4, 0), np.int64), src[:0], dst, 1)
     _check_pages(src, min(b.remote_items for b in buffers), "source")
     _check_pages(dst, min(b.local_items for b in buffers), "destination")
     rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)
     lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)
     item = np.array([b.item_len for b in buffers], dtype=np.int64)
-    every = np.concatenate([rbase, lbase, item])
-    word = next(w for w in (8, 4, 2, 1) if not (every % w).any())
-    table = np.stack([rbase, lbase, item // word])
-    return GatherPlan(table, src, dst, word, int(item.sum()) * src.size)
+    table = np.stack([rbase, lbase, item, np.zeros_like(item)])
+    return GatherPlan(table, src, dst, _word(rbase, lbase, item))
+
+
+def merge_gather_plans(plans: list[GatherPlan]) -> GatherPlan:
+    """One launch for several plans into the same destination pages (owners of one room)."""
+    plans = [p for p in plans if p.buffers]
+    if not plans:
+        raise ValueError("nothing to merge")
+    dst = plans[0].dst_pages
+    if any(not np.array_equal(p.dst_pages, dst) for p in plans):
+        raise PageRangeError("merged gather plans must share their destination pages")
+    tables, srcs, offset = [], [], 0
+    for p in plans:
+        t = p.table.copy()
+        t[3] += offset
+        tables.append(t)
+        srcs.append(p.src_pages)
+        offset += len(p.src_pages)
+    table = np.concatenate(tables, axis=1)
+    return GatherPlan(table, np.concatenate(srcs), dst, min(p.word for p in plans))
