@@ -72,16 +72,21 @@ def owner_pairs(pool: DSAKVPool, engine: EngineDescriptor) -> list[list[BufferPa
     return out
 
 
+def sync_all() -> None:
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
 def device_copy_limit(dst: DSAKVPool, src: DSAKVPool, src_pages: np.ndarray, dst_pages: np.ndarray) -> float:
     """On a GPU: the same pages copied device to device in one process (gather/scatter kernels)."""
     s, d = torch.from_numpy(src_pages).cuda(), torch.from_numpy(dst_pages).cuda()
     pages = dst.layout.num_pages
-    torch.cuda.synchronize()
+    sync_all()
     t0 = time.perf_counter()
     for layer in range(dst.layout.layer_num):
         for a, b in ((dst.kv_buffer[layer], src.kv_buffer[layer]), (dst.index_buffer[layer], src.index_buffer[layer])):
-            a.view(torch.uint8).view(pages, -1)[d] = b.view(torch.uint8).view(pages, -1)[s]
-    torch.cuda.synchronize()
+            a.view(torch.uint8).view(pages, -1)[d.to(a.device)] = b.view(torch.uint8).view(pages, -1)[s.to(b.device)].to(a.device)
+    sync_all()
     return time.perf_counter() - t0
 
 
@@ -97,10 +102,10 @@ def memcpy_limit(plans: list) -> float:
 def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> float:
     """The machine's copy bandwidth: the same byte count as one contiguous copy."""
     if dst.is_cuda:
-        torch.cuda.synchronize()
+        sync_all()
         t0 = time.perf_counter()
         dst.view(torch.uint8).view(-1)[:nbytes].copy_(src.view(torch.uint8).view(-1)[:nbytes])
-        torch.cuda.synchronize()
+        sync_all()
         return time.perf_counter() - t0
     t0 = time.perf_counter()
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
@@ -110,9 +115,11 @@ def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> floa
 async def bench(args: argparse.Namespace) -> None:
     pool_tokens = max(args.sizes) * 2 + 4096
     spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens,
-                          device=args.device)
-    layout = dsa_v32(size=pool_tokens, device=args.device)
-    decode_pool, source_copy = DSAKVPool(layout), DSAKVPool(layout)
+                          device=args.prefill_device or args.device)
+    layout = dsa_v32(size=pool_tokens, device=args.decode_device or args.device)
+    # The limit's source sits where the owners are when they share one GPU (a peer copy across GPUs).
+    source_device = args.prefill_device if (args.prefill_device or "").startswith("cuda:") else layout.device
+    decode_pool, source_copy = DSAKVPool(layout), DSAKVPool(layout.replace(device=source_device))
     for p in (decode_pool, source_copy):  # touch every page once: first-touch faults are not transfer cost
         p.kv_slab.fill_(1)
         p.index_slab.fill_(1)
@@ -125,7 +132,7 @@ async def bench(args: argparse.Namespace) -> None:
         local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items,
                                    p.local_dev, q.local_dev)
                         for p, q in zip(ps, qs)] for ps, qs in zip(pairs, owner_pairs(source_copy, desc))]
-        gpu = args.device == "cuda"
+        gpu = args.device.startswith("cuda")
         async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher, \
                 DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane:
             args.lanes = fetcher.engine.lanes
@@ -179,7 +186,7 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
 
 
 def print_table(rows, args) -> None:
-    print(f"DSA layout on {args.device}, prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians")
+    print(f"DSA layout, owners on {args.prefill_device or args.device}, decode on {args.decode_device or args.device}, prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians")
     if args.device == "cuda":
         print("memcpy: the same pages copied device to device in one process; bandwidth: one contiguous D2D copy")
     else:
@@ -211,6 +218,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--lanes", type=int, default=0, help="decode lanes; 0: one a core, up to 8 (4 on a GPU)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prefill-device", default="", help="the owners' device: cuda (one GPU a rank), cuda:N")
+    ap.add_argument("--decode-device", default="", help="the decode pool's device (default --device)")
     asyncio.run(bench(ap.parse_args()))
 
 
