@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One call on a lent machine with 2+ GPUs (device tool, kind nvidia-h200-x2, carry=[".whl"]):
-# the multi-GPU tests (NCCL owner broadcast across GPUs, decode assembling from owners on
-# other GPUs), the broadcast benchmark against a plain NCCL broadcast, and GPU-to-GPU fetch.
+# One call on a lent machine with two or more GPUs (device tool, kind nvidia-h200-x2,
+# carry=[".whl"]): the CUDA tests (the two-GPU ones included), the gather kernel alone, and
+# bench_fetch with owners and decode on one GPU, owners on GPU 1 with the decode on GPU 0,
+# and owners spread over both. Logs land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
-nvidia-smi topo -m | head -5 | tee -a "$OUT/machine.txt"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+nvidia-smi topo -m 2>&1 | head -4 | tee -a "$OUT/machine.txt"
 quiet() { grep -v "NIXL INFO\|UCX  WARN"; }
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | quiet | tail -15 | tee "$OUT/gpu_tests.log"
-timeout 150 python3 scripts/bench_broadcast.py --device cuda --world 2 --tokens 65536 --runs 5 2>&1 | quiet | tail -12 | tee "$OUT/bench_broadcast_gpu.log"
-timeout 150 python3 scripts/bench_fetch.py --device cuda --sizes 8192,32768 --runs 5 2>&1 | quiet | tail -5 | tee "$OUT/bench_fetch_gpu2.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:hypothesispytest tests/test_gpu.py tests/test_pool.py > "$OUT/gpu_tests.log" 2>&1
+grep -E "^E |passed|failed|^FAILED" "$OUT/gpu_tests.log" | head -20
+timeout 60 python3 scripts/bench_gather.py --runs 10 2>&1 | tail -19 | tee "$OUT/bench_gather.log"
+bench() { timeout 110 python3 scripts/bench_fetch.py --device cuda --sizes 1024,8192,32768 --runs 5 "$@" 2>&1 | quiet | tail -10; }
+bench --prefill-device cuda:0 --decode-device cuda:0 | tee "$OUT/bench_one_gpu.log"
+bench --prefill-device cuda:1 --decode-device cuda:0 | tee "$OUT/bench_peer.log"
+bench --prefill-device cuda --decode-device cuda:0 | tee "$OUT/bench_spread.log"
