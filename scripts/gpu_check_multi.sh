@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 nvidia-smi topo -m 2>&1 | head -4 | tee -a "$OUT/machine.txt"
 quiet() { grep -v "NIXL INFO\|UCX  WARN"; }
