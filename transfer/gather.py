@@ -54,33 +54,6 @@ def _kernel() -> Any:
     return gather_pages
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel16() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gather_pages16(anchor, n_pages, n_bufs, n_src, BLOCK: tl.constexpr):
-        # The same copy where every address and item length is a multiple of 16 bytes:
-        # addresses travel as int64-word offsets from `anchor` (the 16-aligned table
-        # itself), so the compiler can prove 16-byte alignment and move 128 bits a load.
-        # Pointers cast from integers carry no alignment, and 8-byte loads left the
-        # kernel at 0.79-0.87x a contiguous copy on H200s.
-        i = tl.program_id(0)
-        b = tl.program_id(1)
-        c = tl.program_id(2)
-        words = tl.multiple_of(tl.load(anchor + 2 * n_bufs + b), 2)
-        o = c * BLOCK + tl.arange(0, BLOCK)
-        m = o < words
-        sp = tl.load(anchor + 4 * n_bufs + tl.load(anchor + 3 * n_bufs + b) + i)
-        dp = tl.load(anchor + 4 * n_bufs + n_src + i)
-        src = tl.multiple_of(tl.load(anchor + b) + sp * words, 2)
-        dst = tl.multiple_of(tl.load(anchor + n_bufs + b) + dp * words, 2)
-        tl.store(anchor + dst + o, tl.load(anchor + src + o, mask=m), mask=m)
-
-    return gather_pages16
-
-
 def _word_type(nbytes: int) -> Any:
     import triton.language as tl
 
@@ -96,28 +69,17 @@ class GatherLane:
         self.block_bytes, self.num_warps = block_bytes, num_warps
 
     def launch(self, plan: GatherPlan) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue `plan` on the lane's stream; the events bracket its upload and kernel."""
+        """Queue `plan` on the lane's stream; the events bracket its uploads and kernel."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            n = plan.table.size + len(plan.src_pages) + len(plan.dst_pages)
-            meta = torch.empty(n, dtype=torch.int64, device=self.device)
-            table = plan.table.copy()
-            aligned = not (np.concatenate([table[0], table[1], table[2]]) % 16).any()
-            if aligned:  # addresses as word offsets from the table itself (see gather_pages16)
-                table[:2] = (table[:2] - meta.data_ptr()) // 8
-                table[2] //= 8
-            host = np.concatenate([table.reshape(-1), plan.src_pages, plan.dst_pages])
-            meta.copy_(torch.from_numpy(host))  # one upload
-            word = 8 if aligned else plan.word
-            block = max(1, self.block_bytes // word)
-            grid = (plan.pages, plan.buffers, -(-int(plan.table[2].max()) // word // block))
-            if aligned:
-                _kernel16()[grid](meta, plan.pages, plan.buffers, len(plan.src_pages), BLOCK=block,
-                                  num_warps=self.num_warps)
-            else:
-                _kernel()[grid](meta, plan.pages, plan.buffers, len(plan.src_pages), WORD=_word_type(word),
-                                WORD_BYTES=word, BLOCK=block, num_warps=self.num_warps)
+            meta = torch.from_numpy(np.concatenate([plan.table.reshape(-1), plan.src_pages, plan.dst_pages]))
+            meta = meta.to(self.device)  # one upload
+            block = max(1, self.block_bytes // plan.word)
+            chunks = -(-int(plan.table[2].max()) // plan.word // block)
+            _kernel()[(plan.pages, plan.buffers, chunks)](meta, plan.pages, plan.buffers, len(plan.src_pages),
+                                                          WORD=_word_type(plan.word), WORD_BYTES=plan.word, BLOCK=block,
+                                                          num_warps=self.num_warps)
             done.record(self.stream)
         return start, done
 
