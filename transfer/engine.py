@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _POLL_SLEEP_S = (0.0, 0.0001)
+_LATE_GRACE_S = 10.0  # how long a READ abandoned at its deadline is waited for before release
 
 
 def configure_ucx_environment() -> None:
@@ -147,6 +148,7 @@ class _Lane:
         handle = agent.initialize_xfer(
             "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
         )
+        state = "PROC"
         try:
             state = agent.transfer(handle)
             sleep = _POLL_SLEEP_S[0]
@@ -160,10 +162,31 @@ class _Lane:
                 raise TransferError(f"READ from {peer} ended in state {state}")
             return time.perf_counter() - t0
         finally:
+            self._release(agent, handle, peer, state)
+
+    @staticmethod
+    def _release(agent: Any, handle: Any, peer: str, state: str) -> None:
+        """Release a transfer handle; one still in flight is first waited for (bounded).
+
+        A READ abandoned at its deadline could otherwise land later, in destination pages
+        that the failed fetch's caller has handed to another request.
+        """
+        try:
+            handle.release()
+            return
+        except Exception as exc:  # an in-flight handle may refuse
+            logger.warning("transfer to %s still in flight (%s): waiting for it before release", peer, exc)
+        end = time.monotonic() + _LATE_GRACE_S
+        while state == "PROC" and time.monotonic() < end:
+            time.sleep(_POLL_SLEEP_S[1])
             try:
-                handle.release()
-            except Exception as exc:  # an in-flight handle may refuse; NIXL reclaims it later
-                logger.warning("could not release a transfer handle to %s: %s", peer, exc)
+                state = agent.check_xfer_state(handle)
+            except Exception:
+                break
+        try:
+            handle.release()
+        except Exception as exc:
+            logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
 
 
 # A piece of a READ carries at least this many descriptors or bytes: below that, posting
