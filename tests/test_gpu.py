@@ -9,19 +9,16 @@ import signal
 import time
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from pdkv import DSAKVPool, OwnerBroadcaster, PeerLostError, TransferError, tiny
-from pdkv.pages import fragmented_page_order
-from pdkv.synthetic import RequestContent, request_seed
-from transfer.api import PrefillReply, PrefillRequest
 from transfer.decode import DecodeFetcher
 from transfer.metadata import EngineDescriptor
 from transfer.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -95,18 +92,6 @@ def _lane_spec(engines, **over):
                           decode_pool_tokens=8192, start_timeout=240, **over)
 
 
-async def _prefill(d, engine, room, n):
-    await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n))
-
-
-def _pages(pool, n, seed):
-    order = fragmented_page_order(np.arange(1, pool.layout.num_pages), np.random.default_rng(seed))
-    return order[: -(-n // pool.layout.page_size)]
-
-
-def _exact(pool, engine_id, room, n, pages):
-    content = RequestContent(request_seed(engine_id, room), n)
-    return content.mismatched_layers(pool, torch.from_numpy(np.asarray(pages))) == []
 
 
 def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
@@ -116,11 +101,11 @@ def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
             async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
                 for e, engine in enumerate(d.engines):
                     for i, n in enumerate((1, 37, 500, 2000)):
-                        room, pages = 9_000_000 + 10 * e + i, _pages(pool, n, 10 * e + i)
-                        await _prefill(d, engine, room, n)
+                        room, pages = 9_000_000 + 10 * e + i, fragmented_pages(pool, n, 10 * e + i)
+                        await prefill(d, engine, room, n)
                         result = await fetcher.fetch(engine.engine_id, room, pages)
                         assert {o.path for o in result.owners} == {"cuda_ipc"} and result.freed
-                        assert _exact(pool, engine.engine_id, room, n, pages), (engine.engine_id, n)
+                        assert kv_is_exact(pool, engine.engine_id, room, n, pages), (engine.engine_id, n)
 
     asyncio.run(run())
 
@@ -133,10 +118,10 @@ def test_lane_and_ucx_owners_mix_in_one_fetch():
                 lane_only_even = fetcher._open_ipc
                 fetcher._open_ipc = lambda o: o.rank.cp_rank % 2 == 0 and lane_only_even(o)
                 room, n = 9_100_000, 1500
-                await _prefill(d, d.engines[0], room, n)
-                result = await fetcher.fetch("prefill0", room, _pages(pool, n, 1))
+                await prefill(d, d.engines[0], room, n)
+                result = await fetcher.fetch("prefill0", room, fragmented_pages(pool, n, 1))
                 assert [o.path for o in result.owners] == ["cuda_ipc", "ucx", "cuda_ipc", "ucx"]
-                assert _exact(pool, "prefill0", room, n, _pages(pool, n, 1))
+                assert kv_is_exact(pool, "prefill0", room, n, fragmented_pages(pool, n, 1))
 
     asyncio.run(run())
 
@@ -146,12 +131,12 @@ def test_lane_owner_killed_mid_fetch_is_a_typed_error_and_its_mappings_dropped()
         async with Deployment(_lane_spec((2,), layer_delay=0.3)) as d:
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
             async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", timeouts=Timeouts(request=2.0)) as fetcher:
-                await _prefill(d, d.engines[0], 9_200_000, 64)  # looked up and mapped
-                await fetcher.fetch("prefill0", 9_200_000, _pages(pool, 64, 1))
+                await prefill(d, d.engines[0], 9_200_000, 64)  # looked up and mapped
+                await fetcher.fetch("prefill0", 9_200_000, fragmented_pages(pool, 64, 1))
                 owners = fetcher._engines["prefill0"]
                 room = 9_200_001
-                prefill = asyncio.create_task(_prefill(d, d.engines[0], room, 500))
-                fetch = asyncio.create_task(fetcher.fetch("prefill0", room, _pages(pool, 500, 2), timeout=20))
+                writing = asyncio.create_task(prefill(d, d.engines[0], room, 500))
+                fetch = asyncio.create_task(fetcher.fetch("prefill0", room, fragmented_pages(pool, 500, 2), timeout=20))
                 await asyncio.sleep(0.5)  # the first layers are being read
                 victim = next(c for c in d.launcher.children if c.name == "prefill0-cp1")
                 t0 = time.monotonic()
@@ -160,8 +145,8 @@ def test_lane_owner_killed_mid_fetch_is_a_typed_error_and_its_mappings_dropped()
                     await fetch
                 assert time.monotonic() - t0 < 5.0
                 assert all(o.ipc is not None and o.ipc.closed for o in owners.values())
-                prefill.cancel()
-                await asyncio.gather(prefill, return_exceptions=True)
+                writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
 
     asyncio.run(run())
 
@@ -192,9 +177,9 @@ def test_lane_reads_owners_on_other_gpus(engines, decode_gpu):
             async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
                 for i, n in enumerate((37, 2000)):
                     room = 9_300_000 + i
-                    await _prefill(d, d.engines[0], room, n)
-                    result = await fetcher.fetch("prefill0", room, _pages(pool, n, i))
+                    await prefill(d, d.engines[0], room, n)
+                    result = await fetcher.fetch("prefill0", room, fragmented_pages(pool, n, i))
                     assert {o.path for o in result.owners} == {"cuda_ipc"}
-                    assert _exact(pool, "prefill0", room, n, _pages(pool, n, i))
+                    assert kv_is_exact(pool, "prefill0", room, n, fragmented_pages(pool, n, i))
 
     asyncio.run(run())

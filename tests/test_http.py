@@ -91,15 +91,19 @@ async def test_oversized_bodies_are_refused_unread():
         await svc.aclose()
 
 
+def _connect(svc: HttpService):
+    host, port = svc.url.removeprefix("http://").split(":")
+    return asyncio.open_connection(host, int(port))
+
+
 async def test_a_connection_that_stalls_before_its_request_head_is_closed():
     svc = await _serve(header_timeout=0.3)
-    host, port = svc.url.removeprefix("http://").split(":")
     try:
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = await _connect(svc)
         writer.write(b"GET /v1/rooms/1 HTTP/1.1\r\nHost: x\r\n")  # ... and never the blank line
         assert await closed_by_server(reader, 5.0)
         writer.close()
-        idle_reader, idle_writer = await asyncio.open_connection(host, int(port))  # sends nothing at all
+        idle_reader, idle_writer = await _connect(svc)  # sends nothing at all
         assert await closed_by_server(idle_reader, 5.0)
         idle_writer.close()
     finally:
@@ -108,9 +112,8 @@ async def test_a_connection_that_stalls_before_its_request_head_is_closed():
 
 async def test_connections_beyond_the_limit_are_closed():
     svc = await _serve(max_connections=3)
-    host, port = svc.url.removeprefix("http://").split(":")
     try:
-        conns = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+        conns = [await _connect(svc) for _ in range(5)]
         assert [await closed_by_server(r, 0.5) for r, _ in conns[3:]] == [True, True]
         reader, writer = conns[0]
         writer.write(b"GET /v1/rooms/5 HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -31,6 +31,7 @@ from transfer.decode import DecodeFetcher, FetchResult
 from transfer.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
 from tests.http_probe import rss_bytes, send_big
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
 from tests.test_metadata import rank_descriptor
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -136,19 +137,6 @@ async def test_engine_missing_an_owner_is_refused(deployment):
 
 
 # ---- claims: a fetch returns exactly its room's bytes or raises (issue 10) -----------------------
-async def _prefill(deployment, engine, room, n, consumers=1):
-    req = PrefillRequest(room=room, num_tokens=n, consumers=consumers)
-    await deployment.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, req)
-
-
-def _pages(pool, n, seed):
-    order = fragmented_page_order(np.arange(1, pool.layout.num_pages), np.random.default_rng(seed))
-    return order[: -(-n // pool.layout.page_size)]
-
-
-def _exact(pool, engine_id, room, n, pages):
-    content = RequestContent(request_seed(engine_id, room), n)
-    return content.mismatched_layers(pool, torch.from_numpy(np.asarray(pages))) == []
 
 
 async def test_two_decode_workers_given_one_room_never_both_succeed(deployment):
@@ -159,7 +147,7 @@ async def test_two_decode_workers_given_one_room_never_both_succeed(deployment):
         legs = [DecodeRequest(engine_id="prefill2", room=room, num_tokens=n) for _ in range(2)]
         calls = [deployment.client.request("POST", f"{d.url}/v1/decode", DecodeReply, leg)
                  for d, leg in zip(deployment.decoders, legs)]
-        outcomes = await asyncio.gather(_prefill(deployment, engine, room, n), *calls, return_exceptions=True)
+        outcomes = await asyncio.gather(prefill(deployment, engine, room, n), *calls, return_exceptions=True)
         assert outcomes[0] is None
         ok = [o for o in outcomes[1:] if isinstance(o, DecodeReply)]
         refused = [o for o in outcomes[1:] if not isinstance(o, DecodeReply)]
@@ -170,16 +158,16 @@ async def test_two_decode_workers_given_one_room_never_both_succeed(deployment):
 async def test_a_retry_under_a_new_claim_is_refused_and_the_first_stays_exact(deployment):
     """One fetcher fetches a room twice at once (a retry racing the first try)."""
     engine, n, room = deployment.engines[1], 500, 7_100_000
-    await _prefill(deployment, engine, room, n)
+    await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
-    a, b = _pages(pool, n, 1), _pages(pool, n, 2)[::-1].copy()
+    a, b = fragmented_pages(pool, n, 1), fragmented_pages(pool, n, 2)[::-1].copy()
     async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
         first, second = await asyncio.gather(fetcher.fetch("prefill1", room, a), fetcher.fetch("prefill1", room, b),
                                              return_exceptions=True)
         assert [isinstance(x, FetchResult) for x in (first, second)].count(True) == 1, (first, second)
         won, lost, pages = (first, second, a) if isinstance(first, FetchResult) else (second, first, b)
         assert isinstance(lost, RoomClaimedError) and won.freed
-        assert _exact(pool, "prefill1", room, n, pages)
+        assert kv_is_exact(pool, "prefill1", room, n, pages)
         with pytest.raises((RoomClaimedError, UnknownRoomError)):
             await fetcher.fetch("prefill1", room, a)  # and afterwards: released, refused
 
@@ -190,42 +178,42 @@ async def test_a_claim_outlived_by_its_room_is_detected_after_reuse(deployment):
     engine, n = deployment.engines[0], 2000  # CP=1, 125 of its 255 pages: the next room reuses some
     pool = DSAKVPool(tiny(size=8192))
     async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
-        await _prefill(deployment, engine, 7_200_000, n)
+        await prefill(deployment, engine, 7_200_000, n)
         lease = await fetcher.claim("prefill0", 7_200_000)
-        await lease.read(_pages(pool, n, 3))  # read once: these bytes are the room's
+        await lease.read(fragmented_pages(pool, n, 3))  # read once: these bytes are the room's
         await deployment.client.request("POST", f"{engine.controls[0]}/v1/rooms/7200000/abort")
-        await _prefill(deployment, engine, 7_200_001, n)  # another room in the freed pages
+        await prefill(deployment, engine, 7_200_001, n)  # another room in the freed pages
         with pytest.raises(ClaimLostError, match="aborted"):
-            await lease.read(_pages(pool, n, 4))  # a late read under the dead claim
+            await lease.read(fragmented_pages(pool, n, 4))  # a late read under the dead claim
         with pytest.raises(ClaimLostError):
             await lease.release()  # nor may what was read before count as the room's
-        assert await fetcher.fetch("prefill0", 7_200_001, _pages(pool, n, 5)) is not None
+        assert await fetcher.fetch("prefill0", 7_200_001, fragmented_pages(pool, n, 5)) is not None
         stats = await deployment.client.get_json(f"{engine.controls[0]}/v1/stats")
         assert stats["pinned_pages"] == 0
 
 
 async def test_a_lease_rereads_its_room_then_learns_its_release_freed_it(deployment):
     engine, n, room = deployment.engines[3], 700, 7_300_000
-    await _prefill(deployment, engine, room, n, consumers=2)
+    await prefill(deployment, engine, room, n, consumers=2)
     pool = DSAKVPool(tiny(size=8192))
     async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
-        first = await fetcher.fetch("prefill3", room, _pages(pool, n, 6))
+        first = await fetcher.fetch("prefill3", room, fragmented_pages(pool, n, 6))
         assert not first.freed  # one of two consumers: the room stays pinned for the other
         async with await fetcher.claim("prefill3", room) as lease:
             pool.kv_slab.zero_()
-            await lease.read(_pages(pool, n, 7))
+            await lease.read(fragmented_pages(pool, n, 7))
             pool.kv_slab.zero_()  # say the decode's own check failed: read again, same claim
-            again = await lease.read(_pages(pool, n, 7))
-            assert again.nbytes == first.nbytes and _exact(pool, "prefill3", room, n, _pages(pool, n, 7))
+            again = await lease.read(fragmented_pages(pool, n, 7))
+            assert again.nbytes == first.nbytes and kv_is_exact(pool, "prefill3", room, n, fragmented_pages(pool, n, 7))
         assert lease._released is True  # the last claim: the room is free on every owner
         with pytest.raises(UnknownRoomError, match="released"):
-            await fetcher.fetch("prefill3", room, _pages(pool, n, 8))
+            await fetcher.fetch("prefill3", room, fragmented_pages(pool, n, 8))
 
 
 async def test_bad_destination_pages_are_refused_before_anything_is_asked(deployment):
     engine, room = deployment.engines[1], 7_400_000
     n = 3 * tiny().page_size
-    await _prefill(deployment, engine, room, n)
+    await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
     async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
         for bad, err in [([10, 11, 10], InvalidPagesError), ([1.7, 2, 3], InvalidPagesError),
@@ -236,7 +224,7 @@ async def test_bad_destination_pages_are_refused_before_anything_is_asked(deploy
                 await fetcher.fetch("prefill1", room, bad)
         # Refused before a claim was asked: the room is still there for a good fetch.
         result = await fetcher.fetch("prefill1", room, torch.tensor([5, 9, 4], dtype=torch.int32))
-        assert result.freed and _exact(pool, "prefill1", room, n, [5, 9, 4])
+        assert result.freed and kv_is_exact(pool, "prefill1", room, n, [5, 9, 4])
 
 
 async def test_fetcher_misuse_is_typed(deployment):
@@ -244,9 +232,9 @@ async def test_fetcher_misuse_is_typed(deployment):
     fetcher = DecodeFetcher(pool, deployment.registry_url, lanes=1)
     with pytest.raises(ClosedError, match="not started"):
         await fetcher.fetch("prefill0", 1, [1])
-    engine, room = deployment.engines[0], 7_500_000
+    room = 7_500_000  # never prefilled
     async with fetcher:
-        slow = asyncio.create_task(fetcher.fetch("prefill0", room, _pages(pool, 64, 9), timeout=30))
+        slow = asyncio.create_task(fetcher.fetch("prefill0", room, fragmented_pages(pool, 64, 9), timeout=30))
         await asyncio.sleep(0.3)  # waiting for a room nobody has prefilled yet
     with pytest.raises(ClosedError, match="closed"):
         await slow

@@ -1,0 +1,29 @@
+"""Helpers shared by the tests that prefill rooms in a real deployment and fetch them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdkv import DSAKVPool
+from pdkv.pages import fragmented_page_order
+from pdkv.synthetic import RequestContent, request_seed
+from transfer.api import PrefillReply, PrefillRequest
+
+
+async def prefill(deployment, engine, room: int, n: int, consumers: int = 1) -> None:  # type: ignore[no-untyped-def]
+    """Have `engine` write `room` of `n` tokens (published for `consumers` claims)."""
+    req = PrefillRequest(room=room, num_tokens=n, consumers=consumers)
+    await deployment.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, req)
+
+
+def fragmented_pages(pool: DSAKVPool, n: int, seed: int) -> np.ndarray:
+    """Destination pages for `n` tokens, drawn as a busy allocator would hand them out."""
+    order = fragmented_page_order(np.arange(1, pool.layout.num_pages), np.random.default_rng(seed))
+    return order[: -(-n // pool.layout.page_size)]
+
+
+def kv_is_exact(pool: DSAKVPool, engine_id: str, room: int, n: int, pages: object) -> bool:
+    """True if every layer of `pages` holds exactly what `engine_id` wrote for `room`."""
+    content = RequestContent(request_seed(engine_id, room), n)
+    return content.mismatched_layers(pool, torch.from_numpy(np.asarray(pages))) == []
