@@ -1,4 +1,4 @@
-"""Page bookkeeping: a free-list allocator and the fragmented page orders of a busy pool."""
+"""Page bookkeeping: checked page-id lists and a free-list allocator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from pdkv.errors import CapacityError, InvalidPagesError, PageRangeError
 
-__all__ = ["PageAllocator", "PageIds", "fragmented_page_order", "page_ids"]
+__all__ = ["PageAllocator", "PageIds", "page_ids"]
 
 PageIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -48,34 +48,19 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
     return out
 
 
-def fragmented_page_order(
-    pages: np.ndarray, rng: np.random.Generator, mean_run: float = 4.0
-) -> np.ndarray:
-    """`pages` cut into runs of geometric length (mean `mean_run`), runs shuffled.
-
-    What a paged allocator's free list looks like after some churn: consecutive pages
-    come in short runs, and the runs come in no order.
-    """
-    if mean_run < 1:
-        raise ValueError(f"mean_run must be >= 1, got {mean_run}")
-    lengths = rng.geometric(1.0 / mean_run, size=len(pages))
-    cuts = np.cumsum(lengths)
-    cuts = cuts[cuts < len(pages)]
-    runs = np.split(pages, cuts)
-    order = rng.permutation(len(runs))
-    return np.concatenate([runs[i] for i in order]) if runs else pages
-
-
 class PageAllocator:
     """Hands out page indices of one pool; page 0 stays reserved as SGLang's padding page."""
 
-    def __init__(self, num_pages: int, rng: np.random.Generator | None = None) -> None:
+    def __init__(self, num_pages: int, order: np.ndarray | None = None) -> None:
+        """`order`: the free list to start from (pages 1..num_pages-1, each once); default ascending."""
         if num_pages < 2:
             raise CapacityError(f"a pool needs at least 2 pages, got {num_pages}")
         self.num_pages = num_pages
         pages = np.arange(1, num_pages, dtype=np.int64)
-        if rng is not None:
-            pages = fragmented_page_order(pages, rng)
+        if order is not None:
+            if not np.array_equal(np.sort(np.asarray(order, dtype=np.int64)), pages):
+                raise PageRangeError(f"an allocator's order must hold pages 1..{num_pages - 1} once each")
+            pages = np.asarray(order, dtype=np.int64)
         self._free: deque[int] = deque(pages.tolist())
         self._used: set[int] = set()
 

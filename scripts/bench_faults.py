@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transfer.router import Deployment, DeploymentSpec  # noqa: E402
+from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 
 
 async def healthy_stream(d: Deployment, stop: asyncio.Event, log: list[tuple[float, int]], tokens: int) -> None:

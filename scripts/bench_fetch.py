@@ -27,13 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_MODULES", "^ib")
 
-from pdkv import DSAKVPool, PageAllocator, dsa_v32  # noqa: E402
-from transfer.api import PrefillReply, PrefillRequest  # noqa: E402
+from pdkv import DSAKVPool, dsa_v32  # noqa: E402
+from transfer.app.synthetic import fragmented_allocator  # noqa: E402
+from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
 from transfer.engine import _nixl, device_id, mem_type  # noqa: E402
 from transfer.metadata import BufferKind, EngineDescriptor, RoomState  # noqa: E402
 from transfer.plan import BufferPair, build_read_plan  # noqa: E402
-from transfer.router import Deployment, DeploymentSpec  # noqa: E402
+from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 
 
 class RawNixl:
@@ -123,7 +124,7 @@ async def bench(args: argparse.Namespace) -> None:
     for p in (decode_pool, source_copy):  # touch every page once: first-touch faults are not transfer cost
         p.kv_slab.fill_(1)
         p.index_slab.fill_(1)
-    alloc = PageAllocator(layout.num_pages, np.random.default_rng(7))
+    alloc = fragmented_allocator(layout.num_pages, 7)
     async with Deployment(spec) as d:
         engine_url = d.engines[0]
         desc = await d.client.request("GET", f"{d.registry_url}/v1/engines/prefill0", EngineDescriptor)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
-from pdkv.pages import fragmented_page_order  # noqa: E402
+from transfer.app.synthetic import fragmented_page_order  # noqa: E402
 from transfer.gather import GatherLane  # noqa: E402
 from transfer.plan import BufferPair, build_gather_plan  # noqa: E402
 

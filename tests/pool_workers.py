@@ -7,7 +7,7 @@ import asyncio
 import torch
 
 from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, tiny
-from pdkv.synthetic import SyntheticLayer
+from transfer.app.synthetic import SyntheticLayer
 
 PAGES = torch.tensor([3, 1, 7, 2, 9])  # deliberately out of order
 

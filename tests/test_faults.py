@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from pdkv import DSAKVPool, DeadlineExceeded, tiny
 from transfer.decode import DecodeFetcher
-from transfer.router import Deployment, DeploymentSpec
+from transfer.app.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from pdkv import DSAKVPool, OwnerBroadcaster, PeerLostError, TransferError, tiny
 from transfer.decode import DecodeFetcher
 from transfer.metadata import EngineDescriptor
-from transfer.router import Deployment, DeploymentSpec
+from transfer.app.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
 from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
 

@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv import PageRangeError
-from pdkv.pages import PageAllocator, fragmented_page_order
+from pdkv.pages import PageAllocator
+from transfer.app.synthetic import fragmented_page_order
 from transfer.engine import _split
 from transfer.plan import BufferPair, ReadPlan, build_gather_plan, build_read_plan, merge_gather_plans, page_runs
 

@@ -3,7 +3,7 @@ import torch
 
 from pdkv import DSAKVPool, LayerSplitDSAKVPool, PageRangeError, ShardPlan, dsa_v32, tiny
 from pdkv.buffers import gather_index_k, gather_index_scale
-from pdkv.synthetic import SyntheticLayer
+from transfer.app.synthetic import SyntheticLayer
 
 # The same tests run on CUDA where a GPU is present (scripts/gpu_check.sh); CI has none.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -126,7 +126,7 @@ class _NoBroadcast:
 
 @pytest.mark.parametrize("where", ["kv", "index_k", "index_scale"])
 def test_verification_catches_a_single_flipped_byte(where, device):
-    from pdkv.synthetic import RequestContent, token_locations
+    from transfer.app.synthetic import RequestContent, token_locations
 
     pool = DSAKVPool(tiny(device=device, layer_num=3))
     pages = torch.tensor([6, 2, 9])

@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 
 from pdkv.errors import UnknownRoomError
-from transfer.api import DecodeReply, DecodeRequest
-from transfer.router import Deployment, DeploymentSpec
+from transfer.app.api import DecodeReply, DecodeRequest
+from transfer.app.router import Deployment, DeploymentSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

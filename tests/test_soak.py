@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from transfer.router import Deployment, DeploymentSpec
+from transfer.app.router import Deployment, DeploymentSpec
 
 REQUESTS, CONCURRENCY, WALL_LIMIT_S = 2000, 16, 600
 SPEC = DeploymentSpec(engines=(4,), decoders=1, preset="tiny", prefill_pool_tokens=16384, decode_pool_tokens=16384)

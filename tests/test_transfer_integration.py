@@ -24,11 +24,10 @@ from pdkv import (
     UnknownRoomError,
     tiny,
 )
-from pdkv.pages import fragmented_page_order
-from pdkv.synthetic import RequestContent, request_seed
-from transfer.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
+from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
+from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.decode import DecodeFetcher, FetchResult
-from transfer.router import Deployment, DeploymentSpec
+from transfer.app.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
 from tests.http_probe import rss_bytes, send_big
 from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill

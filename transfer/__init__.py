@@ -1,8 +1,10 @@
-"""transfer: what crosses the wire between prefill and decode workers.
+"""transfer: what crosses the wire between prefill and decode workers (the library).
 
 Modules, one per role: `metadata` (wire types), `engine` (UCX through NIXL), `plan`
-(pure transfer plans), `prefill` (the exporter), `decode` (the fetcher), `bootstrap`
-(the registry), `router` (the PD router and local deployment), `cli` (the main job).
+(pure transfer and gather plans), `rooms` (a rank's claims and pins), `prefill` (the
+exporter), `decode` (the fetcher), `bootstrap` (the registry), `http` (the control
+plane's HTTP), `timeouts`, and the same-host GPU lane (`cuda_ipc`, `gpu_lane`, `gather`).
+The application that runs them lives in `transfer.app`, which nothing here imports.
 Import from the module that owns a name; this package re-exports nothing.
 """
 

@@ -7,12 +7,11 @@
     GET    /health                             liveness, no secret needed
 
 An entry lives `Timeouts.lease` seconds unless renewed, so a rank that dies drops out
-by itself. Run it with `python -m transfer.bootstrap`.
+by itself. Run it as a process with `python -m transfer.app.registry`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
@@ -22,7 +21,6 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, NotReadyError, UnknownEngineError
 from transfer.http import HttpService, make_app, path_int, read_body, reply
-from transfer.service import add_service_flags, announce, setup_process, secret_from_env, wait_for_signal
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
 
@@ -149,26 +147,3 @@ class RegistryServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "engines": len(self.registry.summary())})
-
-
-async def _serve(args: argparse.Namespace) -> None:
-    server = RegistryServer(args.host, args.port, Timeouts(lease=args.lease), secret_from_env(args.secret_env))
-    await server.start()
-    announce(args.ready_file, server.url)
-    try:
-        await wait_for_signal()
-    finally:
-        await server.aclose()
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="pdkv bootstrap registry")
-    ap.add_argument("--lease", type=float, default=Timeouts().lease)
-    add_service_flags(ap)
-    args = ap.parse_args(argv)
-    setup_process(args)
-    asyncio.run(_serve(args))
-
-
-if __name__ == "__main__":
-    main()

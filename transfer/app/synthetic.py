@@ -12,9 +12,19 @@ import torch
 
 from pdkv.buffers import byte_rows, gather_index_k, gather_index_scale, take
 from pdkv.layout import KVLayout
+from pdkv.pages import PageAllocator
 from pdkv.pool import DSAKVPool
 
-__all__ = ["token_bytes", "SyntheticLayer", "RequestContent", "token_locations", "request_seed", "prefix_seed"]
+__all__ = [
+    "token_bytes",
+    "SyntheticLayer",
+    "RequestContent",
+    "token_locations",
+    "request_seed",
+    "prefix_seed",
+    "fragmented_page_order",
+    "fragmented_allocator",
+]
 
 _M1, _M2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd 64-bit mixing constants
 
@@ -107,3 +117,26 @@ def request_seed(engine_id: str, room: int) -> int:
 
 def prefix_seed(prefix_id: int) -> int:
     return (0x7F4A7C15 << 32) ^ prefix_id
+
+
+def fragmented_page_order(
+    pages: np.ndarray, rng: np.random.Generator, mean_run: float = 4.0
+) -> np.ndarray:
+    """`pages` cut into runs of geometric length (mean `mean_run`), runs shuffled.
+
+    What a paged allocator's free list looks like after some churn: consecutive pages
+    come in short runs, and the runs come in no order.
+    """
+    if mean_run < 1:
+        raise ValueError(f"mean_run must be >= 1, got {mean_run}")
+    lengths = rng.geometric(1.0 / mean_run, size=len(pages))
+    cuts = np.cumsum(lengths)
+    cuts = cuts[cuts < len(pages)]
+    runs = np.split(pages, cuts)
+    order = rng.permutation(len(runs))
+    return np.concatenate([runs[i] for i in order]) if runs else pages
+
+
+def fragmented_allocator(num_pages: int, seed: int) -> PageAllocator:
+    """An allocator whose free list looks like a busy pool's (see `fragmented_page_order`)."""
+    return PageAllocator(num_pages, fragmented_page_order(np.arange(1, num_pages), np.random.default_rng(seed)))

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pdkv import PRESETS
-from transfer.router import Deployment, DeploymentSpec, RequestOutcome
+from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
 
 __all__ = ["main", "Summary"]
 

@@ -5,7 +5,7 @@
     GET  /v1/stats                pages in use, fetches, failures (JSON)
     GET  /health
 
-    python -m transfer.decode_worker --registry http://127.0.0.1:PORT
+    python -m transfer.app.decode_worker --registry http://127.0.0.1:PORT
 """
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ import asyncio
 import logging
 from collections import OrderedDict
 
-import numpy as np
 import torch
 from aiohttp import web
 
-from pdkv import PRESETS, DSAKVPool, PageAllocator
+from pdkv import PRESETS, DSAKVPool
 from pdkv.errors import ConflictError, PdkvError, TransferError, UnknownRoomError
-from pdkv.synthetic import RequestContent, prefix_seed, request_seed
-from transfer.api import DecodeReply, DecodeRequest
+from transfer.app.synthetic import RequestContent, fragmented_allocator, prefix_seed, request_seed
+from transfer.app.api import DecodeReply, DecodeRequest
 from transfer.decode import DecodeFetcher
 from transfer.http import health, HttpService, make_app, path_int, read_body, reply
-from transfer.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
+from transfer.app.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ class DecodeWorker:
         self.args = args
         self.layout = PRESETS[args.preset](size=args.pool_tokens, device=args.device)
         self.pool = DSAKVPool(self.layout)
-        self.allocator = PageAllocator(self.layout.num_pages, np.random.default_rng(args.seed))
+        self.allocator = fragmented_allocator(self.layout.num_pages, args.seed)
         self.fetcher = DecodeFetcher(self.pool, args.registry, consumer_id=args.consumer_id,
                                      secret=secret_from_env(args.secret_env), lanes=args.lanes,
                                      timeouts=Timeouts(fetch=args.fetch_timeout))

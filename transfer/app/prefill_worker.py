@@ -9,7 +9,7 @@ reads the prefix's KV of every layer through the pool's owner broadcast (non-own
 layers arrive from their owner) and checks it byte for byte: the in-prefill read path
 under real load. Pages return to the allocators only once every rank freed the room.
 
-    python -m transfer.prefill_worker --engine-id E --cp-rank R --cp-size N \\
+    python -m transfer.app.prefill_worker --engine-id E --cp-rank R --cp-size N \\
         --dist-init file:///tmp/E.init --registry http://127.0.0.1:PORT
 """
 
@@ -28,14 +28,21 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from pdkv import PRESETS, LayerSplitDSAKVPool, OwnerBroadcaster, PageAllocator, ShardPlan
+from pdkv import PRESETS, LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan
 from pdkv.broadcast import BroadcastHandle
 from pdkv.errors import ClosedError, DeadlineExceeded, PdkvError, UnknownRoomError
-from pdkv.synthetic import RequestContent, prefix_seed, request_seed, token_bytes, token_locations
-from transfer.api import PrefillReply, PrefillRequest
+from transfer.app.synthetic import (
+    RequestContent,
+    fragmented_allocator,
+    prefix_seed,
+    request_seed,
+    token_bytes,
+    token_locations,
+)
+from transfer.app.api import PrefillReply, PrefillRequest
 from transfer.http import health, HttpService, make_app, path_int, read_body, reply
 from transfer.prefill import PrefillExporter
-from transfer.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
+from transfer.app.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -209,7 +216,7 @@ class PrefillEngineRank:
         plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
         broadcaster = OwnerBroadcaster(device=self.layout.device, timeout=timeout, backend=a.broadcast_backend)
         self.pool = LayerSplitDSAKVPool(self.layout, plan, broadcaster)
-        self.allocator = PageAllocator(self.layout.num_pages, np.random.default_rng(a.seed))
+        self.allocator = fragmented_allocator(self.layout.num_pages, a.seed)
         secret = secret_from_env(a.secret_env)
         self.exporter = PrefillExporter(
             self.pool, a.engine_id, self.rank, self.world, a.registry, host=a.host,

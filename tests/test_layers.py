@@ -1,0 +1,34 @@
+"""The layering the project promises: pdkv never imports transfer, and the transfer library
+never imports its application (`transfer.app`). Checked in a fresh interpreter."""
+
+import pkgutil
+import subprocess
+import sys
+
+import pdkv
+import transfer
+
+_CHECK = """
+import importlib, sys
+for module in {modules!r}:
+    importlib.import_module(module)
+print(",".join(sorted(m for m in sys.modules if m == {forbidden!r} or m.startswith({forbidden!r} + "."))))
+"""
+
+
+def _modules(package) -> list[str]:
+    return [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+
+
+def _imported(modules: list[str], forbidden: str) -> str:
+    code = _CHECK.format(modules=modules, forbidden=forbidden)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_pdkv_never_imports_transfer():
+    assert _imported(_modules(pdkv), "transfer") == ""
+
+
+def test_the_library_never_imports_its_application():
+    library = [m for m in _modules(transfer) if not m.startswith("transfer.app")]
+    assert "transfer.decode" in library and _imported(library, "transfer.app") == ""

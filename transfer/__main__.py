@@ -1,3 +1,0 @@
-from transfer.cli import main
-
-main()

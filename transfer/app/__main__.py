@@ -1,0 +1,3 @@
+from transfer.app.cli import main
+
+main()
