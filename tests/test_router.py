@@ -77,7 +77,7 @@ async def test_failing_leg_cancels_the_other_and_is_reported(deployment):
     # A prefill leg that cannot be reached: the decode leg, already waiting, is cancelled.
     engine = dataclasses.replace(deployment.engines[0], intake="http://127.0.0.1:9")
     before = (await deployment.stats())["decode"][0]["failures"]
-    out = await deployment._submit(engine, deployment.decoders[0], 50, -1, 0)
+    out = await deployment.router.submit_to(engine, deployment.decoders[0], 50)
     assert not out.ok and "PeerLostError" in out.error
     stats = await _settled(deployment)
     assert stats["decode"][0]["failures"] == before + 1  # its fetch was aborted, not left waiting

@@ -100,10 +100,11 @@ class Router:
         engine = max(engines, key=lambda e: self.budget(e).free)
         decoders = self.services.decoders
         dec = decoders[decoder] if decoder is not None else max(decoders, key=lambda d: self.budget(d).free)
-        return await self._submit(engine, dec, num_tokens, prefix_id, prefix_tokens)
+        return await self.submit_to(engine, dec, num_tokens, prefix_id, prefix_tokens)
 
-    async def _submit(self, engine: EngineEndpoints, decoder: DecoderEndpoint, num_tokens: int, prefix_id: int,
-                      prefix_tokens: int) -> RequestOutcome:
+    async def submit_to(self, engine: EngineEndpoints, decoder: DecoderEndpoint, num_tokens: int,
+                        prefix_id: int = -1, prefix_tokens: int = 0) -> RequestOutcome:
+        """Run one request through these two services."""
         room = next(self._rooms)
         need = num_tokens + _PAGE_SLACK
         t0 = time.perf_counter()
