@@ -11,8 +11,9 @@ import pytest
 import pytest_asyncio
 
 from pdkv import DSAKVPool, DeadlineExceeded, tiny
+from transfer.deadline import Deadline
 from transfer.decode import DecodeFetcher
-from transfer.app.router import Deployment, DeploymentSpec
+from transfer.app.router import Deployment, DeploymentSpec, Router
 from transfer.timeouts import Timeouts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -163,10 +164,24 @@ async def test_expired_fetch_fails_cleanly_and_pins_nothing(d):
         assert time.monotonic() - t0 < 2.0
         t0 = time.monotonic()  # the same budget as an instant: what a request carries end to end
         with pytest.raises(DeadlineExceeded):
-            await fetcher.fetch("prefill1", 778, np.arange(1, 5), deadline=t0 + 0.5)
+            await fetcher.fetch("prefill1", 778, np.arange(1, 5), deadline=Deadline(t0 + 0.5))
         assert time.monotonic() - t0 < 2.0
         with pytest.raises(DeadlineExceeded):  # already past: fails before anything is asked
-            await fetcher.fetch("prefill1", 779, np.arange(1, 5), deadline=t0 - 1)
+            await fetcher.fetch("prefill1", 779, np.arange(1, 5), deadline=Deadline(t0 - 1))
         with pytest.raises(ValueError):
-            await fetcher.fetch("prefill1", 780, np.arange(1, 5), deadline=t0 + 5, timeout=5)
+            await fetcher.fetch("prefill1", 780, np.arange(1, 5), deadline=Deadline(t0 + 5), timeout=5)
     assert await _no_pins(d)
+
+
+async def test_the_request_deadline_crosses_from_the_router_to_both_workers(d):
+    """A request whose end-to-end budget is shorter than its prefill fails with the workers'
+    own DeadlineExceeded, not a client timeout, and pins nothing."""
+    router = Router(d, Timeouts(fetch=0.4))
+    try:
+        t0 = time.monotonic()
+        out = await router.submit_to(d.engines[1], d.decoders[0], 6000)  # 7 layers of 50 ms and more
+        assert not out.ok and "DeadlineExceeded" in out.error, out.error
+        assert time.monotonic() - t0 < 0.4 + Timeouts().request
+    finally:
+        await router.aclose()
+    assert await _eventually(lambda: _no_pins(d), 10, "pins released after a deadline")

@@ -50,6 +50,7 @@ from pdkv.errors import (
 )
 from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
+from transfer.deadline import Deadline
 from transfer.engine import UcxEngine, XferStats, default_lanes, device_id, mem_type
 from transfer.http import ControlClient
 from transfer.metadata import (
@@ -128,17 +129,6 @@ class _Claim:
     @property
     def open_ranks(self) -> set[int]:
         return self.granted - self.released.keys()
-
-
-class _Deadline:
-    def __init__(self, seconds: float, at: float | None = None) -> None:
-        self.at = time.monotonic() + seconds if at is None else at
-
-    def left(self, cap: float) -> float:
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("fetch deadline passed")
-        return min(left, cap)
 
 
 class DecodeFetcher:
@@ -240,7 +230,7 @@ class DecodeFetcher:
         await self.aclose()
 
     # ---- engine lookup -------------------------------------------------------------------------
-    async def _lookup(self, engine_id: str, deadline: _Deadline) -> dict[int, _Owner]:
+    async def _lookup(self, engine_id: str, deadline: Deadline) -> dict[int, _Owner]:
         """The engine's owners, cached; concurrent fetches share one lookup in flight."""
         cached = self._engines.get(engine_id)
         if cached is not None:
@@ -264,11 +254,9 @@ class DecodeFetcher:
         self._engines[engine_id] = owners
         return owners
 
-    async def _describe(self, engine_id: str, within: _Deadline | None = None) -> dict[int, _Owner]:
+    async def _describe(self, engine_id: str, within: Deadline | None = None) -> dict[int, _Owner]:
         """Ask the registry for the engine's owners (waiting until all are in) and check them."""
-        deadline = _Deadline(self.timeouts.lookup)
-        if within is not None and within.at < deadline.at:
-            deadline = within
+        deadline = Deadline.after(self.timeouts.lookup) if within is None else within.within(self.timeouts.lookup)
         url = f"{self.registry_url}/v1/engines/{engine_id}"
         delay = 0.05
         while True:
@@ -276,7 +264,7 @@ class DecodeFetcher:
                 desc = await self._client.request("GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request))
                 break
             except (NotReadyError, UnknownEngineError) as exc:
-                if time.monotonic() + delay > deadline.at:
+                if deadline.remaining() < delay:
                     raise
                 logger.debug("engine %s not ready: %s", engine_id, exc)
                 await asyncio.sleep(deadline.left(delay))
@@ -365,16 +353,15 @@ class DecodeFetcher:
         room: int,
         dst_pages: PageIds,
         *,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
         timeout: float | None = None,
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
         `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or CUDA
-        tensor), one per source page, checked before anything is asked. `deadline` is an
-        instant on the `time.monotonic()` clock (a request's end-to-end budget passes
-        through unchanged); `timeout` is seconds from now. Give at most one; with neither,
-        `Timeouts.fetch` applies. Returns only when every byte of the room was read under
+        tensor), one per source page, checked before anything is asked. `deadline` (a
+        request's end-to-end budget, passed through unchanged) or `timeout` (seconds from
+        now): give at most one; with neither, `Timeouts.fetch` applies. Returns only when every byte of the room was read under
         a claim whose release proved the source pages stayed pinned; otherwise raises a
         `PdkvError` and the destination pages hold no valid KV.
         """
@@ -396,7 +383,7 @@ class DecodeFetcher:
             self._leave()
 
     async def _reregistered(
-        self, engine_id: str, owners: dict[int, _Owner], was_cached: bool, budget: _Deadline
+        self, engine_id: str, owners: dict[int, _Owner], was_cached: bool, budget: Deadline
     ) -> dict[int, _Owner] | None:
         """After a lost peer: the engine's owners anew if it re-registered since it was
         cached (a restart), else None."""
@@ -409,7 +396,7 @@ class DecodeFetcher:
         return await self._lookup(engine_id, budget)
 
     async def claim(
-        self, engine_id: str, room: int, *, deadline: float | None = None, timeout: float | None = None
+        self, engine_id: str, room: int, *, deadline: Deadline | None = None, timeout: float | None = None
     ) -> RoomLease:
         """Claim `room` on every owner (waiting for it to be published) and hold the claim.
 
@@ -433,7 +420,7 @@ class DecodeFetcher:
             self._leave()
 
     async def _fetch_from(
-        self, owners: dict[int, _Owner], engine_id: str, claim: _Claim, dst: np.ndarray, deadline: _Deadline,
+        self, owners: dict[int, _Owner], engine_id: str, claim: _Claim, dst: np.ndarray, deadline: Deadline,
         release: bool = True,
     ) -> FetchResult:
         t0 = time.perf_counter()
@@ -474,7 +461,7 @@ class DecodeFetcher:
 
         return LaunchGroup(self._gpu, lane_owners)
 
-    async def _claim_arbiter(self, owners: dict[int, _Owner], claim: _Claim, deadline: _Deadline) -> dict[int, RoomState]:
+    async def _claim_arbiter(self, owners: dict[int, _Owner], claim: _Claim, deadline: Deadline) -> dict[int, RoomState]:
         """Claim on the lowest CP rank before any other: every claimant asks it first, so of
         two racing for a single-consumer room one wins everywhere and the other is refused
         there, rather than each winning some owners and both failing."""
@@ -483,12 +470,12 @@ class DecodeFetcher:
             return {}
         return {rank: await self._claim_owner(owners[rank], claim, deadline)}
 
-    async def _claim_owner(self, owner: _Owner, claim: _Claim, deadline: _Deadline) -> RoomState:
+    async def _claim_owner(self, owner: _Owner, claim: _Claim, deadline: Deadline) -> RoomState:
         """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
         r = owner.rank
         url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
         ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
-        unknown_until = time.monotonic() + self.timeouts.ready
+        unknown_until = time.monotonic() + self.timeouts.publish
         while True:
             limit = deadline.left(self.timeouts.poll + self.timeouts.request)
             state = await self._client.request("POST", url, RoomState, ask, fingerprint=self.pool.layout.fingerprint,
@@ -500,7 +487,7 @@ class DecodeFetcher:
             if time.monotonic() > unknown_until:
                 raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
 
-    async def _poll(self, owner: _Owner, claim: _Claim, after: int, deadline: _Deadline) -> RoomState:
+    async def _poll(self, owner: _Owner, claim: _Claim, after: int, deadline: Deadline) -> RoomState:
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
         limit = deadline.left(self.timeouts.poll + self.timeouts.request)
         state = await self._client.request(
@@ -510,7 +497,7 @@ class DecodeFetcher:
         return state
 
     async def _fetch_owner(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, release: bool,
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: Deadline, release: bool,
         state: RoomState | None, group: LaunchGroup | None = None,
     ) -> OwnerStats:
         """Read one owner's layers, then release them there (while other owners still read)."""
@@ -523,7 +510,7 @@ class DecodeFetcher:
             raise _lost(owner.rank, exc) from exc
 
     async def _read_owner(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, state: RoomState | None,
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: Deadline, state: RoomState | None,
         group: LaunchGroup | None = None,
     ) -> OwnerStats:
         slot = group.slot() if group is not None else None
@@ -534,7 +521,7 @@ class DecodeFetcher:
                 slot.close()  # others must not wait for an owner that read alone or failed
 
     async def _read_owner_layers(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: _Deadline, state: RoomState | None,
+        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: Deadline, state: RoomState | None,
         slot: LaunchSlot | None,
     ) -> OwnerStats:
         assert self.engine is not None
@@ -568,7 +555,7 @@ class DecodeFetcher:
                           "cuda_ipc" if owner.ipc is not None else "ucx")
 
     async def _read_layers(
-        self, owner: _Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: _Deadline, pieces: int
+        self, owner: _Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline, pieces: int
     ) -> XferStats:
         """Copy `layers` of one owner: one gather kernel on the GPU lane, or one batched READ."""
         if owner.ipc is not None:
@@ -577,7 +564,7 @@ class DecodeFetcher:
         assert self.engine is not None
         pairs = [p for layer in layers for p in owner.pairs[layer]]
         plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-        return await self.engine.read(owner.rank.agent_name, plan, deadline.left(self.timeouts.transfer), pieces)
+        return await self.engine.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
 
     async def _release(self, owner: _Owner, claim: _Claim, timeout: float) -> bool:
         """Release the claim on one owner; True if that freed the room there.
@@ -624,7 +611,7 @@ class RoomLease:
     def room(self) -> int:
         return self._claim.room
 
-    async def read(self, dst_pages: PageIds, *, deadline: float | None = None, timeout: float | None = None) -> FetchResult:
+    async def read(self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None) -> FetchResult:
         """Read every layer of the room into `dst_pages` (waiting for layers still written).
 
         The bytes are the room's only if `release()` then succeeds: until then a reader
@@ -669,10 +656,12 @@ class RoomLease:
         await self.release()
 
 
-def _budget(default: float, deadline: float | None, timeout: float | None) -> _Deadline:
+def _budget(default: float, deadline: Deadline | None, timeout: float | None) -> Deadline:
     if deadline is not None and timeout is not None:
         raise ValueError("give a deadline or a timeout, not both")
-    return _Deadline(default if timeout is None else timeout, at=deadline)
+    if deadline is not None:
+        return deadline
+    return Deadline.after(default if timeout is None else timeout)
 
 
 def _lost(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
+from transfer.deadline import Deadline
 from transfer.plan import ReadPlan
 
 __all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "device_id", "mem_type"]
@@ -306,8 +307,8 @@ class UcxEngine:
         return len(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
-    async def read(self, peer: str, plan: ReadPlan, timeout: float, pieces: int = 1) -> XferStats:
-        """Execute `plan` as batched READs from `peer`; bounded by `timeout` seconds.
+    async def read(self, peer: str, plan: ReadPlan, deadline: Deadline, pieces: int = 1) -> XferStats:
+        """Execute `plan` as batched READs from `peer`, bounded by `deadline`.
 
         With `pieces` > 1 a large plan is cut into up to that many READs posted on as many
         lanes at once: posting costs about 8 us a descriptor on the posting thread over
@@ -326,10 +327,10 @@ class UcxEngine:
             raise TransferError(f"a remote descriptor falls outside what {peer} exported")
         if plan.descriptors == 0:
             return XferStats(0, 0, 0.0)
-        deadline = time.monotonic() + timeout
+        deadline.left(what=f"READ from {peer}: deadline passed before it was posted")
         loop = asyncio.get_running_loop()
         futs = [
-            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, self.mem_type, deadline)
+            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, self.mem_type, deadline.at)
             for lane, (local, remote) in zip(self._pick_lanes(), _split(plan, min(pieces, len(self._lanes))))
         ]
         try:

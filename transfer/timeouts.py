@@ -1,6 +1,8 @@
-"""Every deadline of the transfer layer, in one object with finite defaults.
+"""Every timeout of the transfer layer, in one object with finite defaults.
 
-No other module holds a timeout literal: a network await takes its bound from here.
+No other module holds a timeout literal. A field bounds one kind of wait; a request's
+end-to-end budget is a `transfer.deadline.Deadline`, and each network await takes
+`deadline.left(cap)` with the field for that wait as the cap.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ class Timeouts:
     request: float = 10.0  # one control request/response round trip
     lookup: float = 30.0  # waiting for an engine to be complete in the registry
     poll: float = 2.0  # one long-poll for room readiness (server-side hold)
-    ready: float = 120.0  # a room's layers becoming ready, end to end
+    publish: float = 120.0  # a room appearing on an owner (its prefill may still be queued)
+    admission: float = 120.0  # a request waiting for pool capacity at the router
+    prefill: float = 120.0  # a prefill worker answering once its room is written
     transfer: float = 60.0  # one batched UCX READ
     fetch: float = 300.0  # a whole fetch, when the caller gives no deadline
     lease: float = 10.0  # a registry entry lives this long without renewal

@@ -11,6 +11,9 @@ __all__ = ["PrefillRequest", "PrefillReply", "DecodeRequest", "DecodeReply"]
 Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Tokens = Annotated[int, Meta(ge=1, le=1 << 24)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+# What remains of the request's end-to-end deadline when the message is sent (see
+# transfer.deadline); None: the worker's own default.
+BudgetMs = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 class _Api(Struct, frozen=True, forbid_unknown_fields=True):
@@ -23,6 +26,7 @@ class PrefillRequest(_Api):
     prefix_id: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # -1: no shared prefix
     prefix_tokens: Count = 0
     consumers: Annotated[int, Meta(ge=1, le=64)] = 1
+    budget_ms: BudgetMs | None = None
 
 
 class PrefillReply(_Api):
@@ -37,6 +41,7 @@ class DecodeRequest(_Api):
     num_tokens: Tokens
     prefix_id: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
     prefix_tokens: Count = 0
+    budget_ms: BudgetMs | None = None
 
 
 class DecodeReply(_Api):

@@ -22,6 +22,7 @@ from pdkv import PRESETS, DSAKVPool
 from pdkv.errors import ConflictError, PdkvError, TransferError, UnknownRoomError
 from transfer.app.synthetic import RequestContent, fragmented_allocator, prefix_seed, request_seed
 from transfer.app.api import DecodeReply, DecodeRequest
+from transfer.deadline import Deadline
 from transfer.decode import DecodeFetcher
 from transfer.http import health, HttpService, make_app, path_int, read_body, reply
 from transfer.app.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
@@ -54,7 +55,8 @@ class DecodeWorker:
     async def decode(self, req: DecodeRequest) -> DecodeReply:
         pages = self.allocator.alloc(-(-req.num_tokens // self.layout.page_size))
         try:
-            result = await self.fetcher.fetch(req.engine_id, req.room, pages)
+            deadline = None if req.budget_ms is None else Deadline.from_wire(req.budget_ms)
+            result = await self.fetcher.fetch(req.engine_id, req.room, pages, deadline=deadline)
             content = RequestContent(request_seed(req.engine_id, req.room), req.num_tokens,
                                      prefix_seed(req.prefix_id), self._prefix_tokens(req))
             bad = await asyncio.to_thread(content.mismatched_layers, self.pool, torch.from_numpy(pages))

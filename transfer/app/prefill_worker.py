@@ -40,6 +40,7 @@ from transfer.app.synthetic import (
     token_locations,
 )
 from transfer.app.api import PrefillReply, PrefillRequest
+from transfer.deadline import Deadline
 from transfer.http import health, HttpService, make_app, path_int, read_body, reply
 from transfer.prefill import PrefillExporter
 from transfer.app.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
@@ -195,11 +196,13 @@ class PrefillEngineRank:
     # ---- rank 0's request intake ---------------------------------------------------------------
     async def _intake(self, request: web.Request) -> web.Response:
         pending = _Pending(await read_body(request, PrefillRequest))
+        budget = pending.request.budget_ms
+        deadline = Deadline.after(self.timeouts.prefill) if budget is None else Deadline.from_wire(budget)
         self.queue.append(pending)
         try:
-            return reply(await asyncio.wait_for(asyncio.shield(pending.done), self.timeouts.ready))
+            return reply(await asyncio.wait_for(asyncio.shield(pending.done), deadline.left()))
         except asyncio.TimeoutError as exc:
-            raise DeadlineExceeded(f"room {pending.request.room} not prefilled in {self.timeouts.ready}s") from exc
+            raise DeadlineExceeded(f"room {pending.request.room} not prefilled by its deadline") from exc
 
     async def _abort(self, request: web.Request) -> web.Response:
         room = path_int(request, "room")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pdkv.errors import CapacityError, PdkvError
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.supervisor import DecoderEndpoint, DeploymentSpec, EngineEndpoints, Supervisor
+from transfer.deadline import Deadline
 from transfer.http import ControlClient
 from transfer.timeouts import Timeouts
 
@@ -79,8 +80,7 @@ class Router:
     def __init__(self, services: Supervisor, timeouts: Timeouts = Timeouts()) -> None:
         self.services = services
         self.timeouts = timeouts
-        # A decode leg answers once its fetch ends, so a request may take a whole fetch.
-        self.client = ControlClient(timeouts.replace(request=timeouts.fetch), services.spec.secret)
+        self.client = ControlClient(timeouts, services.spec.secret)
         self._budgets: dict[str, TokenBudget] = {}
         self._rooms = (random.getrandbits(62) + i for i in itertools.count())
 
@@ -108,23 +108,31 @@ class Router:
         room = next(self._rooms)
         need = num_tokens + _PAGE_SLACK
         t0 = time.perf_counter()
+        deadline = Deadline.after(self.timeouts.fetch)  # the request's end-to-end budget
         try:
             self.services.check_alive(engine, decoder)
-            wait = self.timeouts.ready
+            wait = deadline.left(self.timeouts.admission)
             async with self.budget(engine).hold(need, wait), self.budget(decoder).hold(need, wait):
-                reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens)
+                reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens, deadline)
             return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
         except PdkvError as exc:
             error = f"{type(exc).__name__}: {exc}"
             return RequestOutcome(room, engine.engine_id, num_tokens, False, time.perf_counter() - t0, error=error)
 
     async def _both_legs(self, engine: EngineEndpoints, decoder: DecoderEndpoint, room: int, num_tokens: int,
-                         prefix_id: int, prefix_tokens: int) -> DecodeReply:
-        pre = PrefillRequest(room=room, num_tokens=num_tokens, prefix_id=prefix_id, prefix_tokens=prefix_tokens)
+                         prefix_id: int, prefix_tokens: int, deadline: Deadline) -> DecodeReply:
+        """Both legs carry what remains of `deadline`; each worker bounds its work by it."""
+        budget = deadline.to_wire()
+        pre = PrefillRequest(room=room, num_tokens=num_tokens, prefix_id=prefix_id, prefix_tokens=prefix_tokens,
+                             budget_ms=budget)
         dec = DecodeRequest(engine_id=engine.engine_id, room=room, num_tokens=num_tokens,
-                            prefix_id=prefix_id, prefix_tokens=prefix_tokens)
-        prefill = asyncio.create_task(self.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, pre))
-        decode = asyncio.create_task(self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec))
+                            prefix_id=prefix_id, prefix_tokens=prefix_tokens, budget_ms=budget)
+        # The client waits a little past the budget, so that a worker's own DeadlineExceeded arrives.
+        wait = deadline.left() + self.timeouts.request
+        prefill = asyncio.create_task(self.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, pre,
+                                                          timeout=wait))
+        decode = asyncio.create_task(self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec,
+                                                         timeout=wait))
         try:
             await asyncio.wait([prefill, decode], return_when=asyncio.FIRST_EXCEPTION)
             for leg in (prefill, decode):

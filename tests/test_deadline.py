@@ -1,0 +1,24 @@
+import time
+
+import pytest
+
+from pdkv import DeadlineExceeded
+from transfer.deadline import Deadline
+
+
+def test_a_deadline_bounds_each_wait_and_raises_once_passed():
+    d = Deadline.after(10)
+    assert 9 < d.left() <= 10 and d.left(cap=2) == 2 and not d.passed
+    assert d.within(1) < d and d.within(100) == d
+    gone = Deadline(time.monotonic() - 1)
+    assert gone.passed and gone.to_wire() == 0
+    with pytest.raises(DeadlineExceeded, match="lookup"):
+        gone.left(what="lookup")
+
+
+def test_on_the_wire_a_deadline_is_what_remains():
+    d = Deadline.after(2.5)
+    wire = d.to_wire()
+    assert 2400 <= wire <= 2500
+    back = Deadline.from_wire(wire)
+    assert abs(back.at - d.at) < 0.1
