@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,11 @@ _GEOMETRY_FIELDS = (
     "qk_rope_head_dim",
     "index_head_dim",
 )
+
+
+def geometry_fingerprint(geometry: Mapping[str, object]) -> str:
+    """A stable short hash of geometry fields: equal for equal geometries, in any process."""
+    return hashlib.sha256(json.dumps(dict(geometry), sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -129,19 +135,19 @@ class KVLayout:
 
     @property
     def fingerprint(self) -> str:
-        blob = json.dumps(self.geometry(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return geometry_fingerprint(self.geometry())
 
-    def differing_fields(self, other: KVLayout) -> tuple[str, ...]:
-        mine, theirs = self.geometry(), other.geometry()
-        return tuple(k for k in _GEOMETRY_FIELDS if mine[k] != theirs[k])
+    def check_geometry(self, other: Mapping[str, object]) -> None:
+        """The one layout check: raise `IncompatibleLayoutError` naming each geometry field
+        where `other` (another layout's `geometry()`, or its wire form) differs."""
+        mine = self.geometry()
+        diff = tuple(k for k in _GEOMETRY_FIELDS if mine[k] != other.get(k))
+        if diff:
+            detail = ", ".join(f"{k}: local {mine[k]!r} != remote {other.get(k)!r}" for k in diff)
+            raise IncompatibleLayoutError(f"KV layouts differ ({detail})", diff)
 
     def check_compatible(self, other: KVLayout) -> None:
-        """Raise `IncompatibleLayoutError` naming each field where the geometries differ."""
-        diff = self.differing_fields(other)
-        if diff:
-            detail = ", ".join(f"{k}: {getattr(self, k)!r} != {getattr(other, k)!r}" for k in diff)
-            raise IncompatibleLayoutError(f"KV layouts differ ({detail})", diff)
+        self.check_geometry(other.geometry())
 
     def replace(self, **changes: object) -> KVLayout:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

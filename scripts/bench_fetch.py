@@ -31,9 +31,9 @@ from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
-from transfer.engine import _nixl, device_id, mem_type  # noqa: E402
-from transfer.metadata import BufferKind, EngineDescriptor, RoomState  # noqa: E402
-from transfer.plan import BufferPair, build_read_plan  # noqa: E402
+from transfer.engine import load_nixl  # noqa: E402
+from transfer.metadata import EngineDescriptor, RoomState  # noqa: E402
+from transfer.plan import BufferPair, buffer_pairs, build_read_plan, mem_type  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 
 
@@ -41,7 +41,7 @@ class RawNixl:
     """A bare NIXL agent on the decode pool: the baseline pdkv must match."""
 
     def __init__(self, pool: DSAKVPool, engine: EngineDescriptor) -> None:
-        nixl = _nixl()
+        nixl = load_nixl()
         self.mem = mem_type(pool.device)
         self.agent = nixl.nixl_agent("raw-bench", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory([pool.kv_slab, pool.index_slab])
@@ -61,16 +61,8 @@ class RawNixl:
 
 
 def owner_pairs(pool: DSAKVPool, engine: EngineDescriptor) -> list[list[BufferPair]]:
-    out = []
-    for r in engine.ranks:
-        pairs = []
-        for layer in range(r.layer_start, r.layer_end):
-            for kind, bufs in ((BufferKind.LATENT, pool.kv_buffer), (BufferKind.INDEX, pool.index_buffer)):
-                d, t = r.buffer(kind, layer), bufs[layer]
-                pairs.append(BufferPair(t.data_ptr(), d.addr, d.item_len, t.nbytes // d.item_len, d.num_items,
-                                        device_id(t.device), d.device_id))
-        out.append(pairs)
-    return out
+    """Each owner's buffers paired with `pool`'s, as the decode pairs them."""
+    return [[p for pair in buffer_pairs(r, pool).values() for p in pair] for r in engine.ranks]
 
 
 def sync_all() -> None:

@@ -205,3 +205,8 @@ def test_the_gpu_lane_says_why_it_cannot_read_an_owner():
     assert "no IPC handles" in ipc_unreachable(rank, torch.device("cuda", 0))
     other_host = msgspec.structs.replace(rank, ipc=_ipc(rank))
     assert "another host" in ipc_unreachable(other_host, torch.device("cuda", 0))
+
+
+def test_a_fingerprint_must_match_the_layout_it_travels_with():
+    with pytest.raises(MetadataError, match="fingerprint"):
+        decode(_raw(rank_descriptor(), fingerprint="0" * 16), RankDescriptor)

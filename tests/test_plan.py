@@ -142,3 +142,19 @@ async def test_a_launch_group_waits_for_every_owner_then_launches_once():
     slots[2].close()  # it reads alone (its layers came in batches): the two go out together
     stats = await asyncio.gather(*reads)
     assert lane.launched == [(4, 2)] and sum(s.seconds for s in stats) == pytest.approx(0.004)
+
+
+# ---- owners of an engine: checked and paired without processes -------------------------------
+def test_owners_must_share_our_geometry_and_item_sizes():
+    from pdkv import DSAKVPool, IncompatibleLayoutError
+    from tests.test_metadata import LAYOUT, rank_descriptor
+    from transfer.metadata import EngineDescriptor
+    from transfer.plan import buffer_pairs, check_owners
+
+    pool = DSAKVPool(LAYOUT)
+    engine = EngineDescriptor("e0", 3, [rank_descriptor(r) for r in range(3)])
+    check_owners(engine, pool)
+    with pytest.raises(IncompatibleLayoutError, match="item_len"):  # these fakes use 192-byte items
+        buffer_pairs(engine.ranks[1], pool)
+    with pytest.raises(IncompatibleLayoutError, match="page_size"):
+        check_owners(engine, DSAKVPool(LAYOUT.replace(page_size=8, size=256)))

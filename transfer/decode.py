@@ -51,10 +51,9 @@ from pdkv.errors import (
 from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
-from transfer.engine import UcxEngine, XferStats, default_lanes, device_id, mem_type
+from transfer.engine import UcxEngine, XferStats, default_lanes
 from transfer.http import ControlClient
 from transfer.metadata import (
-    BufferKind,
     ClaimRequest,
     EngineDescriptor,
     RankDescriptor,
@@ -63,7 +62,7 @@ from transfer.metadata import (
     RoomState,
     RoomStatus,
 )
-from transfer.plan import BufferPair, build_read_plan
+from transfer.plan import BufferPair, buffer_pairs, build_read_plan, check_owners, mem_type
 from transfer.timeouts import Timeouts
 
 if TYPE_CHECKING:
@@ -273,38 +272,8 @@ class DecodeFetcher:
         return self._check_engine(desc)
 
     def _check_engine(self, desc: EngineDescriptor) -> dict[int, _Owner]:
-        layout = self.pool.layout
-        covered: list[int] = []
-        owners = {}
-        for rank in desc.ranks:
-            rank.layout.check_against(layout)
-            if rank.fingerprint != layout.fingerprint:
-                raise IncompatibleLayoutError(f"rank {rank.cp_rank} fingerprint differs", ("fingerprint",))
-            covered += range(rank.layer_start, rank.layer_end)
-            owners[rank.cp_rank] = _Owner(rank, self._pairs(rank))
-        if sorted(covered) != list(range(layout.start_layer, layout.end_layer)):
-            raise MetadataError(f"engine {desc.engine_id}: owners do not cover every layer exactly once")
-        return owners
-
-    def _pairs(self, rank: RankDescriptor) -> dict[int, tuple[BufferPair, BufferPair]]:
-        layout, pool = self.pool.layout, self.pool
-        local = {
-            BufferKind.LATENT: (pool.kv_buffer, layout.kv_page_bytes),
-            BufferKind.INDEX: (pool.index_buffer, layout.index_page_bytes),
-        }
-        pairs = {}
-        for layer in range(rank.layer_start, rank.layer_end):
-            both = []
-            for kind in (BufferKind.LATENT, BufferKind.INDEX):
-                remote = rank.buffer(kind, layer)
-                bufs, item = local[kind]
-                if remote.item_len != item:
-                    raise IncompatibleLayoutError(f"{kind.value} item_len {remote.item_len} != local {item}", ("item_len",))
-                tensor = bufs[layer - layout.start_layer]
-                both.append(BufferPair(tensor.data_ptr(), remote.addr, item, tensor.nbytes // item, remote.num_items,
-                                       device_id(tensor.device), remote.device_id))
-            pairs[layer] = (both[0], both[1])
-        return pairs
+        check_owners(desc, self.pool)
+        return {rank.cp_rank: _Owner(rank, buffer_pairs(rank, self.pool)) for rank in desc.ranks}
 
     async def _connect(self, owners: dict[int, _Owner]) -> None:
         assert self.engine is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import itertools
 import logging
@@ -34,7 +35,7 @@ from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.deadline import Deadline
 from transfer.plan import ReadPlan
 
-__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "device_id", "mem_type"]
+__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "load_nixl"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +58,6 @@ def configure_ucx_environment() -> None:
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
 
 
-def mem_type(device: torch.device) -> str:
-    """NIXL's memory type for buffers on `device`."""
-    return "VRAM" if device.type == "cuda" else "DRAM"
-
-
-def device_id(device: torch.device) -> int:
-    """The GPU index NIXL descriptors carry; 0 for host memory."""
-    return (device.index or 0) if device.type == "cuda" else 0
-
-
 def default_lanes(mem_type: str = "DRAM") -> int:
     """One lane per core this process may run on, up to 8 for host memory, 4 for GPU memory.
 
@@ -78,6 +69,12 @@ def default_lanes(mem_type: str = "DRAM") -> int:
     return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
 
 
+def load_nixl() -> ModuleType:
+    """NIXL's Python API (nixl-cu12 or nixl-cu13), with UCX configured first."""
+    return _nixl()
+
+
+@functools.lru_cache(maxsize=1)
 def _nixl() -> ModuleType:
     configure_ucx_environment()
     for name in ("nixl_cu12", "nixl_cu13", "nixl._api"):
@@ -89,7 +86,10 @@ def _nixl() -> ModuleType:
 
 
 def _translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
-    if type(exc).__name__ == "nixlRemoteDisconnectError":
+    """NIXL's exceptions into the pdkv tree: the one place that sees them."""
+    disconnected = getattr(importlib.import_module(f"{_nixl().__name__.split('.')[0]}._bindings"),
+                           "nixlRemoteDisconnectError", ())
+    if isinstance(exc, disconnected):
         return PeerLostError(f"{what}: peer {peer or '?'} disconnected", peer)
     return TransferError(f"{what}: {type(exc).__name__}: {exc}")
 

@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from pdkv.errors import IncompatibleLayoutError, MetadataError
-from pdkv.layout import KVLayout
+from pdkv.layout import KVLayout, geometry_fingerprint
 from pdkv.sharding import get_layer_shard_range
 
 __all__ = [
@@ -107,11 +107,7 @@ class LayoutSpec(_Wire):
         return cls(**layout.geometry())  # type: ignore[arg-type]
 
     def check_against(self, layout: KVLayout) -> None:
-        mine = layout.geometry()
-        diff = tuple(k for k in mine if getattr(self, k) != mine[k])
-        if diff:
-            detail = ", ".join(f"{k}: local {mine[k]!r} != remote {getattr(self, k)!r}" for k in diff)
-            raise IncompatibleLayoutError(f"KV layouts differ ({detail})", diff)
+        layout.check_geometry(msgspec.structs.asdict(self))
 
 
 class IpcSlab(_Wire):
@@ -158,6 +154,8 @@ class RankDescriptor(_Wire):
     def __post_init__(self) -> None:
         if self.cp_rank >= self.cp_size:
             raise ValueError(f"cp_rank {self.cp_rank} >= cp_size {self.cp_size}")
+        if self.fingerprint != geometry_fingerprint(msgspec.structs.asdict(self.layout)):
+            raise ValueError("fingerprint does not match the layout it travels with")
         start, end = get_layer_shard_range(self.cp_rank, self.cp_size, self.layout.layer_num)
         start += self.layout.start_layer
         end += self.layout.start_layer

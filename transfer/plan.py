@@ -11,10 +11,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from pdkv.errors import PageRangeError
+from pdkv.errors import IncompatibleLayoutError, MetadataError, PageRangeError
+from pdkv.pool import DSAKVPool
+from transfer.metadata import BufferKind, EngineDescriptor, RankDescriptor
 
-__all__ = ["PageRuns", "page_runs", "BufferPair", "ReadPlan", "build_read_plan", "GatherPlan", "build_gather_plan", "merge_gather_plans"]
+__all__ = [
+    "PageRuns",
+    "page_runs",
+    "BufferPair",
+    "ReadPlan",
+    "build_read_plan",
+    "GatherPlan",
+    "build_gather_plan",
+    "merge_gather_plans",
+    "check_owners",
+    "buffer_pairs",
+    "device_id",
+    "mem_type",
+]
+
+
+def mem_type(device: torch.device) -> str:
+    """NIXL's memory type for buffers on `device`."""
+    return "VRAM" if device.type == "cuda" else "DRAM"
+
+
+def device_id(device: torch.device) -> int:
+    """The GPU index NIXL descriptors carry; 0 for host memory."""
+    return (device.index or 0) if device.type == "cuda" else 0
 
 
 @dataclass(frozen=True)
@@ -169,3 +195,38 @@ def merge_gather_plans(plans: list[GatherPlan]) -> GatherPlan:
         offset += len(p.src_pages)
     table = np.concatenate(tables, axis=1)
     return GatherPlan(table, np.concatenate(srcs), dst, min(p.word for p in plans))
+
+
+
+def check_owners(desc: EngineDescriptor, pool: DSAKVPool) -> None:
+    """An engine a decode with `pool` can read: every rank of our geometry, every layer
+    owned by exactly one rank."""
+    layout = pool.layout
+    covered: list[int] = []
+    for rank in desc.ranks:
+        rank.layout.check_against(layout)
+        covered += range(rank.layer_start, rank.layer_end)
+    if sorted(covered) != list(range(layout.start_layer, layout.end_layer)):
+        raise MetadataError(f"engine {desc.engine_id}: owners do not cover every layer exactly once")
+
+
+def buffer_pairs(rank: RankDescriptor, pool: DSAKVPool) -> dict[int, tuple[BufferPair, BufferPair]]:
+    """For each layer `rank` owns: its (latent, indexer) buffers paired with `pool`'s."""
+    layout = pool.layout
+    local = {
+        BufferKind.LATENT: (pool.kv_buffer, layout.kv_page_bytes),
+        BufferKind.INDEX: (pool.index_buffer, layout.index_page_bytes),
+    }
+    pairs = {}
+    for layer in range(rank.layer_start, rank.layer_end):
+        both = []
+        for kind in (BufferKind.LATENT, BufferKind.INDEX):
+            remote = rank.buffer(kind, layer)
+            bufs, item = local[kind]
+            if remote.item_len != item:
+                raise IncompatibleLayoutError(f"{kind.value} item_len {remote.item_len} != local {item}", ("item_len",))
+            tensor = bufs[layer - layout.start_layer]
+            both.append(BufferPair(tensor.data_ptr(), remote.addr, item, tensor.nbytes // item, remote.num_items,
+                                   device_id(tensor.device), remote.device_id))
+        pairs[layer] = (both[0], both[1])
+    return pairs

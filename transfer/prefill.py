@@ -30,7 +30,8 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.pool import DSAKVPool
-from transfer.engine import UcxEngine, device_id, mem_type
+from transfer.engine import UcxEngine
+from transfer.plan import device_id, mem_type
 from transfer.http import health, ControlClient, HttpService, make_app, path_int, query_int, read_body, reply
 from transfer.metadata import (
     BufferKind,
