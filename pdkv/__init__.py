@@ -5,40 +5,41 @@ layer-split), and the owner-broadcast channel that serves in-prefill reads of la
 rank does not own. This package never imports `transfer`.
 """
 
-from pdkv.broadcast import BroadcastHandle, OwnerBroadcaster
+from pdkv.broadcast import CollectiveHandle, OwnerBroadcaster
 from pdkv.errors import (
     AuthError,
     ClaimLostError,
     ClosedError,
     ConflictError,
-    InvalidPagesError,
-    RoomClaimedError,
     DeadlineExceeded,
     IncompatibleLayoutError,
+    InvalidPagesError,
     LayoutError,
     MetadataError,
+    NotReadyError,
     PageRangeError,
     PdkvError,
     PeerLostError,
+    RoomClaimedError,
     TransferError,
-    NotReadyError,
     UnknownEngineError,
     UnknownRoomError,
 )
 from pdkv.layer_split import LayerSplitDSAKVPool
-from pdkv.layout import PRESETS, KVLayout, dsa_v32, tiny
+from pdkv.layout import PRESETS, BufferKind, KVLayout, dsa_v32, tiny
 from pdkv.pages import PageAllocator
 from pdkv.pool import BufferInfos, CpuKVCopy, DSAKVPool
 from pdkv.sharding import ShardPlan, get_layer_owner, get_layer_shard_range
 
 __all__ = [
+    "BufferKind",
     "AuthError",
     "ClaimLostError",
     "ClosedError",
     "ConflictError",
     "InvalidPagesError",
     "RoomClaimedError",
-    "BroadcastHandle",
+    "CollectiveHandle",
     "BufferInfos",
     "CpuKVCopy",
     "DSAKVPool",

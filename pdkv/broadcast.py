@@ -5,7 +5,7 @@ into a scratch buffer. On the host the group is gloo; on CUDA it is NCCL and the
 collective runs on a side stream, ordered against the compute stream with events, so a
 prefetch of layer l+1 overlaps the compute of layer l.
 
-`start()` returns at once with a `BroadcastHandle`. `handle.wait()` blocks; `await handle`
+`start()` returns at once with a `CollectiveHandle`. `handle.wait()` blocks; `await handle`
 completes when the broadcast has landed without blocking the event loop: the collective's
 own future calls back into the loop, so there is neither a thread per broadcast nor a
 spinning task.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pdkv.errors import DeadlineExceeded, PeerLostError
 
-__all__ = ["OwnerBroadcaster", "BroadcastHandle"]
+__all__ = ["OwnerBroadcaster", "CollectiveHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,18 @@ _CUDA_POLL_S = (0.00005, 0.002)  # first and longest sleep between CUDA event qu
 
 
 def _translate(exc: BaseException, what: str) -> Exception:
+    """torch.distributed's failures into the pdkv tree: the one place that sees them.
+
+    A lost peer is `DistNetworkError` (or a gloo error naming the connection); a timeout
+    has no class of its own in torch.distributed, gloo and NCCL say it only in the message.
+    """
     text = str(exc)
-    if "Timed out" in text or "timeout" in text.lower():
+    if not isinstance(exc, dist.DistNetworkError) and ("Timed out" in text or "timeout" in text.lower()):
         return DeadlineExceeded(f"{what}: {text}")
     return PeerLostError(f"{what}: {text}")
 
 
-class BroadcastHandle:
+class CollectiveHandle:
     """One in-flight owner broadcast. Waiting twice is free."""
 
     def __init__(self, work: Any, event: torch.cuda.Event | None, what: str) -> None:
@@ -116,14 +121,14 @@ class OwnerBroadcaster:
         self._stream = torch.cuda.Stream(self.device) if cuda and self.backend == "nccl" else None
         logger.info("owner broadcast group: %s, rank %d of %d", self.backend, self.rank, self.size)
 
-    def start(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> BroadcastHandle:
+    def start(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> CollectiveHandle:
         """Start broadcasting `tensor` from group rank `src`; return at once."""
         try:
             if self._stream is None:
                 if tensor.is_cuda:  # gloo reads and writes device memory outside stream order
                     torch.cuda.current_stream(tensor.device).synchronize()
                 work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
-                return BroadcastHandle(work, None, what)
+                return CollectiveHandle(work, None, what)
             # The side stream waits for whatever the compute stream queued before (the
             # owner's writes); the compute stream later waits for the event.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -133,7 +138,7 @@ class OwnerBroadcaster:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             tensor.record_stream(self._stream)
-            return BroadcastHandle(work, event, what)
+            return CollectiveHandle(work, event, what)
         except RuntimeError as exc:
             raise _translate(exc, what) from exc
 

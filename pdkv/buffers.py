@@ -108,17 +108,13 @@ def _token_locs(layout: KVLayout, seq_len: int, page_indices: torch.Tensor) -> t
     return pages[tokens // layout.page_size] * layout.page_size + tokens % layout.page_size
 
 
-def gather_index_k(
-    buf: torch.Tensor, layout: KVLayout, seq_len: int, page_indices: torch.Tensor
-) -> torch.Tensor:
+def gather_index_k(buf: torch.Tensor, layout: KVLayout, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
     """The fp8 keys (as uint8) of the first `seq_len` tokens stored in `page_indices`."""
     page, slot = _page_slot(layout, _token_locs(layout, seq_len, page_indices.to(buf.device)))
     return take(index_key_view(buf, layout), page, slot)
 
 
-def gather_index_scale(
-    buf: torch.Tensor, layout: KVLayout, seq_len: int, page_indices: torch.Tensor
-) -> torch.Tensor:
+def gather_index_scale(buf: torch.Tensor, layout: KVLayout, seq_len: int, page_indices: torch.Tensor) -> torch.Tensor:
     """The fp32 scale bytes (tokens x 4, uint8) of the first `seq_len` tokens."""
     page, slot = _page_slot(layout, _token_locs(layout, seq_len, page_indices.to(buf.device)))
     return take(index_scale_view(buf, layout), page, slot)
@@ -139,9 +135,7 @@ def scatter_index_k_and_scale(
     put(index_scale_view(buf, layout), (page, slot), scales)
 
 
-def move_index_tokens(
-    buf: torch.Tensor, layout: KVLayout, tgt: torch.Tensor, src: torch.Tensor
-) -> None:
+def move_index_tokens(buf: torch.Tensor, layout: KVLayout, tgt: torch.Tensor, src: torch.Tensor) -> None:
     """Copy the indexer key and scale of each token `src[i]` to token `tgt[i]`."""
     tp, ts = _page_slot(layout, tgt)
     sp, ss = _page_slot(layout, src)

@@ -79,8 +79,12 @@ class UnknownRoomError(PdkvError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class UnknownEngineError(UnknownRoomError):
-    """No rank of this prefill engine is registered."""
+class UnknownEngineError(PdkvError, KeyError):
+    """No rank of this prefill engine is registered (a sibling of `UnknownRoomError`: an
+    unknown engine is not an unknown room)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class NotReadyError(PdkvError):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdkv.broadcast import BroadcastHandle, OwnerBroadcaster
+from pdkv.broadcast import CollectiveHandle, OwnerBroadcaster
 from pdkv.buffers import alloc_zeros, byte_rows, check_locations, put, take
-from pdkv.layout import KVLayout
+from pdkv.layout import BufferKind, KVLayout
 from pdkv.pool import DSAKVPool
 from pdkv.sharding import ShardPlan
 
@@ -36,7 +36,7 @@ SCRATCH_SLOTS = 2  # per kind: layer l+1 lands while layer l is read
 class _Flight:
     """A broadcast on its way: what it carries and what to do once it landed."""
 
-    handle: BroadcastHandle
+    handle: CollectiveHandle
     finish: Callable[[], None]
 
 
@@ -191,9 +191,7 @@ class RemoteLayerCache:
 class LayerSplitDSAKVPool(DSAKVPool):
     """A DSA pool for CP rank `plan.rank`: owned layers real, the others read by broadcast."""
 
-    def __init__(
-        self, layout: KVLayout, plan: ShardPlan, broadcaster: OwnerBroadcaster | None = None
-    ) -> None:
+    def __init__(self, layout: KVLayout, plan: ShardPlan, broadcaster: OwnerBroadcaster | None = None) -> None:
         if plan.layer_num != layout.layer_num or plan.start_layer != layout.start_layer:
             raise ValueError(f"shard plan {plan} does not fit layout {layout}")
         if plan.size > 1 and broadcaster is None:
@@ -217,8 +215,8 @@ class LayerSplitDSAKVPool(DSAKVPool):
         )
         self.remote_index = RemoteLayerCache("index", plan, self.index_buffer, index_scratch, bc, byte_rows)
 
-    def _remote(self, kind: str) -> RemoteLayerCache:
-        return self.remote_kv if kind == "kv" else self.remote_index
+    def _remote(self, kind: BufferKind) -> RemoteLayerCache:
+        return self.remote_kv if kind is BufferKind.LATENT else self.remote_index
 
     def _kv_for_read(self, layer_id: int) -> torch.Tensor:
         self._local(layer_id)
@@ -228,7 +226,7 @@ class LayerSplitDSAKVPool(DSAKVPool):
         self._local(layer_id)
         return self.remote_index.read(layer_id)
 
-    def _before_write(self, layer_id: int, kind: str) -> None:
+    def _before_write(self, layer_id: int, kind: BufferKind) -> None:
         self._local(layer_id)
         self._remote(kind).invalidate(layer_id)
 
@@ -238,8 +236,8 @@ class LayerSplitDSAKVPool(DSAKVPool):
         Lets a non-owner keep the collective state in step without building data it
         would drop; equivalent to calling the write methods with the owner's data.
         """
-        self._before_write(layer_id, "kv")
-        self._before_write(layer_id, "index")
+        self._before_write(layer_id, BufferKind.LATENT)
+        self._before_write(layer_id, BufferKind.INDEX)
 
     def prefetch(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
         """Start the broadcasts (latent KV and indexer) of `layer_id`; return at once.

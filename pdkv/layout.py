@@ -8,6 +8,7 @@ what decides where a byte of a page lives, and leaves out what may differ per pr
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ import torch
 
 from pdkv.errors import IncompatibleLayoutError, LayoutError
 
-__all__ = ["KVLayout", "dsa_v32", "tiny", "PRESETS", "INDEX_SCALE_BYTES"]
+__all__ = ["BufferKind", "KVLayout", "dsa_v32", "tiny", "PRESETS", "INDEX_SCALE_BYTES", "geometry_fingerprint"]
 
 # One fp32 quantisation scale per indexer key.
 INDEX_SCALE_BYTES = 4
@@ -34,6 +35,13 @@ _GEOMETRY_FIELDS = (
     "qk_rope_head_dim",
     "index_head_dim",
 )
+
+
+class BufferKind(enum.Enum):
+    """The two buffers of a DSA layer: MLA latent KV and the sparse-attention indexer."""
+
+    LATENT = "latent"
+    INDEX = "index"
 
 
 def geometry_fingerprint(geometry: Mapping[str, object]) -> str:
@@ -68,9 +76,7 @@ class KVLayout:
         if self.start_layer < 0:
             raise LayoutError(f"start_layer must be >= 0, got {self.start_layer}")
         if self.size % self.page_size:
-            raise LayoutError(
-                f"size ({self.size}) must be a multiple of page_size ({self.page_size})"
-            )
+            raise LayoutError(f"size ({self.size}) must be a multiple of page_size ({self.page_size})")
         for name in ("store_dtype", "dtype"):
             if not isinstance(getattr(torch, getattr(self, name), None), torch.dtype):
                 raise LayoutError(f"{name} {getattr(self, name)!r} is not a torch dtype")
@@ -153,10 +159,10 @@ class KVLayout:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def dsa_v32(size: int = 64 * 1024, device: str = "cpu") -> KVLayout:
+def dsa_v32(size: int = 64 * 1024, layer_num: int = 61, device: str = "cpu") -> KVLayout:
     """DeepSeek-V3.2 shaped: 61 layers, page 64, fp8 latent of 656 bytes a token."""
     return KVLayout(
-        layer_num=61,
+        layer_num=layer_num,
         page_size=64,
         size=size,
         kv_cache_dim=656,  # 512 fp8 nope + 4 fp32 scales + 64 bf16 rope

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-
 from collections.abc import Sequence
 from typing import Union
 
@@ -33,7 +32,9 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
         pages = pages.detach().to("cpu", torch.int64).numpy()
     elif not isinstance(pages, np.ndarray):
         items = list(pages) if isinstance(pages, (Sequence, range)) and not isinstance(pages, (str, bytes)) else None
-        if items is None or not all(isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) for p in items):
+        if items is None or not all(
+            isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) for p in items
+        ):
             raise InvalidPagesError(f"{what}: expected a 1-D sequence of integer page ids")
         pages = np.array(items, dtype=np.int64).reshape(-1)
     if pages.ndim != 1:

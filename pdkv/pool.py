@@ -20,16 +20,16 @@ from pdkv.buffers import (
     alloc_zeros,
     as_store_rows,
     byte_rows,
-    put,
-    take,
     check_locations,
     gather_index_k,
     gather_index_scale,
     move_index_tokens,
+    put,
     scatter_index_k_and_scale,
+    take,
 )
 from pdkv.errors import PageRangeError
-from pdkv.layout import KVLayout
+from pdkv.layout import BufferKind, KVLayout
 
 __all__ = ["DSAKVPool", "BufferInfos", "CpuKVCopy"]
 
@@ -76,12 +76,8 @@ class DSAKVPool:
             raise PageRangeError(f"owned layers {self.owned} outside the layout's layers")
         self.device = torch.device(layout.device)
         n = len(self.owned)
-        self.kv_slab = alloc_zeros(
-            (n, layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device
-        )
-        self.index_slab = alloc_zeros(
-            (n, layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device
-        )
+        self.kv_slab = alloc_zeros((n, layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device)
+        self.index_slab = alloc_zeros((n, layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device)
         self.kv_buffer = [self._layer_view(self.kv_slab, i) for i in self._layer_range()]
         self.index_buffer = [self._layer_view(self.index_slab, i) for i in self._layer_range()]
         logger.debug("pool %s owns layers [%d, %d)", layout.fingerprint, self.owned.start, self.owned.stop)
@@ -98,8 +94,7 @@ class DSAKVPool:
     def _local(self, layer_id: int) -> int:
         if not self.layout.start_layer <= layer_id < self.layout.end_layer:
             raise PageRangeError(
-                f"layer {layer_id} outside the pool's layers "
-                f"[{self.layout.start_layer}, {self.layout.end_layer})"
+                f"layer {layer_id} outside the pool's layers [{self.layout.start_layer}, {self.layout.end_layer})"
             )
         return layer_id - self.layout.start_layer
 
@@ -118,7 +113,7 @@ class DSAKVPool:
     def _index_for_read(self, layer_id: int) -> torch.Tensor:
         return self.index_buffer[self._local(layer_id)]
 
-    def _before_write(self, layer_id: int, kind: str) -> None:
+    def _before_write(self, layer_id: int, kind: BufferKind) -> None:
         """Called before any write of `layer_id`; the layer-split pool invalidates here."""
 
     def _owned_kv(self, layer_id: int) -> torch.Tensor | None:
@@ -141,7 +136,7 @@ class DSAKVPool:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """Store whole latent rows (tokens x kv_cache_dim, model dtype) at token `loc`."""
         check_locations(loc, self.layout.kv_rows, "set_kv_buffer loc")
-        self._before_write(layer_id, "kv")
+        self._before_write(layer_id, BufferKind.LATENT)
         buf = self._owned_kv(layer_id)
         if buf is None:
             return
@@ -153,7 +148,7 @@ class DSAKVPool:
     ) -> None:
         """Store the nope and rope parts, each already in its stored representation."""
         check_locations(loc, self.layout.kv_rows, "set_mla_kv_buffer loc")
-        self._before_write(layer_id, "kv")
+        self._before_write(layer_id, BufferKind.LATENT)
         buf = self._owned_kv(layer_id)
         if buf is None:
             return
@@ -184,7 +179,7 @@ class DSAKVPool:
         self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor, index_k_scale: torch.Tensor
     ) -> None:
         check_locations(loc, self.layout.index_num_pages * self.layout.page_size, "set_index loc")
-        self._before_write(layer_id, "index")
+        self._before_write(layer_id, BufferKind.INDEX)
         buf = self._owned_index(layer_id)
         if buf is not None:
             scatter_index_k_and_scale(buf, self.layout, loc, index_k, index_k_scale)
@@ -200,8 +195,8 @@ class DSAKVPool:
             return
         tgt, src = tgt_loc.reshape(-1).long().to(self.device), src_loc.reshape(-1).long().to(self.device)
         for layer_id in self.owned:
-            self._before_write(layer_id, "kv")
-            self._before_write(layer_id, "index")
+            self._before_write(layer_id, BufferKind.LATENT)
+            self._before_write(layer_id, BufferKind.INDEX)
         for buf in self.kv_buffer:
             if buf.shape[0]:
                 rows = byte_rows(buf)
@@ -233,8 +228,8 @@ class DSAKVPool:
             kv, idx = copy.kv[local], copy.index[local]
             if kv is None or idx is None or kv.shape[0] != tok.numel() or idx.shape[0] != pages.numel():
                 raise PageRangeError(f"load_cpu_copy: the copy does not match layer {layer_id}")
-            self._before_write(layer_id, "kv")
-            self._before_write(layer_id, "index")
+            self._before_write(layer_id, BufferKind.LATENT)
+            self._before_write(layer_id, BufferKind.INDEX)
             self.kv_buffer[local][tok] = kv.to(self.device, non_blocking=True)
             self.index_buffer[local][pages] = idx.to(self.device, non_blocking=True)
 

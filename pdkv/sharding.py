@@ -15,9 +15,7 @@ __all__ = ["get_layer_shard_range", "get_layer_owner", "ShardPlan"]
 
 def _check(shard_size: int, total_layers: int) -> None:
     if shard_size <= 0 or total_layers <= 0:
-        raise LayoutError(
-            f"shard_size and total_layers must be positive, got {shard_size}, {total_layers}"
-        )
+        raise LayoutError(f"shard_size and total_layers must be positive, got {shard_size}, {total_layers}")
 
 
 def get_layer_shard_range(rank: int, shard_size: int, total_layers: int) -> tuple[int, int]:

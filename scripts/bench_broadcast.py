@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, dsa_v32
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.distributed
 from tests.distributed import run_group  # noqa: E402
 
@@ -29,8 +30,14 @@ def _compute(x: torch.Tensor, reps: int) -> None:
         x = torch.tanh(x @ x)
 
 
-def _pass(pool: LayerSplitDSAKVPool, prefetch: bool, compute: torch.Tensor, reps: int, read: bool = True,
-          pages: torch.Tensor | None = None) -> float:
+def _pass(
+    pool: LayerSplitDSAKVPool,
+    prefetch: bool,
+    compute: torch.Tensor,
+    reps: int,
+    read: bool = True,
+    pages: torch.Tensor | None = None,
+) -> float:
     for kind in (pool.remote_kv, pool.remote_index):
         kind.clear()  # start cold: every layer must travel
     dist.barrier()
@@ -116,10 +123,14 @@ def main() -> None:
     print(f"{'1/8 of pages, prefetch':<28}{r['pages_prefetch']:>10.2f}")
     if "nccl_limit" in r:
         print(f"{'plain NCCL broadcast (limit)':<28}{r['nccl_limit']:>10.2f}")
-        print(f"broadcast vs link limit: {r['nccl_limit'] / r['broadcast_only']:.2f}x; "
-              f"{mib / r['nccl_limit'] * 1000 / 1024:.1f} GiB/s at the limit")
-    print(f"prefetch hid {100 * max(0.0, hidden):.0f}% of the smaller of broadcast and compute "
-          f"({r['no_prefetch'] / r['prefetch']:.2f}x faster per layer); {args.world} ranks share this machine's cores")
+        print(
+            f"broadcast vs link limit: {r['nccl_limit'] / r['broadcast_only']:.2f}x; "
+            f"{mib / r['nccl_limit'] * 1000 / 1024:.1f} GiB/s at the limit"
+        )
+    print(
+        f"prefetch hid {100 * max(0.0, hidden):.0f}% of the smaller of broadcast and compute "
+        f"({r['no_prefetch'] / r['prefetch']:.2f}x faster per layer); {args.world} ranks share this machine's cores"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,15 @@ def rate(log: list[tuple[float, int]], start: float, end: float) -> tuple[float,
 
 
 async def bench(args: argparse.Namespace) -> None:
-    spec = DeploymentSpec(engines=(2, 2), decoders=1, preset=args.preset, prefill_pool_tokens=32768,
-                          decode_pool_tokens=65536, layer_delay=args.layer_delay, lease=2.0)
+    spec = DeploymentSpec(
+        engines=(2, 2),
+        decoders=1,
+        preset=args.preset,
+        prefill_pool_tokens=32768,
+        decode_pool_tokens=65536,
+        layer_delay=args.layer_delay,
+        lease=2.0,
+    )
     async with Deployment(spec) as d:
         stop, log = asyncio.Event(), []
         stream = asyncio.create_task(healthy_stream(d, stop, log, args.tokens))
@@ -74,13 +81,17 @@ async def bench(args: argparse.Namespace) -> None:
     q_req, q_gb = rate(log, quiet_start, quiet_end)
     f_req, f_gb = rate(log, quiet_end, faults_end)
     print(f"{args.repeats} kills of a CP owner mid-fetch ({args.preset} layout, {args.tokens * 4} tokens)")
-    print(f"kill -> fetch error: p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, "
-          f"max {ms.max():.1f} ms; errors: {', '.join(sorted(set(kinds)))}")
+    print(
+        f"kill -> fetch error: p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, "
+        f"max {ms.max():.1f} ms; errors: {', '.join(sorted(set(kinds)))}"
+    )
     print(f"{'healthy engine':<32}{'req/s':>10}{'GB/s':>10}")
     print(f"{'quiet window':<32}{q_req:>10.1f}{q_gb:>10.3f}")
     print(f"{'while the other is killed':<32}{f_req:>10.1f}{f_gb:>10.3f}")
-    print(f"(the fault window includes restarting the killed engine; mean kill->error "
-          f"{statistics.mean(to_error) * 1e3:.1f} ms)")
+    print(
+        f"(the fault window includes restarting the killed engine; mean kill->error "
+        f"{statistics.mean(to_error) * 1e3:.1f} ms)"
+    )
 
 
 def main() -> None:

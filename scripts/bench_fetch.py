@@ -28,13 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_MODULES", "^ib")
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
-from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
+from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
+from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
-from transfer.engine import load_nixl  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState  # noqa: E402
 from transfer.plan import BufferPair, buffer_pairs, build_read_plan, mem_type  # noqa: E402
-from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
+from transfer.ucx import load_nixl  # noqa: E402
 
 
 class RawNixl:
@@ -51,7 +51,9 @@ class RawNixl:
         t0 = time.perf_counter()
         for name, plan in zip(self.names, plans):
             a = self.agent
-            h = a.initialize_xfer("READ", a.get_xfer_descs(plan.local, self.mem), a.get_xfer_descs(plan.remote, self.mem), name)
+            h = a.initialize_xfer(
+                "READ", a.get_xfer_descs(plan.local, self.mem), a.get_xfer_descs(plan.remote, self.mem), name
+            )
             state = a.transfer(h)
             while state == "PROC":
                 state = a.check_xfer_state(h)
@@ -78,7 +80,9 @@ def device_copy_limit(dst: DSAKVPool, src: DSAKVPool, src_pages: np.ndarray, dst
     t0 = time.perf_counter()
     for layer in range(dst.layout.layer_num):
         for a, b in ((dst.kv_buffer[layer], src.kv_buffer[layer]), (dst.index_buffer[layer], src.index_buffer[layer])):
-            a.view(torch.uint8).view(pages, -1)[d.to(a.device)] = b.view(torch.uint8).view(pages, -1)[s.to(b.device)].to(a.device)
+            a.view(torch.uint8).view(pages, -1)[d.to(a.device)] = (
+                b.view(torch.uint8).view(pages, -1)[s.to(b.device)].to(a.device)
+            )
     sync_all()
     return time.perf_counter() - t0
 
@@ -107,8 +111,13 @@ def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> floa
 
 async def bench(args: argparse.Namespace) -> None:
     pool_tokens = max(args.sizes) * 2 + 4096
-    spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens,
-                          device=args.prefill_device or args.device)
+    spec = DeploymentSpec(
+        engines=(4,),
+        decoders=0,
+        preset="dsa_v32",
+        prefill_pool_tokens=pool_tokens,
+        device=args.prefill_device or args.device,
+    )
     layout = dsa_v32(size=pool_tokens, device=args.decode_device or args.device)
     # The limit's source sits where the owners are when they share one GPU (a peer copy across GPUs).
     source_device = args.prefill_device if (args.prefill_device or "").startswith("cuda:") else layout.device
@@ -122,19 +131,40 @@ async def bench(args: argparse.Namespace) -> None:
         desc = await d.client.request("GET", f"{d.registry_url}/v1/engines/prefill0", EngineDescriptor)
         raw, pairs = RawNixl(decode_pool, desc), owner_pairs(decode_pool, desc)
         # The same geometry with a local source pool standing in for the owners' memory.
-        local_pairs = [[BufferPair(p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items,
-                                   p.local_dev, q.local_dev)
-                        for p, q in zip(ps, qs)] for ps, qs in zip(pairs, owner_pairs(source_copy, desc))]
+        local_pairs = [
+            [
+                BufferPair(
+                    p.local_addr, q.local_addr, p.item_len, p.local_items, p.remote_items, p.local_dev, q.local_dev
+                )
+                for p, q in zip(ps, qs)
+            ]
+            for ps, qs in zip(pairs, owner_pairs(source_copy, desc))
+        ]
         gpu = args.device.startswith("cuda")
-        async with DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher, \
-                DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane:
-            args.lanes = fetcher.engine.lanes
+        async with (
+            DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher,
+            DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane,
+        ):
+            args.lanes = fetcher.transport.lanes
             rows = []
             for n in args.sizes:
                 slabs = (decode_pool.kv_slab, source_copy.kv_slab)
                 pools = (decode_pool, source_copy)
-                rows.append(await bench_size(d, engine_url, (fetcher, lane if gpu else None), raw, pairs, local_pairs,
-                                             slabs, pools, alloc, n, args.runs))
+                rows.append(
+                    await bench_size(
+                        d,
+                        engine_url,
+                        (fetcher, lane if gpu else None),
+                        raw,
+                        pairs,
+                        local_pairs,
+                        slabs,
+                        pools,
+                        alloc,
+                        n,
+                        args.runs,
+                    )
+                )
     print_table(rows, args)
 
 
@@ -179,29 +209,77 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
 
 
 def print_table(rows, args) -> None:
-    print(f"DSA layout, owners on {args.prefill_device or args.device}, decode on {args.decode_device or args.device}, prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians")
+    print(
+        f"DSA layout, owners on {args.prefill_device or args.device}, decode on {args.decode_device or args.device}, "
+        f"prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians"
+    )
     if args.device == "cuda":
         print("memcpy: the same pages copied device to device in one process; bandwidth: one contiguous D2D copy")
     else:
         print("memcpy: one thread memmoves the same descriptors; bandwidth: one contiguous memmove of as many bytes")
-    head = ("tokens", "MB", "descs", "merged", "pdkv GB/s", "raw GB/s", "memcpy GB/s", "bandw. GB/s",
-            "pdkv/raw", "pdkv/memcpy", "pdkv/bandw.", "p50 ms", "p99 ms")
+    head = (
+        "tokens",
+        "MB",
+        "descs",
+        "merged",
+        "pdkv GB/s",
+        "raw GB/s",
+        "memcpy GB/s",
+        "bandw. GB/s",
+        "pdkv/raw",
+        "pdkv/memcpy",
+        "pdkv/bandw.",
+        "p50 ms",
+        "p99 ms",
+    )
     print("".join(f"{h:>12}" for h in head))
     for n, nbytes, du, dm, s in rows:
         g = {k: nbytes / statistics.median(v) / 1e9 for k, v in s.items()}
         lat = np.array(s["pdkv"]) * 1e3
-        vals = (n, nbytes / 1e6, du, dm, g["pdkv"], g["raw"], g["memcpy"], g["bandwidth"], g["pdkv"] / g["raw"],
-                g["pdkv"] / g["memcpy"], g["pdkv"] / g["bandwidth"], np.percentile(lat, 50), np.percentile(lat, 99))
+        vals = (
+            n,
+            nbytes / 1e6,
+            du,
+            dm,
+            g["pdkv"],
+            g["raw"],
+            g["memcpy"],
+            g["bandwidth"],
+            g["pdkv"] / g["raw"],
+            g["pdkv"] / g["memcpy"],
+            g["pdkv"] / g["bandwidth"],
+            np.percentile(lat, 50),
+            np.percentile(lat, 99),
+        )
         print("".join(f"{v:>12.0f}" if i < 4 else f"{v:>12.2f}" for i, v in enumerate(vals)))
     if any("lane" in s for *_, s in rows):
         print("same-host GPU lane (CUDA IPC + one gather kernel per batch): fetch() end to end, and its kernels alone")
-        head = ("tokens", "MB", "lane GB/s", "copy GB/s", "bandw. GB/s", "lane/bandw.", "copy/bandw.", "p50 ms", "p99 ms")
+        head = (
+            "tokens",
+            "MB",
+            "lane GB/s",
+            "copy GB/s",
+            "bandw. GB/s",
+            "lane/bandw.",
+            "copy/bandw.",
+            "p50 ms",
+            "p99 ms",
+        )
         print("".join(f"{h:>12}" for h in head))
         for n, nbytes, _, _, s in rows:
             g = {k: nbytes / statistics.median(v) / 1e9 for k, v in s.items()}
             lat = np.array(s["lane"]) * 1e3
-            vals = (n, nbytes / 1e6, g["lane"], g["lane_copy"], g["bandwidth"], g["lane"] / g["bandwidth"],
-                    g["lane_copy"] / g["bandwidth"], np.percentile(lat, 50), np.percentile(lat, 99))
+            vals = (
+                n,
+                nbytes / 1e6,
+                g["lane"],
+                g["lane_copy"],
+                g["bandwidth"],
+                g["lane"] / g["bandwidth"],
+                g["lane_copy"] / g["bandwidth"],
+                np.percentile(lat, 50),
+                np.percentile(lat, 99),
+            )
             print("".join(f"{v:>12.0f}" if i < 2 else f"{v:>12.2f}" for i, v in enumerate(vals)))
 
 

@@ -69,13 +69,15 @@ def main() -> None:
         d_pages = fragmented_page_order(np.arange(1, layout.num_pages), rng)[:k]
         plan = build_gather_plan(bufs, s_pages, d_pages)
         flat_d, flat_s = dst.kv_slab.view(torch.uint8).view(-1), src.kv_slab.view(torch.uint8).view(-1)
-        contig = plan.nbytes / timed(lambda: copy(flat_d[: plan.nbytes], flat_s[: plan.nbytes]), args.runs) / 1e9
+        n_bytes = plan.nbytes
+        contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: copy(d, s), args.runs) / 1e9
         for block in (2048, 4096, 8192):
             for warps in (4, 8):
                 lane = GatherLane(torch.device("cuda:0"), block, warps)
-                t = timed(lambda: lane.launch(plan), args.runs)
+                t = timed(lambda lane=lane, plan=plan: lane.launch(plan), args.runs)
                 gbps = plan.nbytes / t / 1e9
-                print(f"{n:>8}{plan.nbytes / 1e6:>8.0f}{block:>8}{warps:>8}{gbps:>14.0f}{contig:>14.0f}{gbps / contig:>8.2f}")
+                row = (f"{n:>8}{plan.nbytes / 1e6:>8.0f}{block:>8}{warps:>8}", f"{gbps:>14.0f}{contig:>14.0f}")
+                print("".join(row) + f"{gbps / contig:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -41,10 +41,7 @@ def run_group(fn: Callable[..., Any], world: int, *args: Any) -> dict[int, Any]:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, init_file, results, args))
-            for r in range(world)
-        ]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, results, args)) for r in range(world)]
         for p in procs:
             p.start()
         outcome: dict[int, Any] = {}

@@ -17,14 +17,17 @@ async def _status(reader: asyncio.StreamReader, wait: float) -> int | None:
     return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
 
 
-async def send_big(url: str, path: str, size: int, chunked: bool = False, wait: float = 10.0,
-                   method: str = "POST") -> int | None:
+async def send_big(
+    url: str, path: str, size: int, chunked: bool = False, wait: float = 10.0, method: str = "POST"
+) -> int | None:
     """Send a body of `size` bytes (announced by Content-Length, or chunked), stopping as soon
     as the server answers or closes; the status it answered, or None if it only closed."""
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
-    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-msgpack\r\n{framing}\r\n\r\n".encode())
+    writer.write(
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-msgpack\r\n{framing}\r\n\r\n".encode()
+    )
     answer = asyncio.create_task(_status(reader, wait))
     chunk = b"\0" * MiB
     try:

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from pdkv import DSAKVPool
-from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
 from transfer.app.api import PrefillReply, PrefillRequest
+from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
 
 
 async def prefill(deployment, engine, room: int, n: int, consumers: int = 1) -> None:  # type: ignore[no-untyped-def]

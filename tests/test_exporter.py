@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from pdkv import DSAKVPool, TransferError, tiny
+from pdkv.layout import BufferKind
 from transfer.bootstrap import RegistryServer
-from transfer.metadata import BufferKind
-from transfer.engine import UcxEngine
+from transfer.deadline import Deadline
 from transfer.plan import ReadPlan
 from transfer.prefill import PrefillExporter
+from transfer.ucx import UcxTransport
 
 
 async def test_only_owned_layer_buffers_are_registered_and_described():
@@ -28,7 +29,7 @@ async def test_only_owned_layer_buffers_are_registered_and_described():
                 (t.data_ptr(), t.nbytes) for layer in (3, 4) for t in (pool.kv_buffer[layer], pool.index_buffer[layer])
             )
             assert described == owned
-            assert exporter.engine.local_regions.total == sum(n for _, n in owned)
+            assert exporter.transport.local_regions.total == sum(n for _, n in owned)
             for b in d.buffers:
                 want = layout.kv_page_bytes if b.kind is BufferKind.LATENT else layout.index_page_bytes
                 assert b.item_len == want and b.num_items == layout.num_pages
@@ -45,7 +46,7 @@ async def test_reads_outside_registered_regions_are_refused_before_any_read():
     src_bytes.copy_(torch.arange(src_bytes.numel()) % 251)
     registry = RegistryServer()
     url = await registry.start()
-    reader = UcxEngine("reader-test", lanes=1)
+    reader = UcxTransport("reader-test", lanes=1)
     try:
         reader.register([dst_pool.kv_slab])
         async with PrefillExporter(src_pool, "e1", 0, 1, url) as exporter:
@@ -53,18 +54,20 @@ async def test_reads_outside_registered_regions_are_refused_before_any_read():
             await reader.add_peer(d.agent_name, d.agent_metadata, [(b.addr, b.length) for b in d.buffers])
             base, n = src_pool.kv_slab.data_ptr(), 4096
             ok = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([[base, n, 0]]), n)
-            stats = await reader.read(d.agent_name, ok, timeout=10)
+            stats = await reader.read(d.agent_name, ok, Deadline.after(10))
             assert stats.nbytes == n
-            assert torch.equal(dst_pool.kv_slab.view(torch.uint8).view(-1)[:n], src_pool.kv_slab.view(torch.uint8).view(-1)[:n])
+            assert torch.equal(
+                dst_pool.kv_slab.view(torch.uint8).view(-1)[:n], src_pool.kv_slab.view(torch.uint8).view(-1)[:n]
+            )
             dst_pool.kv_slab.zero_()
             end = base + src_pool.kv_slab.nbytes + src_pool.index_slab.nbytes
             for remote in ([end, n, 0], [base - n, n, 0], [base + src_pool.kv_slab.nbytes - 8, 64, 0]):
                 bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([remote]), n)
                 with pytest.raises(TransferError, match="outside"):
-                    await reader.read(d.agent_name, bad, timeout=10)
+                    await reader.read(d.agent_name, bad, Deadline.after(10))
             local_bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr() - n, n, 0]]), np.array([[base, n, 0]]), n)
             with pytest.raises(TransferError, match="outside"):
-                await reader.read(d.agent_name, local_bad, timeout=10)
+                await reader.read(d.agent_name, local_bad, Deadline.after(10))
             assert int(dst_pool.kv_slab.view(torch.uint8).sum()) == 0  # nothing was read
     finally:
         await reader.aclose()

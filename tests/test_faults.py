@@ -10,18 +10,25 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from pdkv import DSAKVPool, DeadlineExceeded, tiny
+from pdkv import DeadlineExceeded, DSAKVPool, tiny
+from transfer.app.router import Deployment, DeploymentSpec, Router
 from transfer.deadline import Deadline
 from transfer.decode import DecodeFetcher
-from transfer.app.router import Deployment, DeploymentSpec, Router
 from transfer.timeouts import Timeouts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LEASE, PIN = 2.0, 3.0
 SPEC = DeploymentSpec(
-    engines=(3, 2), decoders=2, preset="tiny", prefill_pool_tokens=8192, decode_pool_tokens=8192,
-    layer_delay=0.05, lease=LEASE, pin=PIN, start_timeout=180,
+    engines=(3, 2),
+    decoders=2,
+    preset="tiny",
+    prefill_pool_tokens=8192,
+    decode_pool_tokens=8192,
+    layer_delay=0.05,
+    lease=LEASE,
+    pin=PIN,
+    start_timeout=180,
 )
 
 
@@ -136,7 +143,7 @@ async def test_registry_restart_ranks_reregister_and_lookups_recover(d):
     async with DecodeFetcher(pool, d.registry_url, lanes=1) as fetcher:
         with pytest.raises(DeadlineExceeded):  # the engine resolves; the room never comes
             await fetcher.fetch("prefill0", 424242, np.arange(1, 5), timeout=1.0)
-        assert fetcher.engine.peer_count == 3
+        assert fetcher.transport.peer_count == 3
 
 
 async def test_aborts_before_during_and_after_leave_nothing_pinned(d):

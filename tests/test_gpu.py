@@ -14,18 +14,19 @@ import torch
 import torch.distributed as dist
 
 from pdkv import DSAKVPool, OwnerBroadcaster, PeerLostError, TransferError, tiny
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from transfer.app.router import Deployment, DeploymentSpec
 from transfer.decode import DecodeFetcher
 from transfer.metadata import EngineDescriptor
-from transfer.app.router import Deployment, DeploymentSpec
 from transfer.timeouts import Timeouts
-from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_nccl_owner_broadcast_one_rank_side_stream_awaited(tmp_path):
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/init", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path}/init", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         bc = OwnerBroadcaster(device="cuda")
         t = torch.arange(1 << 20, device="cuda", dtype=torch.int32)
@@ -42,8 +43,15 @@ def test_nccl_owner_broadcast_one_rank_side_stream_awaited(tmp_path):
 @pytest.mark.parametrize("engines", [(1,), (2,)])
 def test_gpu_to_gpu_fetch_between_processes_byte_exact(engines):
     async def run():
-        spec = DeploymentSpec(engines=engines, decoders=1, preset="tiny", device="cuda",
-                              prefill_pool_tokens=8192, decode_pool_tokens=8192, start_timeout=240)
+        spec = DeploymentSpec(
+            engines=engines,
+            decoders=1,
+            preset="tiny",
+            device="cuda",
+            prefill_pool_tokens=8192,
+            decode_pool_tokens=8192,
+            start_timeout=240,
+        )
         async with Deployment(spec) as d:
             return [await d.submit(n) for n in (1, 37, 500, 2000)]
 
@@ -77,8 +85,15 @@ def test_nccl_owner_broadcast_across_gpus_every_byte_on_every_rank(layers):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_decode_assembles_from_owners_on_other_gpus():
     async def run():
-        spec = DeploymentSpec(engines=(torch.cuda.device_count(),), decoders=1, preset="tiny", device="cuda",
-                              prefill_pool_tokens=8192, decode_pool_tokens=8192, start_timeout=240)
+        spec = DeploymentSpec(
+            engines=(torch.cuda.device_count(),),
+            decoders=1,
+            preset="tiny",
+            device="cuda",
+            prefill_pool_tokens=8192,
+            decode_pool_tokens=8192,
+            start_timeout=240,
+        )
         async with Deployment(spec) as d:
             return [await d.submit(n, prefix_id=1 if n > 100 else -1, prefix_tokens=64) for n in (1, 37, 500, 2000)]
 
@@ -88,10 +103,16 @@ def test_decode_assembles_from_owners_on_other_gpus():
 
 # ---- the same-host GPU lane (CUDA IPC + one gather kernel) -------------------------------------
 def _lane_spec(engines, **over):
-    return DeploymentSpec(engines=engines, decoders=0, preset="tiny", device="cuda", prefill_pool_tokens=8192,
-                          decode_pool_tokens=8192, start_timeout=240, **over)
-
-
+    return DeploymentSpec(
+        engines=engines,
+        decoders=0,
+        preset="tiny",
+        device="cuda",
+        prefill_pool_tokens=8192,
+        decode_pool_tokens=8192,
+        start_timeout=240,
+        **over,
+    )
 
 
 def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
@@ -171,6 +192,7 @@ def test_a_forged_slab_length_is_refused_before_any_launch():
 @pytest.mark.parametrize("engines, decode_gpu", [((1,), 1), ((2,), 0)])
 def test_lane_reads_owners_on_other_gpus(engines, decode_gpu):
     """Owners on GPU 0 and the decode on GPU 1; then owners spread over both GPUs."""
+
     async def run():
         async with Deployment(_lane_spec(engines)) as d:
             pool = DSAKVPool(tiny(size=8192, device=f"cuda:{decode_gpu}"))

@@ -7,10 +7,19 @@ from aiohttp import web
 
 from pdkv import ConflictError, PdkvError, RoomClaimedError, UnknownRoomError
 from pdkv.errors import MetadataError
-from transfer.http import ControlClient, HttpService, _error_from_reply, make_app, path_int, query_int, read_body, status_of
+from tests.http_probe import closed_by_server, send_big
+from transfer.http import (
+    ControlClient,
+    HttpService,
+    _error_from_reply,
+    make_app,
+    path_int,
+    query_int,
+    read_body,
+    status_of,
+)
 from transfer.metadata import ErrorReply, RoomState, RoomStatus, encode
 from transfer.timeouts import Timeouts
-from tests.http_probe import closed_by_server, send_big
 
 
 class _Private(RoomClaimedError):

@@ -4,8 +4,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdkv import IncompatibleLayoutError, MetadataError, tiny
+from pdkv.layout import BufferKind
 from transfer.metadata import (
-    BufferKind,
+    SCHEMA_VERSION,
+    ClaimRequest,
     EngineDescriptor,
     Envelope,
     ErrorReply,
@@ -14,13 +16,11 @@ from transfer.metadata import (
     LayoutSpec,
     MemoryDescriptor,
     RankDescriptor,
-    ClaimRequest,
     ReleaseNotice,
     ReleaseReply,
-    claim_token,
     RoomState,
     RoomStatus,
-    SCHEMA_VERSION,
+    claim_token,
     decode,
     encode,
 )
@@ -134,8 +134,16 @@ def test_layout_spec_names_differing_fields():
     assert info.value.differing == ("page_size",)
 
 
-WIRE_TYPES = [RankDescriptor, RoomState, ReleaseNotice, ClaimRequest, ReleaseReply, ErrorReply, EngineDescriptor,
-              MemoryDescriptor]
+WIRE_TYPES = [
+    RankDescriptor,
+    RoomState,
+    ReleaseNotice,
+    ClaimRequest,
+    ReleaseReply,
+    ErrorReply,
+    EngineDescriptor,
+    MemoryDescriptor,
+]
 
 
 def test_claim_tokens_are_checked():
@@ -162,9 +170,37 @@ _values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(WIRE_TYPES), st.dictionaries(st.sampled_from(
-    ["room", "status", "src_pages", "ready_upto", "cp_rank", "cp_size", "buffers", "addr", "length", "kind",
-     "layer_id", "item_len", "code", "message", "consumer_id", "engine_id", "ranks", "claim", "freed", "lineage"]), _values, max_size=6))
+@given(
+    st.sampled_from(WIRE_TYPES),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "room",
+                "status",
+                "src_pages",
+                "ready_upto",
+                "cp_rank",
+                "cp_size",
+                "buffers",
+                "addr",
+                "length",
+                "kind",
+                "layer_id",
+                "item_len",
+                "code",
+                "message",
+                "consumer_id",
+                "engine_id",
+                "ranks",
+                "claim",
+                "freed",
+                "lineage",
+            ]
+        ),
+        _values,
+        max_size=6,
+    ),
+)
 def test_fuzz_wrong_fields_and_types_only_raise_metadata_error(kind, body):
     env = Envelope(SCHEMA_VERSION, "", kind.__name__, msgspec.Raw(msgspec.msgpack.encode(body)))
     try:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from pdkv import PageRangeError
 from pdkv.pages import PageAllocator
 from transfer.app.synthetic import fragmented_page_order
-from transfer.engine import _split
 from transfer.plan import BufferPair, ReadPlan, build_gather_plan, build_read_plan, merge_gather_plans, page_runs
+from transfer.ucx import _split
 
 
 def test_runs_merge_only_where_both_sides_are_consecutive():
@@ -35,7 +35,9 @@ def test_plan_reads_exactly_the_requested_bytes(src, rnd):
             got.update(zip(range(ra, ra + rn), range(la, la + ln)))
         want = {
             (b.remote_addr + s * b.item_len + k, b.local_addr + d * b.item_len + k)
-            for b in pairs for s, d in zip(src, dst) for k in range(b.item_len)
+            for b in pairs
+            for s, d in zip(src, dst)
+            for k in range(b.item_len)
         }
         assert got == want
         assert plan.nbytes == len(src) * (8 + 3)
@@ -86,6 +88,7 @@ def test_a_split_read_covers_the_plan_once_in_order(lengths, pieces):
 
 # ---- gather plans: the same-host GPU lane's launches, checked on the host -----------------------
 
+
 def _pair(local, remote, item=64, items=10):
     return BufferPair(local, remote, item, items, items)
 
@@ -123,16 +126,20 @@ async def test_a_launch_group_waits_for_every_owner_then_launches_once():
     class Lane:  # stands in for the GPU: records what would be launched
         launched = []
 
-        plan = staticmethod(lambda peer, layers, src, dst: build_gather_plan(
-            [p for layer in layers for p in peer.pairs[layer]], src, dst))
+        plan = staticmethod(
+            lambda peer, layers, src, dst: build_gather_plan(
+                [p for layer in layers for p in peer.pairs[layer]], src, dst
+            )
+        )
 
         async def run(self, plan, peers):
             self.launched.append((plan.buffers, len(peers)))
             return 0.004
 
     lane = Lane()
-    peers = [IpcPeer(f"p{i}", {}, {i: (_pair(i * 4096, i * 8192), _pair(i * 4096 + 640, i * 8192 + 640))})
-             for i in range(3)]
+    peers = [
+        IpcPeer(f"p{i}", {}, {i: (_pair(i * 4096, i * 8192), _pair(i * 4096 + 640, i * 8192 + 640))}) for i in range(3)
+    ]
     group = LaunchGroup(lane, 3)
     slots = [group.slot() for _ in range(3)]
     src, dst = np.array([1, 2]), np.array([3, 4])

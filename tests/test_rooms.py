@@ -13,7 +13,9 @@ A, B, C = "a" * 32, "b" * 32, "c" * 32
 
 def table(pin=60.0):
     freed = []
-    t = RoomTable(range(3, 7), num_pages=32, pin_seconds=pin, on_free=lambda room, pages: freed.append((room, pages.tolist())))
+    t = RoomTable(
+        range(3, 7), num_pages=32, pin_seconds=pin, on_free=lambda room, pages: freed.append((room, pages.tolist()))
+    )
     return t, freed
 
 

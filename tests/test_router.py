@@ -16,8 +16,13 @@ from transfer.app.router import Deployment, DeploymentSpec
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SPEC = DeploymentSpec(
-    engines=(2, 3), decoders=2, preset="tiny", prefill_pool_tokens=8192, decode_pool_tokens=8192,
-    layer_delay=0.02, start_timeout=180,
+    engines=(2, 3),
+    decoders=2,
+    preset="tiny",
+    prefill_pool_tokens=8192,
+    decode_pool_tokens=8192,
+    layer_delay=0.02,
+    start_timeout=180,
 )
 
 
@@ -31,7 +36,9 @@ async def _settled(d: Deployment, timeout: float = 10.0) -> dict:
     """Stats once nothing is pinned anywhere (frees are asynchronous), or the last seen."""
     for _ in range(int(timeout / 0.1)):
         stats = await d.stats()
-        if all(s["pinned_pages"] == 0 for s in stats["prefill"]) and all(s["pages_in_use"] == 0 for s in stats["decode"]):
+        if all(s["pinned_pages"] == 0 for s in stats["prefill"]) and all(
+            s["pages_in_use"] == 0 for s in stats["decode"]
+        ):
             return stats
         await asyncio.sleep(0.1)
     return stats
@@ -39,9 +46,9 @@ async def _settled(d: Deployment, timeout: float = 10.0) -> dict:
 
 async def test_50_requests_over_two_engines_and_two_decoders(deployment):
     sizes = [1 + (i * 37) % 400 for i in range(50)]
-    outs = await asyncio.gather(*(
-        deployment.submit(n, prefix_id=i % 3 if i % 4 == 0 else -1, prefix_tokens=64) for i, n in enumerate(sizes)
-    ))
+    outs = await asyncio.gather(
+        *(deployment.submit(n, prefix_id=i % 3 if i % 4 == 0 else -1, prefix_tokens=64) for i, n in enumerate(sizes))
+    )
     assert [o.error for o in outs if not o.ok] == []
     assert {o.engine_id for o in outs} == {"prefill0", "prefill1"}
     for o, n in zip(outs, sizes):

@@ -1,6 +1,6 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-import pytest
 
 from pdkv import LayoutError, PageRangeError, ShardPlan, get_layer_owner, get_layer_shard_range
 

@@ -20,6 +20,7 @@ async def _stats(d):
 
 
 @pytest.mark.asyncio
+@pytest.mark.soak
 async def test_soak_2000_fetches_with_random_aborts():
     rng = random.Random(2026)
     async with Deployment(SPEC) as d:

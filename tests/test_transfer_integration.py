@@ -24,21 +24,26 @@ from pdkv import (
     UnknownRoomError,
     tiny,
 )
-from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
-from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
-from transfer.decode import DecodeFetcher, FetchResult
-from transfer.app.router import Deployment, DeploymentSpec
-from transfer.timeouts import Timeouts
 from tests.http_probe import rss_bytes, send_big
 from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
 from tests.test_metadata import rank_descriptor
+from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
+from transfer.app.router import Deployment, DeploymentSpec
+from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
+from transfer.decode import DecodeFetcher, FetchResult
+from transfer.timeouts import Timeouts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LAYERS = 7  # divides evenly by none of 2, 3, 4
 SPEC = DeploymentSpec(
-    engines=(1, 2, 3, 4), decoders=2, preset="tiny", prefill_pool_tokens=4096, decode_pool_tokens=8192,
-    layer_delay=0.005, start_timeout=180,
+    engines=(1, 2, 3, 4),
+    decoders=2,
+    preset="tiny",
+    prefill_pool_tokens=4096,
+    decode_pool_tokens=8192,
+    layer_delay=0.005,
+    start_timeout=180,
 )
 
 
@@ -92,18 +97,22 @@ async def test_second_fetch_of_a_released_room_fails_clearly(deployment):
 async def test_one_owner_read_is_split_over_lanes_byte_exact(deployment):
     """More lanes than owners: each owner's READ is cut into pieces posted at once."""
     engine, room, n = deployment.engines[0], 4242, 1000  # CP=1: one owner, four lanes
-    await deployment.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n))
+    await deployment.client.request(
+        "POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n)
+    )
     pool = DSAKVPool(tiny(size=8192))
-    pages = fragmented_page_order(np.arange(pool.layout.num_pages), np.random.default_rng(3))[: -(-n // pool.layout.page_size)]
+    pages = fragmented_page_order(np.arange(pool.layout.num_pages), np.random.default_rng(3))[
+        : -(-n // pool.layout.page_size)
+    ]
     async with DecodeFetcher(pool, deployment.registry_url, lanes=4) as fetcher:
         reads = []
-        inner = fetcher.engine.read
+        inner = fetcher.transport.read
 
         async def spy(*args, **kwargs):
             reads.append(await inner(*args, **kwargs))
             return reads[-1]
 
-        fetcher.engine.read = spy
+        fetcher.transport.read = spy
         result = await fetcher.fetch("prefill0", room, pages)
     assert max(x.pieces for x in reads) == 4 and result.nbytes == sum(x.nbytes for x in reads)
     content = RequestContent(request_seed("prefill0", room), n)
@@ -144,8 +153,10 @@ async def test_two_decode_workers_given_one_room_never_both_succeed(deployment):
     for i in range(6):
         room = 7_000_000 + i
         legs = [DecodeRequest(engine_id="prefill2", room=room, num_tokens=n) for _ in range(2)]
-        calls = [deployment.client.request("POST", f"{d.url}/v1/decode", DecodeReply, leg)
-                 for d, leg in zip(deployment.decoders, legs)]
+        calls = [
+            deployment.client.request("POST", f"{d.url}/v1/decode", DecodeReply, leg)
+            for d, leg in zip(deployment.decoders, legs)
+        ]
         outcomes = await asyncio.gather(prefill(deployment, engine, room, n), *calls, return_exceptions=True)
         assert outcomes[0] is None
         ok = [o for o in outcomes[1:] if isinstance(o, DecodeReply)]
@@ -161,8 +172,9 @@ async def test_a_retry_under_a_new_claim_is_refused_and_the_first_stays_exact(de
     pool = DSAKVPool(tiny(size=8192))
     a, b = fragmented_pages(pool, n, 1), fragmented_pages(pool, n, 2)[::-1].copy()
     async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
-        first, second = await asyncio.gather(fetcher.fetch("prefill1", room, a), fetcher.fetch("prefill1", room, b),
-                                             return_exceptions=True)
+        first, second = await asyncio.gather(
+            fetcher.fetch("prefill1", room, a), fetcher.fetch("prefill1", room, b), return_exceptions=True
+        )
         assert [isinstance(x, FetchResult) for x in (first, second)].count(True) == 1, (first, second)
         won, lost, pages = (first, second, a) if isinstance(first, FetchResult) else (second, first, b)
         assert isinstance(lost, RoomClaimedError) and won.freed
@@ -215,10 +227,15 @@ async def test_bad_destination_pages_are_refused_before_anything_is_asked(deploy
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
     async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
-        for bad, err in [([10, 11, 10], InvalidPagesError), ([1.7, 2, 3], InvalidPagesError),
-                         (np.array([[1, 2, 3]]), InvalidPagesError), (torch.tensor([1.0, 2.0, 3.0]), InvalidPagesError),
-                         ([True, 2, 3], InvalidPagesError), ([1, 2, pool.layout.num_pages], PageRangeError),
-                         ("123", InvalidPagesError)]:
+        for bad, err in [
+            ([10, 11, 10], InvalidPagesError),
+            ([1.7, 2, 3], InvalidPagesError),
+            (np.array([[1, 2, 3]]), InvalidPagesError),
+            (torch.tensor([1.0, 2.0, 3.0]), InvalidPagesError),
+            ([True, 2, 3], InvalidPagesError),
+            ([1, 2, pool.layout.num_pages], PageRangeError),
+            ("123", InvalidPagesError),
+        ]:
             with pytest.raises(err):
                 await fetcher.fetch("prefill1", room, bad)
         # Refused before a claim was asked: the room is still there for a good fetch.

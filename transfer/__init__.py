@@ -1,6 +1,6 @@
 """transfer: what crosses the wire between prefill and decode workers (the library).
 
-Modules, one per role: `metadata` (wire types), `engine` (UCX through NIXL), `plan`
+Modules, one per role: `metadata` (wire types), `ucx` (UCX through NIXL), `plan`
 (pure transfer and gather plans), `rooms` (a rank's claims and pins), `prefill` (the
 exporter), `decode` (the fetcher), `bootstrap` (the registry), `http` (the control
 plane's HTTP), `timeouts`, and the same-host GPU lane (`cuda_ipc`, `gpu_lane`, `gather`).

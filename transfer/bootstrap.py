@@ -93,7 +93,9 @@ class Registry:
 class RegistryServer:
     """The registry over HTTP, with a sweeper that expires lapsed leases."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeouts: Timeouts = Timeouts(), secret: str | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, timeouts: Timeouts = Timeouts(), secret: str | None = None
+    ) -> None:
         self.registry = Registry(timeouts.lease)
         app = make_app(secret)
         app.router.add_put(r"/v1/engines/{engine}/ranks/{rank:\d+}", self._put)

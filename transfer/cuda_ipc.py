@@ -99,15 +99,19 @@ class CudaDriver:
     def address_range(self, device: int, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation holding `ptr`."""
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._on(device, lambda: self._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
-                 "cuMemGetAddressRange")
+        self._on(
+            device,
+            lambda: self._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
+            "cuMemGetAddressRange",
+        )
         return base.value, size.value
 
     def export(self, device: int, ptr: int) -> tuple[bytes, int]:
         """An IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it."""
         handle = _Handle()
-        self._on(device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)),
-                 "cuIpcGetMemHandle")
+        self._on(
+            device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle"
+        )
         base, _ = self.address_range(device, ptr)
         return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base  # .reserved stops at a NUL
 

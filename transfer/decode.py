@@ -51,7 +51,6 @@ from pdkv.errors import (
 from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
-from transfer.engine import UcxEngine, XferStats, default_lanes
 from transfer.http import ControlClient
 from transfer.metadata import (
     ClaimRequest,
@@ -64,6 +63,7 @@ from transfer.metadata import (
 )
 from transfer.plan import BufferPair, buffer_pairs, build_read_plan, check_owners, mem_type
 from transfer.timeouts import Timeouts
+from transfer.ucx import UcxTransport, XferStats, default_lanes
 
 if TYPE_CHECKING:
     from transfer.gpu_lane import GpuLane, IpcPeer, LaunchGroup, LaunchSlot
@@ -171,7 +171,7 @@ class DecodeFetcher:
         self._client = ControlClient(timeouts, secret)
         self._engines: dict[str, dict[int, _Owner]] = {}
         self._lookups: dict[str, asyncio.Task[dict[int, _Owner]]] = {}
-        self.engine: UcxEngine | None = None
+        self.transport: UcxTransport | None = None
         self._closing = False
         self._owner_tasks: set[asyncio.Future[Any]] = set()
         self._active = 0  # fetches and lease calls in flight
@@ -181,9 +181,13 @@ class DecodeFetcher:
     async def start(self) -> None:
         mem = mem_type(self.pool.device)
         lanes = self._lanes or default_lanes(mem)
-        self.engine = UcxEngine(f"{self.consumer_id}.{uuid.uuid4().hex[:8]}", lanes=lanes, mem_type=mem,
-                                 connect_timeout=self.timeouts.connect)
-        self.engine.register([self.pool.kv_slab, self.pool.index_slab])
+        self.transport = UcxTransport(
+            f"{self.consumer_id}.{uuid.uuid4().hex[:8]}",
+            lanes=lanes,
+            mem_type=mem,
+            connect_timeout=self.timeouts.connect,
+        )
+        self.transport.register([self.pool.kv_slab, self.pool.index_slab])
         if self.pool.device.type == "cuda" and self.path != "ucx":
             from transfer.gpu_lane import GpuLane  # CUDA and Triton: only where a GPU is
 
@@ -202,12 +206,12 @@ class DecodeFetcher:
         await self._client.aclose()
         if self._gpu is not None:
             await self._gpu.aclose()
-        if self.engine is not None:
-            await self.engine.aclose()
-            self.engine = None
+        if self.transport is not None:
+            await self.transport.aclose()
+            self.transport = None
 
     def _check_open(self) -> None:
-        if self.engine is None or self._closing:
+        if self.transport is None or self._closing:
             state = "closed" if self._closing else "not started"
             raise ClosedError(f"DecodeFetcher {self.consumer_id} is {state}: use `async with` or start()")
 
@@ -260,7 +264,9 @@ class DecodeFetcher:
         delay = 0.05
         while True:
             try:
-                desc = await self._client.request("GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request))
+                desc = await self._client.request(
+                    "GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request)
+                )
                 break
             except (NotReadyError, UnknownEngineError) as exc:
                 if deadline.remaining() < delay:
@@ -276,13 +282,13 @@ class DecodeFetcher:
         return {rank.cp_rank: _Owner(rank, buffer_pairs(rank, self.pool)) for rank in desc.ranks}
 
     async def _connect(self, owners: dict[int, _Owner]) -> None:
-        assert self.engine is not None
+        assert self.transport is not None
         for o in owners.values():
             if self._open_ipc(o):
                 continue
             regions = [(b.addr, b.length) for b in o.rank.buffers]
             try:
-                await self.engine.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
+                await self.transport.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
             except PeerLostError as exc:
                 raise _lost(o.rank, exc) from exc
 
@@ -312,8 +318,8 @@ class DecodeFetcher:
         for o in (owners or {}).values():
             if o.ipc is not None and self._gpu is not None:
                 await self._gpu.close(o.ipc)  # a dead owner's memory is freed only then
-            if self.engine is not None:
-                await self.engine.remove_peer(o.rank.agent_name)
+            if self.transport is not None:
+                await self.transport.remove_peer(o.rank.agent_name)
 
     # ---- the fetch -----------------------------------------------------------------------------
     async def fetch(
@@ -330,9 +336,10 @@ class DecodeFetcher:
         `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or CUDA
         tensor), one per source page, checked before anything is asked. `deadline` (a
         request's end-to-end budget, passed through unchanged) or `timeout` (seconds from
-        now): give at most one; with neither, `Timeouts.fetch` applies. Returns only when every byte of the room was read under
-        a claim whose release proved the source pages stayed pinned; otherwise raises a
-        `PdkvError` and the destination pages hold no valid KV.
+        now): give at most one; with neither, `Timeouts.fetch` applies. Returns only when
+        every byte of the room was read under a claim whose release proved the source pages
+        stayed pinned; otherwise raises a `PdkvError` and the destination pages hold no
+        valid KV.
         """
         dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
         budget = _budget(self.timeouts.fetch, deadline, timeout)
@@ -379,8 +386,11 @@ class DecodeFetcher:
             claim = _Claim(room)
             try:
                 await self._tracked(self._claim_arbiter(owners, claim, budget))
-                await self._tracked(asyncio.gather(*(self._claim_owner(o, claim, budget) for r, o in owners.items()
-                                                     if r not in claim.granted)))
+                await self._tracked(
+                    asyncio.gather(
+                        *(self._claim_owner(o, claim, budget) for r, o in owners.items() if r not in claim.granted)
+                    )
+                )
             except BaseException:
                 await self._release_all(owners, claim)
                 raise
@@ -389,7 +399,12 @@ class DecodeFetcher:
             self._leave()
 
     async def _fetch_from(
-        self, owners: dict[int, _Owner], engine_id: str, claim: _Claim, dst: np.ndarray, deadline: Deadline,
+        self,
+        owners: dict[int, _Owner],
+        engine_id: str,
+        claim: _Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
         release: bool = True,
     ) -> FetchResult:
         t0 = time.perf_counter()
@@ -397,9 +412,14 @@ class DecodeFetcher:
         try:
             first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
             group = self._launch_group(owners)
-            tasks = [asyncio.create_task(self._fetch_owner(o, claim, dst, deadline, release, first.get(r),
-                                                           group if o.ipc is not None else None))
-                     for r, o in owners.items()]
+            tasks = [
+                asyncio.create_task(
+                    self._fetch_owner(
+                        o, claim, dst, deadline, release, first.get(r), group if o.ipc is not None else None
+                    )
+                )
+                for r, o in owners.items()
+            ]
             self._owner_tasks.update(tasks)
             stats = await _all_or_cancel(tasks)
         except BaseException:  # cancellation too: never leave the room pinned
@@ -430,7 +450,9 @@ class DecodeFetcher:
 
         return LaunchGroup(self._gpu, lane_owners)
 
-    async def _claim_arbiter(self, owners: dict[int, _Owner], claim: _Claim, deadline: Deadline) -> dict[int, RoomState]:
+    async def _claim_arbiter(
+        self, owners: dict[int, _Owner], claim: _Claim, deadline: Deadline
+    ) -> dict[int, RoomState]:
         """Claim on the lowest CP rank before any other: every claimant asks it first, so of
         two racing for a single-consumer room one wins everywhere and the other is refused
         there, rather than each winning some owners and both failing."""
@@ -447,8 +469,15 @@ class DecodeFetcher:
         unknown_until = time.monotonic() + self.timeouts.publish
         while True:
             limit = deadline.left(self.timeouts.poll + self.timeouts.request)
-            state = await self._client.request("POST", url, RoomState, ask, fingerprint=self.pool.layout.fingerprint,
-                                               expect_fingerprint=self.pool.layout.fingerprint, timeout=limit)
+            state = await self._client.request(
+                "POST",
+                url,
+                RoomState,
+                ask,
+                fingerprint=self.pool.layout.fingerprint,
+                expect_fingerprint=self.pool.layout.fingerprint,
+                timeout=limit,
+            )
             assert state is not None
             if state.status is not RoomStatus.UNKNOWN:
                 claim.granted.add(r.cp_rank)
@@ -466,8 +495,14 @@ class DecodeFetcher:
         return state
 
     async def _fetch_owner(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: Deadline, release: bool,
-        state: RoomState | None, group: LaunchGroup | None = None,
+        self,
+        owner: _Owner,
+        claim: _Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        release: bool,
+        state: RoomState | None,
+        group: LaunchGroup | None = None,
     ) -> OwnerStats:
         """Read one owner's layers, then release them there (while other owners still read)."""
         try:
@@ -479,7 +514,12 @@ class DecodeFetcher:
             raise _lost(owner.rank, exc) from exc
 
     async def _read_owner(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: Deadline, state: RoomState | None,
+        self,
+        owner: _Owner,
+        claim: _Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        state: RoomState | None,
         group: LaunchGroup | None = None,
     ) -> OwnerStats:
         slot = group.slot() if group is not None else None
@@ -490,14 +530,19 @@ class DecodeFetcher:
                 slot.close()  # others must not wait for an owner that read alone or failed
 
     async def _read_owner_layers(
-        self, owner: _Owner, claim: _Claim, dst: np.ndarray, deadline: Deadline, state: RoomState | None,
+        self,
+        owner: _Owner,
+        claim: _Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        state: RoomState | None,
         slot: LaunchSlot | None,
     ) -> OwnerStats:
-        assert self.engine is not None
+        assert self.transport is not None
         r = owner.rank
         t0 = time.perf_counter()
         cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
-        pieces = max(1, self.engine.lanes // r.cp_size)  # owners read at once: fill the lanes, no more
+        pieces = max(1, self.transport.lanes // r.cp_size)  # owners read at once: fill the lanes, no more
         if state is None and r.cp_rank in claim.granted:
             state = await self._poll(owner, claim, cursor - 1, deadline)
         elif state is None:
@@ -520,8 +565,16 @@ class DecodeFetcher:
             if cursor >= r.layer_end:
                 break
             state = await self._poll(owner, claim, cursor, deadline)
-        return OwnerStats(r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy,
-                          "cuda_ipc" if owner.ipc is not None else "ucx")
+        return OwnerStats(
+            r.cp_rank,
+            (r.layer_start, r.layer_end),
+            nbytes,
+            descs,
+            reads,
+            time.perf_counter() - t0,
+            busy,
+            "cuda_ipc" if owner.ipc is not None else "ucx",
+        )
 
     async def _read_layers(
         self, owner: _Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline, pieces: int
@@ -530,10 +583,10 @@ class DecodeFetcher:
         if owner.ipc is not None:
             assert self._gpu is not None
             return await self._gpu.read(owner.ipc, layers, src, dst)
-        assert self.engine is not None
+        assert self.transport is not None
         pairs = [p for layer in layers for p in owner.pairs[layer]]
         plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-        return await self.engine.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
+        return await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
 
     async def _release(self, owner: _Owner, claim: _Claim, timeout: float) -> bool:
         """Release the claim on one owner; True if that freed the room there.
@@ -543,8 +596,15 @@ class DecodeFetcher:
         notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
         try:
-            answer = await self._client.request("POST", url, ReleaseReply, notice, fingerprint=self.pool.layout.fingerprint,
-                                                expect_fingerprint=self.pool.layout.fingerprint, timeout=timeout)
+            answer = await self._client.request(
+                "POST",
+                url,
+                ReleaseReply,
+                notice,
+                fingerprint=self.pool.layout.fingerprint,
+                expect_fingerprint=self.pool.layout.fingerprint,
+                timeout=timeout,
+            )
         finally:
             claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
         assert answer is not None
@@ -580,7 +640,9 @@ class RoomLease:
     def room(self) -> int:
         return self._claim.room
 
-    async def read(self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None) -> FetchResult:
+    async def read(
+        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
+    ) -> FetchResult:
         """Read every layer of the room into `dst_pages` (waiting for layers still written).
 
         The bytes are the room's only if `release()` then succeeds: until then a reader
@@ -637,8 +699,9 @@ def _lost(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
     """`exc` naming the engine and CP rank that was lost (once)."""
     if str(exc).startswith(f"engine {rank.engine_id} cp rank"):
         return exc
-    return PeerLostError(f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}",
-                         rank.agent_name)
+    return PeerLostError(
+        f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name
+    )
 
 
 def _incarnations(owners: dict[int, _Owner]) -> list[str]:

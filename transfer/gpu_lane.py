@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from pdkv.errors import PeerLostError, TransferError
+from pdkv.layout import BufferKind
 from transfer.cuda_ipc import CudaDriver, IpcMapping, host_id
-from transfer.engine import XferStats
 from transfer.gather import GatherLane
-from transfer.metadata import BufferKind, RankDescriptor
+from transfer.metadata import RankDescriptor
 from transfer.plan import BufferPair, GatherPlan, build_gather_plan, merge_gather_plans
+from transfer.ucx import XferStats
 
 __all__ = ["GpuLane", "IpcPeer", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
 
@@ -88,10 +89,17 @@ class GpuLane:
                 m = IpcMapping(self.index, slab.addr, slab.length, mapped, slab.alloc_offset)
                 mappings[slab.kind] = m
                 if slab.alloc_offset + slab.length > size:  # a forged length must not reach a kernel
-                    raise TransferError(f"cp rank {rank.cp_rank}: {slab.kind.value} slab of {slab.length} bytes at "
-                                        f"offset {slab.alloc_offset} exceeds the {size}-byte allocation it maps")
-            pairs = {layer: (self._translate(mappings[BufferKind.LATENT], lat), self._translate(mappings[BufferKind.INDEX], idx))
-                     for layer, (lat, idx) in local.items()}
+                    raise TransferError(
+                        f"cp rank {rank.cp_rank}: {slab.kind.value} slab of {slab.length} bytes at "
+                        f"offset {slab.alloc_offset} exceeds the {size}-byte allocation it maps"
+                    )
+            pairs = {
+                layer: (
+                    self._translate(mappings[BufferKind.LATENT], lat),
+                    self._translate(mappings[BufferKind.INDEX], idx),
+                )
+                for layer, (lat, idx) in local.items()
+            }
         except BaseException:
             for m in mappings.values():
                 m.close(self._driver)
@@ -103,8 +111,9 @@ class GpuLane:
     @staticmethod
     def _translate(mapping: IpcMapping, pair: BufferPair) -> BufferPair:
         addr = mapping.translate(pair.remote_addr, pair.remote_items * pair.item_len)
-        return BufferPair(pair.local_addr, addr, pair.item_len, pair.local_items, pair.remote_items,
-                          pair.local_dev, pair.local_dev)
+        return BufferPair(
+            pair.local_addr, addr, pair.item_len, pair.local_items, pair.remote_items, pair.local_dev, pair.local_dev
+        )
 
     @staticmethod
     def plan(peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> GatherPlan:

@@ -57,6 +57,7 @@ MAX_CONNECTIONS = 1024
 T = TypeVar("T", bound=msgspec.Struct)
 R = TypeVar("R")
 
+
 class BodyTooLargeError(MetadataError):
     """A request body over `MAX_BODY` (answered 413, the connection closed unread)."""
 
@@ -65,6 +66,7 @@ class BodyTooLargeError(MetadataError):
 _STATUS: tuple[tuple[type[PdkvError], int], ...] = (
     (errors.AuthError, 401),
     (errors.UnknownRoomError, 404),
+    (errors.UnknownEngineError, 404),
     (errors.IncompatibleLayoutError, 409),
     (errors.ConflictError, 409),
     (errors.ClaimLostError, 410),
@@ -164,13 +166,15 @@ def make_app(secret: str | None) -> web.Application:
     """An aiohttp app that checks the shared secret and turns pdkv errors into replies."""
 
     @web.middleware
-    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         _ConnectionGuard.request_started(request)
         try:
             _refuse_early(request, secret)
             return await handler(request)
         except PdkvError as exc:
-            if not isinstance(exc, (AuthError, errors.UnknownRoomError)):
+            if not isinstance(exc, (AuthError, errors.UnknownRoomError, errors.UnknownEngineError)):
                 logger.info("%s %s refused: %s", request.method, request.path, exc)
             resp = _error_response(exc)
             if isinstance(exc, (AuthError, BodyTooLargeError)):
@@ -235,9 +239,7 @@ class ControlClient:
         data = encode(body, fingerprint) if body is not None else None
 
         async def exchange() -> tuple[int, bytes]:
-            async with self._sess().request(
-                method, url, data=data, headers={"Content-Type": CONTENT_TYPE}
-            ) as resp:
+            async with self._sess().request(method, url, data=data, headers={"Content-Type": CONTENT_TYPE}) as resp:
                 return resp.status, await resp.read()
 
         status, payload = await _bounded(exchange(), f"{method} {url}", url, limit)
@@ -283,7 +285,7 @@ class _ConnectionGuard:
     closed. Connections beyond `limit` are closed at once.
     """
 
-    _by_transport: dict[Any, "_Tracked"] = {}
+    _by_transport: dict[Any, _Tracked] = {}
 
     def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, header_timeout: float) -> None:
         self.factory, self.limit, self.header_timeout = factory, limit, header_timeout

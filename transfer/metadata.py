@@ -25,12 +25,11 @@ import msgspec
 from msgspec import Meta, Struct
 
 from pdkv.errors import IncompatibleLayoutError, MetadataError
-from pdkv.layout import KVLayout, geometry_fingerprint
+from pdkv.layout import BufferKind, KVLayout, geometry_fingerprint
 from pdkv.sharding import get_layer_shard_range
 
 __all__ = [
     "SCHEMA_VERSION",
-    "BufferKind",
     "MemoryDescriptor",
     "LayoutSpec",
     "IpcSlab",
@@ -61,11 +60,6 @@ ClaimToken = Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-
 
 class _Wire(Struct, frozen=True, forbid_unknown_fields=True):
     pass
-
-
-class BufferKind(enum.Enum):
-    LATENT = "latent"
-    INDEX = "index"
 
 
 class MemoryDescriptor(_Wire):

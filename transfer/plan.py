@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from pdkv.errors import IncompatibleLayoutError, MetadataError, PageRangeError
+from pdkv.layout import BufferKind
 from pdkv.pool import DSAKVPool
-from transfer.metadata import BufferKind, EngineDescriptor, RankDescriptor
+from transfer.metadata import EngineDescriptor, RankDescriptor
 
 __all__ = [
     "PageRuns",
@@ -121,7 +122,9 @@ def build_read_plan(
     lengths = (runs.length[None, :] * item).reshape(-1)
     ones = np.ones((1, len(runs)), dtype=np.int64)
     local = np.stack([(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, (ldev * ones).reshape(-1)], axis=1)
-    remote = np.stack([(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, (rdev * ones).reshape(-1)], axis=1)
+    remote = np.stack(
+        [(rbase + runs.src_start[None, :] * item).reshape(-1), lengths, (rdev * ones).reshape(-1)], axis=1
+    )
     return ReadPlan(local, remote, int(lengths.sum()))
 
 
@@ -197,7 +200,6 @@ def merge_gather_plans(plans: list[GatherPlan]) -> GatherPlan:
     return GatherPlan(table, np.concatenate(srcs), dst, min(p.word for p in plans))
 
 
-
 def check_owners(desc: EngineDescriptor, pool: DSAKVPool) -> None:
     """An engine a decode with `pool` can read: every rank of our geometry, every layer
     owned by exactly one rank."""
@@ -226,7 +228,16 @@ def buffer_pairs(rank: RankDescriptor, pool: DSAKVPool) -> dict[int, tuple[Buffe
             if remote.item_len != item:
                 raise IncompatibleLayoutError(f"{kind.value} item_len {remote.item_len} != local {item}", ("item_len",))
             tensor = bufs[layer - layout.start_layer]
-            both.append(BufferPair(tensor.data_ptr(), remote.addr, item, tensor.nbytes // item, remote.num_items,
-                                   device_id(tensor.device), remote.device_id))
+            both.append(
+                BufferPair(
+                    tensor.data_ptr(),
+                    remote.addr,
+                    item,
+                    tensor.nbytes // item,
+                    remote.num_items,
+                    device_id(tensor.device),
+                    remote.device_id,
+                )
+            )
         pairs[layer] = (both[0], both[1])
     return pairs

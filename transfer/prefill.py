@@ -29,12 +29,10 @@ import torch
 from aiohttp import web
 
 from pdkv.errors import MetadataError, PdkvError
+from pdkv.layout import BufferKind
 from pdkv.pool import DSAKVPool
-from transfer.engine import UcxEngine
-from transfer.plan import device_id, mem_type
-from transfer.http import health, ControlClient, HttpService, make_app, path_int, query_int, read_body, reply
+from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.metadata import (
-    BufferKind,
     ClaimRequest,
     IpcExport,
     IpcSlab,
@@ -44,8 +42,10 @@ from transfer.metadata import (
     ReleaseNotice,
     claim_token,
 )
+from transfer.plan import device_id, mem_type
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
+from transfer.ucx import UcxTransport
 
 __all__ = ["PrefillExporter"]
 
@@ -55,10 +55,14 @@ logger = logging.getLogger(__name__)
 def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
     dev = device_id(pool.device)
     out = []
-    for kind, infos in ((BufferKind.LATENT, pool.get_contiguous_buf_infos()), (BufferKind.INDEX, pool.get_state_buf_infos())):
+    for kind, infos in (
+        (BufferKind.LATENT, pool.get_contiguous_buf_infos()),
+        (BufferKind.INDEX, pool.get_state_buf_infos()),
+    ):
         for layer, ptr, length, item in zip(infos.layer_ids, infos.data_ptrs, infos.data_lens, infos.item_lens):
-            out.append(MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item,
-                                        device_id=dev))
+            out.append(
+                MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item, device_id=dev)
+            )
     return out
 
 
@@ -74,7 +78,9 @@ def _ipc_export(pool: DSAKVPool) -> IpcExport | None:
         slabs = []
         for kind, slab in ((BufferKind.LATENT, pool.kv_slab), (BufferKind.INDEX, pool.index_slab)):
             handle, offset = driver.export(dev, slab.data_ptr())
-            slabs.append(IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle))
+            slabs.append(
+                IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle)
+            )
     except PdkvError as exc:  # e.g. an allocator that cannot export: decodes use UCX
         logger.warning("no CUDA IPC export (decodes will read over UCX): %s", exc)
         return None
@@ -113,7 +119,7 @@ class PrefillExporter:
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/health", health)
         self._http = HttpService(app, host, port)
-        self.engine: UcxEngine | None = None
+        self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._written: asyncio.Queue[tuple[torch.cuda.Event, int, int]] = asyncio.Queue()
@@ -128,9 +134,11 @@ class PrefillExporter:
 
     async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
-        self.engine = UcxEngine(name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect)
+        self.transport = UcxTransport(
+            name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
+        )
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
-        self.engine.register([self.pool.kv_slab, self.pool.index_slab])
+        self.transport.register([self.pool.kv_slab, self.pool.index_slab])
         url = await self._http.start()
         layout = self.pool.layout
         self.descriptor = RankDescriptor(
@@ -142,8 +150,8 @@ class PrefillExporter:
             fingerprint=layout.fingerprint,
             layout=LayoutSpec.of(layout),
             buffers=_descriptors(self.pool),
-            agent_name=self.engine.agent_name,
-            agent_metadata=self.engine.agent_metadata(),
+            agent_name=self.transport.agent_name,
+            agent_metadata=self.transport.agent_metadata(),
             control_url=url,
             incarnation=self.incarnation,
             ipc=_ipc_export(self.pool),
@@ -166,9 +174,9 @@ class PrefillExporter:
             await self._client.request("DELETE", self._rank_url())
         await self._client.aclose()
         await self._http.aclose()
-        if self.engine is not None:
-            await self.engine.aclose()
-            self.engine = None
+        if self.transport is not None:
+            await self.transport.aclose()
+            self.transport = None
 
     async def __aenter__(self) -> PrefillExporter:
         await self.start()
@@ -219,7 +227,9 @@ class PrefillExporter:
         delay = 0.05
         while True:
             try:
-                await self._client.request("PUT", self._rank_url(), body=self.descriptor, fingerprint=self.descriptor.fingerprint)
+                await self._client.request(
+                    "PUT", self._rank_url(), body=self.descriptor, fingerprint=self.descriptor.fingerprint
+                )
                 return
             except PdkvError as exc:
                 if time.monotonic() + delay > deadline:
@@ -237,9 +247,9 @@ class PrefillExporter:
                 logger.warning("lease renewal failed: %s", exc)
 
     async def _progress_forever(self) -> None:
-        assert self.engine is not None
+        assert self.transport is not None
         while True:
-            await self.engine.progress()
+            await self.transport.progress()
             await asyncio.sleep(self.timeouts.progress_interval)
 
     async def _expire_forever(self) -> None:
@@ -288,6 +298,6 @@ class PrefillExporter:
                 "released": c.released,
                 "aborted": c.aborted,
                 "expired": c.expired,
-                "registered_bytes": self.engine.local_regions.total if self.engine else 0,
+                "registered_bytes": self.transport.local_regions.total if self.transport else 0,
             }
         )

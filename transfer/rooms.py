@@ -163,7 +163,8 @@ class RoomTable:
         else:
             why = f"the room is {self._finished.get(room, RoomStatus.UNKNOWN).value} here"
         raise ClaimLostError(
-            f"room {room}: claim {token[:8]} does not pin its pages ({why}); bytes read under it may belong to another room"
+            f"room {room}: claim {token[:8]} does not pin its pages ({why}); "
+            "bytes read under it may belong to another room"
         )
 
     def release(self, room: int, token: str) -> ReleaseReply:

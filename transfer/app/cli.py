@@ -63,13 +63,18 @@ def summarise(outcomes: list[RequestOutcome], wall: float) -> Summary:
     fetch = np.array([r.fetch_seconds for r in replies]) * 1e3 if ok else np.zeros(1)
     fetched = sum(r.nbytes for r in replies)
     return Summary(
-        requests=len(outcomes), ok=len(ok), failures=len(outcomes) - len(ok),
+        requests=len(outcomes),
+        ok=len(ok),
+        failures=len(outcomes) - len(ok),
         verified_bytes=sum(r.verified_bytes for r in replies),
-        fetched_bytes=fetched, wall_seconds=wall,
+        fetched_bytes=fetched,
+        wall_seconds=wall,
         read_gbps=fetched / max(sum(r.read_seconds for r in replies), 1e-9) / 1e9,
         fetch_gbps=fetched / max(fetch.sum() / 1e3, 1e-9) / 1e9,
-        ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)),
-        fetch_p50_ms=float(np.percentile(fetch, 50)), fetch_p99_ms=float(np.percentile(fetch, 99)),
+        ttft_p50_ms=float(np.percentile(ttft, 50)),
+        ttft_p99_ms=float(np.percentile(ttft, 99)),
+        fetch_p50_ms=float(np.percentile(fetch, 50)),
+        fetch_p99_ms=float(np.percentile(fetch, 99)),
         errors=tuple(o.error for o in outcomes if not o.ok)[:10],
     )
 
@@ -122,9 +127,13 @@ async def run(args: argparse.Namespace) -> int:
     assert main_task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     spec = DeploymentSpec(
-        engines=tuple(int(x) for x in args.engines.split(",")), decoders=args.decoders, preset=args.preset,
-        prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
-        device=args.device, log_level=args.log_level,
+        engines=tuple(int(x) for x in args.engines.split(",")),
+        decoders=args.decoders,
+        preset=args.preset,
+        prefill_pool_tokens=args.prefill_pool_tokens,
+        decode_pool_tokens=args.decode_pool_tokens,
+        device=args.device,
+        log_level=args.log_level,
     )
     print(f"starting: prefill CP {args.engines} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)
     async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:

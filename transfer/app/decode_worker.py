@@ -1,11 +1,11 @@
 """A demo decode worker: allocates pages, fetches a room's KV, verifies every byte, frees.
 
-    POST /v1/decode               DecodeRequest -> DecodeReply
-    POST /v1/rooms/{room}/abort   cancel that room's fetch (releases it on every owner)
-    GET  /v1/stats                pages in use, fetches, failures (JSON)
-    GET  /health
+POST /v1/decode               DecodeRequest -> DecodeReply
+POST /v1/rooms/{room}/abort   cancel that room's fetch (releases it on every owner)
+GET  /v1/stats                pages in use, fetches, failures (JSON)
+GET  /health
 
-    python -m transfer.app.decode_worker --registry http://127.0.0.1:PORT
+python -m transfer.app.decode_worker --registry http://127.0.0.1:PORT
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ from aiohttp import web
 
 from pdkv import PRESETS, DSAKVPool
 from pdkv.errors import ConflictError, PdkvError, TransferError, UnknownRoomError
-from transfer.app.synthetic import RequestContent, fragmented_allocator, prefix_seed, request_seed
 from transfer.app.api import DecodeReply, DecodeRequest
+from transfer.app.service import (
+    add_pool_flags,
+    add_service_flags,
+    announce,
+    run_service,
+    secret_from_env,
+    wait_for_signal,
+)
+from transfer.app.synthetic import RequestContent, fragmented_allocator, prefix_seed, request_seed
 from transfer.deadline import Deadline
 from transfer.decode import DecodeFetcher
-from transfer.http import health, HttpService, make_app, path_int, read_body, reply
-from transfer.app.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
+from transfer.http import HttpService, health, make_app, path_int, read_body, reply
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -43,9 +50,14 @@ class DecodeWorker:
         self.layout = PRESETS[args.preset](size=args.pool_tokens, device=args.device)
         self.pool = DSAKVPool(self.layout)
         self.allocator = fragmented_allocator(self.layout.num_pages, args.seed)
-        self.fetcher = DecodeFetcher(self.pool, args.registry, consumer_id=args.consumer_id,
-                                     secret=secret_from_env(args.secret_env), lanes=args.lanes,
-                                     timeouts=Timeouts(fetch=args.fetch_timeout))
+        self.fetcher = DecodeFetcher(
+            self.pool,
+            args.registry,
+            consumer_id=args.consumer_id,
+            secret=secret_from_env(args.secret_env),
+            lanes=args.lanes,
+            timeouts=Timeouts(fetch=args.fetch_timeout),
+        )
         self.inflight: dict[int, asyncio.Task[DecodeReply]] = {}
         # The router's abort and its decode request travel on separate connections, so an
         # abort may overtake the request it cancels; remembering it refuses the late request.
@@ -57,15 +69,27 @@ class DecodeWorker:
         try:
             deadline = None if req.budget_ms is None else Deadline.from_wire(req.budget_ms)
             result = await self.fetcher.fetch(req.engine_id, req.room, pages, deadline=deadline)
-            content = RequestContent(request_seed(req.engine_id, req.room), req.num_tokens,
-                                     prefix_seed(req.prefix_id), self._prefix_tokens(req))
+            content = RequestContent(
+                request_seed(req.engine_id, req.room),
+                req.num_tokens,
+                prefix_seed(req.prefix_id),
+                self._prefix_tokens(req),
+            )
             bad = await asyncio.to_thread(content.mismatched_layers, self.pool, torch.from_numpy(pages))
             if bad:
                 raise CorruptKVError(f"room {req.room}: layers {bad[:8]} differ from what prefill wrote")
-            verified = req.num_tokens * (self.layout.kv_token_bytes + self.layout.index_token_bytes) * self.layout.layer_num
-            return DecodeReply(room=req.room, nbytes=result.nbytes, descriptors=result.descriptors,
-                               fetch_seconds=result.seconds, verified_bytes=verified,
-                               reads=sum(o.reads for o in result.owners), read_seconds=result.read_seconds)
+            verified = (
+                req.num_tokens * (self.layout.kv_token_bytes + self.layout.index_token_bytes) * self.layout.layer_num
+            )
+            return DecodeReply(
+                room=req.room,
+                nbytes=result.nbytes,
+                descriptors=result.descriptors,
+                fetch_seconds=result.seconds,
+                verified_bytes=verified,
+                reads=sum(o.reads for o in result.owners),
+                read_seconds=result.read_seconds,
+            )
         finally:
             self.allocator.free(pages)
 
@@ -112,8 +136,13 @@ class DecodeWorker:
         return web.Response(status=200)
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.stats, "pages_in_use": self.allocator.used_count,
-                                  "peers": self.fetcher.engine.peer_count if self.fetcher.engine else 0})
+        return web.json_response(
+            {
+                **self.stats,
+                "pages_in_use": self.allocator.used_count,
+                "peers": self.fetcher.transport.peer_count if self.fetcher.transport else 0,
+            }
+        )
 
     async def run(self) -> None:
         app = make_app(secret_from_env(self.args.secret_env))
@@ -138,7 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--registry", required=True)
     ap.add_argument("--consumer-id", default=None)
     add_pool_flags(ap, 128 * 1024)
-    ap.add_argument("--lanes", type=int, default=0, help="UCX lanes (threads posting READs); 0: one a core, up to 8 (4 on a GPU)")
+    ap.add_argument(
+        "--lanes", type=int, default=0, help="UCX lanes (threads posting READs); 0: one a core, up to 8 (4 on a GPU)"
+    )
     ap.add_argument("--fetch-timeout", type=float, default=Timeouts().fetch)
     ap.add_argument("--seed", type=int, default=1)
     add_service_flags(ap)

@@ -62,8 +62,11 @@ class Launcher:
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 [sys.executable, "-m", module, *args, "--ready-file", str(ready), "--die-with-parent"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
         child = Child(name, popen, ready, log_path)
         self.children.append(child)
@@ -75,7 +78,9 @@ class Launcher:
         deadline = time.monotonic() + timeout
         while not child.ready_file.exists():
             if not child.alive():
-                raise PeerLostError(f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}", child.name)
+                raise PeerLostError(
+                    f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}", child.name
+                )
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"{child.name} not ready within {timeout:.0f}s:\n{child.log_tail()}")
             await asyncio.sleep(0.05)
@@ -98,4 +103,3 @@ class Launcher:
     async def stop_all(self, grace: float = 10.0) -> dict[str, int]:
         codes = await asyncio.gather(*(self.stop(c, grace) for c in reversed(self.children)))
         return {c.name: code for c, code in zip(reversed(self.children), codes)}
-

@@ -29,8 +29,17 @@ import torch.distributed as dist
 from aiohttp import web
 
 from pdkv import PRESETS, LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan
-from pdkv.broadcast import BroadcastHandle
+from pdkv.broadcast import CollectiveHandle
 from pdkv.errors import ClosedError, DeadlineExceeded, PdkvError, UnknownRoomError
+from transfer.app.api import PrefillReply, PrefillRequest
+from transfer.app.service import (
+    add_pool_flags,
+    add_service_flags,
+    announce,
+    run_service,
+    secret_from_env,
+    wait_for_signal,
+)
 from transfer.app.synthetic import (
     RequestContent,
     fragmented_allocator,
@@ -39,17 +48,18 @@ from transfer.app.synthetic import (
     token_bytes,
     token_locations,
 )
-from transfer.app.api import PrefillReply, PrefillRequest
 from transfer.deadline import Deadline
-from transfer.http import health, HttpService, make_app, path_int, read_body, reply
+from transfer.http import HttpService, health, make_app, path_int, read_body, reply
 from transfer.prefill import PrefillExporter
-from transfer.app.service import add_pool_flags, add_service_flags, announce, run_service, secret_from_env, wait_for_signal
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
 _STEP_IDLE_S = 0.05  # rank 0 joins a step at least this often: it carries frees and stop
 _MAX_BATCH = 8
+# What the ranks of a step learn of each request, packed by name into an int64 row (a
+# field added to PrefillRequest without a place here does not reach the other ranks).
+_STEP_FIELDS = ("room", "num_tokens", "prefix_id", "prefix_tokens", "consumers")
 
 
 class PrefixMismatch(PdkvError):
@@ -78,11 +88,11 @@ class PrefillEngineRank:
     # ---- collectives on the engine's control group ---------------------------------------
     async def _gather(self, t: torch.Tensor) -> torch.Tensor:
         out = [torch.empty_like(t) for _ in range(self.world)]
-        await BroadcastHandle(dist.all_gather(out, t, async_op=True), None, "step all_gather")
+        await CollectiveHandle(dist.all_gather(out, t, async_op=True), None, "step all_gather")
         return torch.stack(out)
 
     async def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        await BroadcastHandle(dist.broadcast(t, src=0, async_op=True), None, "step broadcast")
+        await CollectiveHandle(dist.broadcast(t, src=0, async_op=True), None, "step broadcast")
         return t
 
     # ---- the step loop -------------------------------------------------------------------
@@ -97,12 +107,11 @@ class PrefillEngineRank:
             self._count_votes(await self._gather(pad))
         n_new = int(hdr[0, 1])
         if n_new:
-            reqs = torch.zeros((n_new, 5), dtype=torch.int64)
+            reqs = torch.zeros((n_new, len(_STEP_FIELDS)), dtype=torch.int64)
             if self.rank == 0:
-                reqs[:] = torch.tensor([[p.request.room, p.request.num_tokens, p.request.prefix_id,
-                                         p.request.prefix_tokens, p.request.consumers] for p in batch])
+                reqs[:] = torch.tensor([[getattr(p.request, f) for f in _STEP_FIELDS] for p in batch])
             for row in (await self._bcast(reqs)).tolist():
-                await self._run_one(PrefillRequest(*row), batch)
+                await self._run_one(PrefillRequest(**dict(zip(_STEP_FIELDS, row))), batch)
         return not bool(hdr[:, 2].any())
 
     def _count_votes(self, ids: torch.Tensor) -> None:
@@ -119,7 +128,9 @@ class PrefillEngineRank:
         t0 = time.perf_counter()
         try:
             pages = await self.prefill(req)
-            outcome: PrefillReply | PdkvError = PrefillReply(room=req.room, pages=len(pages), seconds=time.perf_counter() - t0)
+            outcome: PrefillReply | PdkvError = PrefillReply(
+                room=req.room, pages=len(pages), seconds=time.perf_counter() - t0
+            )
         except PdkvError as exc:
             outcome = exc
             self.exporter.abort_room(req.room)
@@ -144,8 +155,9 @@ class PrefillEngineRank:
         except PdkvError as exc:  # e.g. aborted before it ran: write anyway, keep in step
             logger.info("room %d not exported: %s", req.room, exc)
             self.finished_local.append(req.room)
-        content = RequestContent(request_seed(self.args.engine_id, req.room), req.num_tokens,
-                                 prefix_seed(req.prefix_id), prefix_tokens)
+        content = RequestContent(
+            request_seed(self.args.engine_id, req.room), req.num_tokens, prefix_seed(req.prefix_id), prefix_tokens
+        )
         await self._write_layers(req.room, content, torch.from_numpy(pages), prefix_pages, prefix_tokens)
         return pages
 
@@ -165,8 +177,14 @@ class PrefillEngineRank:
             self.prefixes[req.prefix_id] = cached = (pages, tokens)
         return torch.from_numpy(cached[0]), tokens
 
-    async def _write_layers(self, room: int | None, content: RequestContent, pages: torch.Tensor,
-                            prefix_pages: torch.Tensor | None, prefix_tokens: int) -> None:
+    async def _write_layers(
+        self,
+        room: int | None,
+        content: RequestContent,
+        pages: torch.Tensor,
+        prefix_pages: torch.Tensor | None,
+        prefix_tokens: int,
+    ) -> None:
         pool, layout = self.pool, self.layout
         loc = token_locations(layout, pages, content.num_tokens)
         for layer in range(layout.start_layer, layout.end_layer):
@@ -222,8 +240,15 @@ class PrefillEngineRank:
         self.allocator = fragmented_allocator(self.layout.num_pages, a.seed)
         secret = secret_from_env(a.secret_env)
         self.exporter = PrefillExporter(
-            self.pool, a.engine_id, self.rank, self.world, a.registry, host=a.host,
-            timeouts=self.timeouts, secret=secret, on_free=lambda room, pages: self.finished_local.append(room),
+            self.pool,
+            a.engine_id,
+            self.rank,
+            self.world,
+            a.registry,
+            host=a.host,
+            timeouts=self.timeouts,
+            secret=secret,
+            on_free=lambda room, pages: self.finished_local.append(room),
         )
         await self.exporter.start()
         intake = None
@@ -234,7 +259,10 @@ class PrefillEngineRank:
             app.router.add_get("/health", health)
             intake = HttpService(app, a.host, a.port)
             await intake.start()
-        announce(self.args.ready_file, json.dumps({"control": self.exporter.control_url, "intake": intake.url if intake else ""}))
+        announce(
+            self.args.ready_file,
+            json.dumps({"control": self.exporter.control_url, "intake": intake.url if intake else ""}),
+        )
         stopper = asyncio.create_task(self._stop_on_signal())
         try:
             while await self.step():
@@ -276,8 +304,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lease", type=float, default=Timeouts().lease, help="registry lease (renewed every third)")
     ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")
     ap.add_argument("--group-timeout", type=float, default=60.0)
-    ap.add_argument("--broadcast-backend", choices=["nccl", "gloo"], default=None,
-                    help="owner broadcast backend (default: nccl on CUDA, gloo on the host)")
+    ap.add_argument(
+        "--broadcast-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="owner broadcast backend (default: nccl on CUDA, gloo on the host)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     add_service_flags(ap)
     return ap.parse_args(argv)

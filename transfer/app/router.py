@@ -93,8 +93,15 @@ class Router:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    async def submit(self, num_tokens: int, prefix_id: int = -1, prefix_tokens: int = 0, *,
-                     engine_id: str | None = None, decoder: int | None = None) -> RequestOutcome:
+    async def submit(
+        self,
+        num_tokens: int,
+        prefix_id: int = -1,
+        prefix_tokens: int = 0,
+        *,
+        engine_id: str | None = None,
+        decoder: int | None = None,
+    ) -> RequestOutcome:
         """Run one request through a prefill engine and a decode worker (least busy by default)."""
         engines = [e for e in self.services.engines if engine_id in (None, e.engine_id)]
         engine = max(engines, key=lambda e: self.budget(e).free)
@@ -102,8 +109,14 @@ class Router:
         dec = decoders[decoder] if decoder is not None else max(decoders, key=lambda d: self.budget(d).free)
         return await self.submit_to(engine, dec, num_tokens, prefix_id, prefix_tokens)
 
-    async def submit_to(self, engine: EngineEndpoints, decoder: DecoderEndpoint, num_tokens: int,
-                        prefix_id: int = -1, prefix_tokens: int = 0) -> RequestOutcome:
+    async def submit_to(
+        self,
+        engine: EngineEndpoints,
+        decoder: DecoderEndpoint,
+        num_tokens: int,
+        prefix_id: int = -1,
+        prefix_tokens: int = 0,
+    ) -> RequestOutcome:
         """Run one request through these two services."""
         room = next(self._rooms)
         need = num_tokens + _PAGE_SLACK
@@ -119,20 +132,37 @@ class Router:
             error = f"{type(exc).__name__}: {exc}"
             return RequestOutcome(room, engine.engine_id, num_tokens, False, time.perf_counter() - t0, error=error)
 
-    async def _both_legs(self, engine: EngineEndpoints, decoder: DecoderEndpoint, room: int, num_tokens: int,
-                         prefix_id: int, prefix_tokens: int, deadline: Deadline) -> DecodeReply:
+    async def _both_legs(
+        self,
+        engine: EngineEndpoints,
+        decoder: DecoderEndpoint,
+        room: int,
+        num_tokens: int,
+        prefix_id: int,
+        prefix_tokens: int,
+        deadline: Deadline,
+    ) -> DecodeReply:
         """Both legs carry what remains of `deadline`; each worker bounds its work by it."""
         budget = deadline.to_wire()
-        pre = PrefillRequest(room=room, num_tokens=num_tokens, prefix_id=prefix_id, prefix_tokens=prefix_tokens,
-                             budget_ms=budget)
-        dec = DecodeRequest(engine_id=engine.engine_id, room=room, num_tokens=num_tokens,
-                            prefix_id=prefix_id, prefix_tokens=prefix_tokens, budget_ms=budget)
+        pre = PrefillRequest(
+            room=room, num_tokens=num_tokens, prefix_id=prefix_id, prefix_tokens=prefix_tokens, budget_ms=budget
+        )
+        dec = DecodeRequest(
+            engine_id=engine.engine_id,
+            room=room,
+            num_tokens=num_tokens,
+            prefix_id=prefix_id,
+            prefix_tokens=prefix_tokens,
+            budget_ms=budget,
+        )
         # The client waits a little past the budget, so that a worker's own DeadlineExceeded arrives.
         wait = deadline.left() + self.timeouts.request
-        prefill = asyncio.create_task(self.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, pre,
-                                                          timeout=wait))
-        decode = asyncio.create_task(self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec,
-                                                         timeout=wait))
+        prefill = asyncio.create_task(
+            self.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, pre, timeout=wait)
+        )
+        decode = asyncio.create_task(
+            self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec, timeout=wait)
+        )
         try:
             await asyncio.wait([prefill, decode], return_when=asyncio.FIRST_EXCEPTION)
             for leg in (prefill, decode):
@@ -153,8 +183,9 @@ class Router:
         """Cancel `room` everywhere: the decode's fetch, the queued prefill, every rank's pins."""
         urls = [f"{decoder.url}/v1/rooms/{room}/abort", f"{engine.intake}/v1/rooms/{room}/abort"]
         urls += [f"{c}/v1/rooms/{room}/abort" for c in engine.controls]
-        results = await asyncio.gather(*(self.client.request("POST", u, timeout=self.timeouts.request) for u in urls),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.client.request("POST", u, timeout=self.timeouts.request) for u in urls), return_exceptions=True
+        )
         for url, r in zip(urls, results):
             if isinstance(r, BaseException):
                 logger.warning("abort %s: %s", url, r)
@@ -177,8 +208,15 @@ class Deployment(Supervisor):
     def client(self) -> ControlClient:
         return self.router.client
 
-    async def submit(self, num_tokens: int, prefix_id: int = -1, prefix_tokens: int = 0, *,
-                     engine_id: str | None = None, decoder: int | None = None) -> RequestOutcome:
+    async def submit(
+        self,
+        num_tokens: int,
+        prefix_id: int = -1,
+        prefix_tokens: int = 0,
+        *,
+        engine_id: str | None = None,
+        decoder: int | None = None,
+    ) -> RequestOutcome:
         return await self.router.submit(num_tokens, prefix_id, prefix_tokens, engine_id=engine_id, decoder=decoder)
 
     async def abort(self, engine: EngineEndpoints, decoder: DecoderEndpoint, room: int) -> None:

@@ -56,7 +56,9 @@ def setup_process(args: argparse.Namespace) -> None:
     when launched by a supervisor, dying with it."""
     if args.die_with_parent:
         die_with_parent()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
 
 
 def secret_from_env(name: str) -> str | None:

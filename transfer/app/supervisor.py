@@ -90,10 +90,31 @@ class Supervisor:
         init = f"file://{self.workdir}/{engine_id}.{self._generation}.dist"
         out = []
         for r in range(cp):
-            args = ["--engine-id", engine_id, "--cp-rank", str(r), "--cp-size", str(cp), "--dist-init", init,
-                    "--registry", self.registry_url, "--preset", s.preset, "--pool-tokens", str(s.prefill_pool_tokens),
-                    "--device", s.device, "--layer-delay", str(s.layer_delay), "--pin", str(s.pin),
-                    "--lease", str(s.lease), *self._common()]
+            args = [
+                "--engine-id",
+                engine_id,
+                "--cp-rank",
+                str(r),
+                "--cp-size",
+                str(cp),
+                "--dist-init",
+                init,
+                "--registry",
+                self.registry_url,
+                "--preset",
+                s.preset,
+                "--pool-tokens",
+                str(s.prefill_pool_tokens),
+                "--device",
+                s.device,
+                "--layer-delay",
+                str(s.layer_delay),
+                "--pin",
+                str(s.pin),
+                "--lease",
+                str(s.lease),
+                *self._common(),
+            ]
             out.append((engine_id, self.launcher.spawn(f"{engine_id}-cp{r}", "transfer.app.prefill_worker", args)))
         return out
 
@@ -104,9 +125,23 @@ class Supervisor:
         for e, cp in enumerate(s.engines):
             pending += self._spawn_engine(f"prefill{e}", cp)
         for d in range(s.decoders):
-            args = ["--registry", self.registry_url, "--consumer-id", f"decode{d}", "--preset", s.preset,
-                    "--pool-tokens", str(s.decode_pool_tokens), "--device", s.device, "--lanes", str(s.decode_lanes),
-                    "--seed", str(d + 1), *self._common()]
+            args = [
+                "--registry",
+                self.registry_url,
+                "--consumer-id",
+                f"decode{d}",
+                "--preset",
+                s.preset,
+                "--pool-tokens",
+                str(s.decode_pool_tokens),
+                "--device",
+                s.device,
+                "--lanes",
+                str(s.decode_lanes),
+                "--seed",
+                str(d + 1),
+                *self._common(),
+            ]
             pending.append((f"decode{d}", launch.spawn(f"decode{d}", "transfer.app.decode_worker", args)))
         ready = await asyncio.gather(*(launch.wait_ready(c, s.start_timeout) for _, c in pending))
         by_engine: dict[str, list[dict[str, str]]] = {}
@@ -116,8 +151,9 @@ class Supervisor:
             else:
                 by_engine.setdefault(engine_id, []).append(json.loads(text))
         for engine_id, ranks in by_engine.items():
-            self.engines.append(EngineEndpoints(engine_id, ranks[0]["intake"], [r["control"] for r in ranks],
-                                                s.prefill_pool_tokens))
+            self.engines.append(
+                EngineEndpoints(engine_id, ranks[0]["intake"], [r["control"] for r in ranks], s.prefill_pool_tokens)
+            )
 
     async def restart_engine(self, engine_id: str) -> None:
         """Stop whatever is left of a prefill engine and start all its ranks afresh.

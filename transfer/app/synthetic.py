@@ -119,9 +119,7 @@ def prefix_seed(prefix_id: int) -> int:
     return (0x7F4A7C15 << 32) ^ prefix_id
 
 
-def fragmented_page_order(
-    pages: np.ndarray, rng: np.random.Generator, mean_run: float = 4.0
-) -> np.ndarray:
+def fragmented_page_order(pages: np.ndarray, rng: np.random.Generator, mean_run: float = 4.0) -> np.ndarray:
     """`pages` cut into runs of geometric length (mean `mean_run`), runs shuffled.
 
     What a paged allocator's free list looks like after some churn: consecutive pages

@@ -22,11 +22,12 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.deadline import Deadline
 from transfer.plan import ReadPlan
 
-__all__ = ["UcxEngine", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "load_nixl"]
+__all__ = ["UcxTransport", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "load_nixl"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ def _nixl() -> ModuleType:
 
 def _translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
     """NIXL's exceptions into the pdkv tree: the one place that sees them."""
-    disconnected = getattr(importlib.import_module(f"{_nixl().__name__.split('.')[0]}._bindings"),
-                           "nixlRemoteDisconnectError", ())
+    disconnected = getattr(
+        importlib.import_module(f"{_nixl().__name__.split('.')[0]}._bindings"), "nixlRemoteDisconnectError", ()
+    )
     if isinstance(exc, disconnected):
         return PeerLostError(f"{what}: peer {peer or '?'} disconnected", peer)
     return TransferError(f"{what}: {type(exc).__name__}: {exc}")
@@ -209,7 +211,7 @@ def _split(plan: ReadPlan, pieces: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return list(zip(np.split(plan.local, cuts), np.split(plan.remote, cuts)))
 
 
-class UcxEngine:
+class UcxTransport:
     """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
 
     def __init__(self, name: str, lanes: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0) -> None:
@@ -282,8 +284,9 @@ class UcxEngine:
         except Exception as exc:
             # NIXL says no more than NIXL_ERR_BACKEND: the peer's worker could not be
             # reached with what it published, which is what a dead peer looks like.
-            raise PeerLostError(f"cannot load the UCX metadata of {agent_name}: {type(exc).__name__}: {exc}",
-                                agent_name) from exc
+            raise PeerLostError(
+                f"cannot load the UCX metadata of {agent_name}: {type(exc).__name__}: {exc}", agent_name
+            ) from exc
         if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
             await lane.call(lambda: lane.agent.remove_remote_agent(loaded))
             raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")
@@ -344,8 +347,14 @@ class UcxEngine:
                 raise errors[0]
             raise _translate(errors[0], f"READ from {peer}", peer) from errors[0]
         seconds = max(results)
-        logger.debug("READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the lanes",
-                     peer, plan.descriptors, len(futs), plan.nbytes, seconds * 1e3)
+        logger.debug(
+            "READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the lanes",
+            peer,
+            plan.descriptors,
+            len(futs),
+            plan.nbytes,
+            seconds * 1e3,
+        )
         return XferStats(plan.nbytes, plan.descriptors, seconds, len(futs))
 
     def _pick_lanes(self) -> list[_Lane]:
