@@ -60,8 +60,11 @@ async def test_reads_outside_registered_regions_are_refused_before_any_read():
                 dst_pool.kv_slab.view(torch.uint8).view(-1)[:n], src_pool.kv_slab.view(torch.uint8).view(-1)[:n]
             )
             dst_pool.kv_slab.zero_()
-            end = base + src_pool.kv_slab.nbytes + src_pool.index_slab.nbytes
-            for remote in ([end, n, 0], [base - n, n, 0], [base + src_pool.kv_slab.nbytes - 8, 64, 0]):
+            # Outside both exported slabs, wherever the allocator put them: below the lower,
+            # above the higher, and straddling the end of the higher.
+            slabs = sorted((t.data_ptr(), t.nbytes) for t in (src_pool.kv_slab, src_pool.index_slab))
+            low, (top, top_len) = slabs[0][0], slabs[-1]
+            for remote in ([top + top_len, n, 0], [low - n, n, 0], [top + top_len - 8, 64, 0]):
                 bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([remote]), n)
                 with pytest.raises(TransferError, match="outside"):
                     await reader.read(d.agent_name, bad, Deadline.after(10))

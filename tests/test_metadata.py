@@ -3,8 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv import IncompatibleLayoutError, MetadataError, tiny
+from pdkv import IncompatibleLayoutError, MetadataError
 from pdkv.layout import BufferKind
+from tests.wire_helpers import LAYOUT, TOKEN, rank_descriptor
 from transfer.metadata import (
     SCHEMA_VERSION,
     ClaimRequest,
@@ -24,33 +25,6 @@ from transfer.metadata import (
     decode,
     encode,
 )
-
-LAYOUT = tiny(layer_num=7)
-TOKEN = "0123456789abcdef0123456789abcdef"
-
-
-def rank_descriptor(rank=1, size=3, **over):
-    start, end = {0: (0, 3), 1: (3, 5), 2: (5, 7)}[rank]
-    fields = dict(
-        engine_id="e0",
-        cp_rank=rank,
-        cp_size=size,
-        layer_start=start,
-        layer_end=end,
-        fingerprint=LAYOUT.fingerprint,
-        layout=LayoutSpec.of(LAYOUT),
-        buffers=[
-            MemoryDescriptor(kind=k, layer_id=layer, addr=4096 * (1 + layer), length=192 * 65, item_len=192)
-            for k in BufferKind
-            for layer in range(start, end)
-        ],
-        agent_name="e0.cp1.abc",
-        agent_metadata=b"\x00blob",
-        control_url="http://127.0.0.1:1",
-        incarnation="abc",
-    )
-    fields.update(over)
-    return RankDescriptor(**fields)
 
 
 def _raw(msg, **over):

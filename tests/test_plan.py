@@ -154,7 +154,7 @@ async def test_a_launch_group_waits_for_every_owner_then_launches_once():
 # ---- owners of an engine: checked and paired without processes -------------------------------
 def test_owners_must_share_our_geometry_and_item_sizes():
     from pdkv import DSAKVPool, IncompatibleLayoutError
-    from tests.test_metadata import LAYOUT, rank_descriptor
+    from tests.wire_helpers import LAYOUT, rank_descriptor
     from transfer.metadata import EngineDescriptor
     from transfer.plan import buffer_pairs, check_owners
 

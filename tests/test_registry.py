@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from pdkv import AuthError, MetadataError, NotReadyError, UnknownEngineError
-from tests.test_metadata import rank_descriptor
+from tests.wire_helpers import rank_descriptor
 from transfer.bootstrap import RegistryServer
 from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor

@@ -26,7 +26,7 @@ from pdkv import (
 )
 from tests.http_probe import rss_bytes, send_big
 from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
-from tests.test_metadata import rank_descriptor
+from tests.wire_helpers import rank_descriptor
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
