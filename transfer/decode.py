@@ -35,6 +35,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from pdkv.errors import (
@@ -73,6 +74,7 @@ __all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+M = TypeVar("M", bound=msgspec.Struct)
 
 
 @dataclass(frozen=True)
@@ -469,16 +471,7 @@ class DecodeFetcher:
         unknown_until = time.monotonic() + self.timeouts.publish
         while True:
             limit = deadline.left(self.timeouts.poll + self.timeouts.request)
-            state = await self._client.request(
-                "POST",
-                url,
-                RoomState,
-                ask,
-                fingerprint=self.pool.layout.fingerprint,
-                expect_fingerprint=self.pool.layout.fingerprint,
-                timeout=limit,
-            )
-            assert state is not None
+            state = await self._control("POST", url, RoomState, ask, limit)
             if state.status is not RoomStatus.UNKNOWN:
                 claim.granted.add(r.cp_rank)
                 return state
@@ -487,12 +480,18 @@ class DecodeFetcher:
 
     async def _poll(self, owner: _Owner, claim: _Claim, after: int, deadline: Deadline) -> RoomState:
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
-        limit = deadline.left(self.timeouts.poll + self.timeouts.request)
-        state = await self._client.request(
-            "GET", url, RoomState, expect_fingerprint=self.pool.layout.fingerprint, timeout=limit
+        return await self._control(
+            "GET", url, RoomState, None, deadline.left(self.timeouts.poll + self.timeouts.request)
         )
-        assert state is not None
-        return state
+
+    async def _control(self, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float) -> M:
+        """One control request to an owner, in our layout's envelope both ways."""
+        fp = self.pool.layout.fingerprint
+        answer = await self._client.request(
+            method, url, kind, body, fingerprint=fp, expect_fingerprint=fp, timeout=timeout
+        )
+        assert answer is not None
+        return answer
 
     async def _fetch_owner(
         self,
@@ -596,18 +595,9 @@ class DecodeFetcher:
         notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
         try:
-            answer = await self._client.request(
-                "POST",
-                url,
-                ReleaseReply,
-                notice,
-                fingerprint=self.pool.layout.fingerprint,
-                expect_fingerprint=self.pool.layout.fingerprint,
-                timeout=timeout,
-            )
+            answer = await self._control("POST", url, ReleaseReply, notice, timeout)
         finally:
             claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
-        assert answer is not None
         claim.released[owner.rank.cp_rank] = answer.freed
         return answer.freed
 
