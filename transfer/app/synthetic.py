@@ -7,10 +7,12 @@ shows up as a byte mismatch. Cheap enough to fill and verify 32k-token requests.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
-from pdkv.buffers import byte_rows, gather_index_k, gather_index_scale, take
+from pdkv.buffers import byte_rows
 from pdkv.layout import KVLayout
 from pdkv.pages import PageAllocator
 from pdkv.pool import DSAKVPool
@@ -86,26 +88,53 @@ class RequestContent:
         return head
 
     def mismatched_layers(self, pool: DSAKVPool, pages: torch.Tensor, layers: range | None = None) -> list[int]:
-        """Layers of `pool`'s own buffers whose bytes in `pages` differ from this content."""
-        layout = pool.layout
-        kv_buffers, index_buffers = pool.kv_buffer, pool.index_buffer
+        """Layers of `pool`'s own buffers whose bytes in `pages` differ from this content.
+
+        Every byte of every token is compared. Pages are gathered whole (a page is
+        `page_size` consecutive token rows) and compared with memcmp: token by token,
+        this check cost more CPU than the transfer it checks.
+        """
         layers = pool.owned if layers is None else layers
-        loc = token_locations(layout, pages, self.num_tokens)
-        bad = []
-        for layer in layers:
-            want = self.layer(layout, layer)
-            local = layer - layout.start_layer
-            kv = take(byte_rows(kv_buffers[local]), loc)
-            k = gather_index_k(index_buffers[local], layout, self.num_tokens, pages)
-            s = gather_index_scale(index_buffers[local], layout, self.num_tokens, pages)
-            same = (
-                np.array_equal(kv.cpu().numpy(), want.kv.numpy())
-                and np.array_equal(k.cpu().numpy(), want.index_k.numpy())
-                and np.array_equal(s.cpu().numpy(), want.index_scale.view(torch.uint8).view(-1, 4).numpy())
-            )
-            if not same:
-                bad.append(layer)
-        return bad
+        page_ids = pages.reshape(-1).long().cpu().numpy()
+        return [layer for layer in layers if not self._layer_matches(pool, layer, page_ids)]
+
+    def _layer_matches(self, pool: DSAKVPool, layer: int, page_ids: np.ndarray) -> bool:
+        layout, n, ps = pool.layout, self.num_tokens, pool.layout.page_size
+        want = self.layer(layout, layer)
+        local = layer - layout.start_layer
+        kv = byte_rows(pool.kv_buffer[local])
+        kv_pages = kv[: kv.shape[0] // ps * ps].reshape(-1, ps * kv.shape[1])
+        got_kv = _take_pages(kv_pages, page_ids).reshape(-1, kv.shape[1])[:n]
+        if not _same_bytes(got_kv, want.kv):
+            return False
+        idx = _take_pages(pool.index_buffer[local], page_ids)
+        keys = idx[:, : layout.index_scale_offset].reshape(-1, layout.index_head_dim)[:n]
+        scales = idx[:, layout.index_scale_offset :].reshape(-1, 4)[:n]
+        return np.array_equal(keys, want.index_k.numpy()) and np.array_equal(
+            scales, want.index_scale.view(torch.uint8).view(-1, 4).numpy()
+        )
+
+
+def _take_pages(pages_view: torch.Tensor, page_ids: np.ndarray) -> np.ndarray:
+    """Whole pages `page_ids` of a (pages, page_bytes) view, on the host, as numpy."""
+    if pages_view.device.type != "cpu":
+        return pages_view[torch.from_numpy(page_ids).to(pages_view.device)].cpu().numpy()
+    return np.take(pages_view.numpy(), page_ids, axis=0)
+
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _same_bytes(got: np.ndarray, want: torch.Tensor) -> bool:
+    """Byte equality of two equally shaped arrays, at memcmp speed where both are contiguous."""
+    w = want.numpy()
+    if got.shape != w.shape:
+        return False
+    if got.flags.c_contiguous and w.flags.c_contiguous:
+        return _memcmp(got.ctypes.data, w.ctypes.data, got.nbytes) == 0
+    return np.array_equal(got, w)
 
 
 def request_seed(engine_id: str, room: int) -> int:
