@@ -42,6 +42,7 @@ class Summary:
     wall_seconds: float
     read_gbps: float  # fetched bytes / time inside UCX READs
     fetch_gbps: float  # fetched bytes / fetch time (which includes waiting for prefill)
+    copy_gbps: float  # this machine: one thread copying 256 MiB, for scale
     ttft_p50_ms: float  # request to verified KV in decode
     ttft_p99_ms: float
     fetch_p50_ms: float
@@ -56,7 +57,18 @@ def parse_mix(text: str) -> tuple[np.ndarray, np.ndarray]:
     return tokens, weights / weights.sum()
 
 
-def summarise(outcomes: list[RequestOutcome], wall: float) -> Summary:
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """This machine's one-thread copy rate (GB/s, best of three): the scale for transfer rates."""
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def summarise(outcomes: list[RequestOutcome], wall: float, copy_gbps: float = 0.0) -> Summary:
     ok = [o for o in outcomes if o.ok and o.decode is not None]
     replies = [o.decode for o in ok if o.decode is not None]
     ttft = np.array([o.seconds for o in ok]) * 1e3 if ok else np.zeros(1)
@@ -70,6 +82,7 @@ def summarise(outcomes: list[RequestOutcome], wall: float) -> Summary:
         fetched_bytes=fetched,
         wall_seconds=wall,
         read_gbps=fetched / max(sum(r.read_seconds for r in replies), 1e-9) / 1e9,
+        copy_gbps=copy_gbps,
         fetch_gbps=fetched / max(fetch.sum() / 1e3, 1e-9) / 1e9,
         ttft_p50_ms=float(np.percentile(ttft, 50)),
         ttft_p99_ms=float(np.percentile(ttft, 99)),
@@ -85,7 +98,8 @@ def render(s: Summary, spec: DeploymentSpec) -> str:
         ("requests", f"{s.requests} ({s.ok} ok)"),
         ("failures", str(s.failures)),
         ("verified bytes", f"{s.verified_bytes / 1e9:.2f} GB"),
-        ("UCX read GB/s", f"{s.read_gbps:.2f}"),
+        ("UCX read GB/s (time inside READs)", f"{s.read_gbps:.2f}"),
+        ("machine copy GB/s (one thread, for scale)", f"{s.copy_gbps:.2f}"),
         ("fetch GB/s (incl. wait for prefill)", f"{s.fetch_gbps:.2f}"),
         ("TTFT-on-decode p50 / p99", f"{s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f} ms"),
         ("fetch p50 / p99", f"{s.fetch_p50_ms:.0f} / {s.fetch_p99_ms:.0f} ms"),
@@ -139,7 +153,7 @@ async def run(args: argparse.Namespace) -> int:
     async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
         t0 = time.perf_counter()
         outcomes = await drive(d, args)
-        summary = summarise(outcomes, time.perf_counter() - t0)
+        summary = summarise(outcomes, time.perf_counter() - t0, copy_bandwidth())
         dead = d.dead_children()
     print(render(summary, spec))
     for name in dead:
