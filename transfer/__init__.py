@@ -2,7 +2,7 @@
 
 Modules, one per role: `metadata` (wire types), `ucx` (UCX through NIXL), `plan`
 (pure transfer and gather plans), `rooms` (a rank's claims and pins), `prefill` (the
-exporter), `decode` (the fetcher), `bootstrap` (the registry), `http` (the control
+exporter), `decode` (the fetcher; `owner_io` its per-owner protocol, `results`), `bootstrap` (the registry), `http` (the control
 plane's HTTP), `timeouts`, and the same-host GPU lane (`cuda_ipc`, `gpu_lane`, `gather`).
 The application that runs them lives in `transfer.app`, which nothing here imports.
 Import from the module that owns a name; this package re-exports nothing.

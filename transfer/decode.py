@@ -28,46 +28,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
 import uuid
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-import numpy as np
 
 from pdkv.errors import (
     ClosedError,
     DeadlineExceeded,
     IncompatibleLayoutError,
-    MetadataError,
     NotReadyError,
     PeerLostError,
     TransferError,
     UnknownEngineError,
-    UnknownRoomError,
 )
 from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
 from transfer.http import ControlClient
 from transfer.metadata import (
-    ClaimRequest,
     EngineDescriptor,
-    RankDescriptor,
-    ReleaseNotice,
-    ReleaseReply,
-    RoomState,
-    RoomStatus,
 )
-from transfer.plan import BufferPair, buffer_pairs, build_read_plan, check_owners, mem_type
+from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
+from transfer.plan import buffer_pairs, check_owners, mem_type
+from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
-from transfer.ucx import UcxTransport, XferStats, default_lanes
+from transfer.ucx import UcxTransport, default_lanes
 
 if TYPE_CHECKING:
-    from transfer.gpu_lane import GpuLane, IpcPeer, LaunchGroup, LaunchSlot
+    from transfer.gpu_lane import GpuLane
 
 __all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 
@@ -77,62 +66,7 @@ T = TypeVar("T")
 M = TypeVar("M", bound=msgspec.Struct)
 
 
-@dataclass(frozen=True)
-class OwnerStats:
-    cp_rank: int
-    layers: tuple[int, int]
-    nbytes: int
-    descriptors: int
-    reads: int
-    seconds: float  # from the first poll to the last byte from this owner
-    read_seconds: float  # inside READs only (the rest is waiting for prefill)
-    path: str = "ucx"  # what moved the bytes: "ucx", or "cuda_ipc" (the same-host GPU lane)
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    engine_id: str
-    room: int
-    nbytes: int
-    seconds: float
-    owners: tuple[OwnerStats, ...]
-    freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
-
-    @property
-    def descriptors(self) -> int:
-        return sum(o.descriptors for o in self.owners)
-
-    @property
-    def read_seconds(self) -> float:
-        return sum(o.read_seconds for o in self.owners)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Owner:
-    rank: RankDescriptor
-    pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), UCX addresses
-    ipc: IpcPeer | None = None  # set when the same-host GPU lane reads this owner
-
-
-@dataclass
-class _Claim:
-    """One fetch's (or lease's) claim on a room: a random token, and where it stands."""
-
-    room: int
-    token: str = field(default_factory=lambda: secrets.token_hex(16))
-    granted: set[int] = field(default_factory=set)  # cp ranks that granted it
-    released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
-
-    @property
-    def open_ranks(self) -> set[int]:
-        return self.granted - self.released.keys()
-
-
-class DecodeFetcher:
+class DecodeFetcher(OwnerIO):
     """Fetches KV of prefill rooms into `pool` over UCX. Many fetches may run at once.
 
     `lanes` is how many threads post READs (None: `default_lanes`, one a core up to 8,
@@ -171,8 +105,8 @@ class DecodeFetcher:
         self.merge_runs = merge_runs
         self._lanes = lanes
         self._client = ControlClient(timeouts, secret)
-        self._engines: dict[str, dict[int, _Owner]] = {}
-        self._lookups: dict[str, asyncio.Task[dict[int, _Owner]]] = {}
+        self._engines: dict[str, dict[int, Owner]] = {}
+        self._lookups: dict[str, asyncio.Task[dict[int, Owner]]] = {}
         self.transport: UcxTransport | None = None
         self._closing = False
         self._owner_tasks: set[asyncio.Future[Any]] = set()
@@ -235,7 +169,7 @@ class DecodeFetcher:
         await self.aclose()
 
     # ---- engine lookup -------------------------------------------------------------------------
-    async def _lookup(self, engine_id: str, deadline: Deadline) -> dict[int, _Owner]:
+    async def _lookup(self, engine_id: str, deadline: Deadline) -> dict[int, Owner]:
         """The engine's owners, cached; concurrent fetches share one lookup in flight."""
         cached = self._engines.get(engine_id)
         if cached is not None:
@@ -253,13 +187,13 @@ class DecodeFetcher:
                 raise ClosedError(f"the DecodeFetcher was closed while looking up {engine_id}") from None
             raise
 
-    async def _resolve(self, engine_id: str) -> dict[int, _Owner]:
+    async def _resolve(self, engine_id: str) -> dict[int, Owner]:
         owners = await self._describe(engine_id)
         await self._connect(owners)
         self._engines[engine_id] = owners
         return owners
 
-    async def _describe(self, engine_id: str, within: Deadline | None = None) -> dict[int, _Owner]:
+    async def _describe(self, engine_id: str, within: Deadline | None = None) -> dict[int, Owner]:
         """Ask the registry for the engine's owners (waiting until all are in) and check them."""
         deadline = Deadline.after(self.timeouts.lookup) if within is None else within.within(self.timeouts.lookup)
         url = f"{self.registry_url}/v1/engines/{engine_id}"
@@ -279,11 +213,11 @@ class DecodeFetcher:
         assert desc is not None
         return self._check_engine(desc)
 
-    def _check_engine(self, desc: EngineDescriptor) -> dict[int, _Owner]:
+    def _check_engine(self, desc: EngineDescriptor) -> dict[int, Owner]:
         check_owners(desc, self.pool)
-        return {rank.cp_rank: _Owner(rank, buffer_pairs(rank, self.pool)) for rank in desc.ranks}
+        return {rank.cp_rank: Owner(rank, buffer_pairs(rank, self.pool)) for rank in desc.ranks}
 
-    async def _connect(self, owners: dict[int, _Owner]) -> None:
+    async def _connect(self, owners: dict[int, Owner]) -> None:
         assert self.transport is not None
         for o in owners.values():
             if self._open_ipc(o):
@@ -292,9 +226,9 @@ class DecodeFetcher:
             try:
                 await self.transport.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
             except PeerLostError as exc:
-                raise _lost(o.rank, exc) from exc
+                raise lost_peer(o.rank, exc) from exc
 
-    def _open_ipc(self, owner: _Owner) -> bool:
+    def _open_ipc(self, owner: Owner) -> bool:
         """Map `owner` for the same-host GPU lane if the path allows and it is reachable."""
         if self.path == "ucx":
             return False
@@ -350,19 +284,19 @@ class DecodeFetcher:
             was_cached = engine_id in self._engines
             owners = await self._lookup(engine_id, budget)
             try:
-                return await self._fetch_from(owners, engine_id, _Claim(room), dst, budget)
+                return await self._fetch_from(owners, engine_id, Claim(room), dst, budget)
             except PeerLostError:
                 fresh = await self._reregistered(engine_id, owners, was_cached, budget)
                 if fresh is None:
                     raise
                 logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
-                return await self._fetch_from(fresh, engine_id, _Claim(room), dst, budget)
+                return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget)
         finally:
             self._leave()
 
     async def _reregistered(
-        self, engine_id: str, owners: dict[int, _Owner], was_cached: bool, budget: Deadline
-    ) -> dict[int, _Owner] | None:
+        self, engine_id: str, owners: dict[int, Owner], was_cached: bool, budget: Deadline
+    ) -> dict[int, Owner] | None:
         """After a lost peer: the engine's owners anew if it re-registered since it was
         cached (a restart), else None."""
         await self.forget(engine_id)  # drop the dead peers' connections and keys
@@ -385,7 +319,7 @@ class DecodeFetcher:
         self._enter()
         try:
             owners = await self._lookup(engine_id, budget)
-            claim = _Claim(room)
+            claim = Claim(room)
             try:
                 await self._tracked(self._claim_arbiter(owners, claim, budget))
                 await self._tracked(
@@ -400,229 +334,12 @@ class DecodeFetcher:
         finally:
             self._leave()
 
-    async def _fetch_from(
-        self,
-        owners: dict[int, _Owner],
-        engine_id: str,
-        claim: _Claim,
-        dst: np.ndarray,
-        deadline: Deadline,
-        release: bool = True,
-    ) -> FetchResult:
-        t0 = time.perf_counter()
-        tasks: list[asyncio.Task[OwnerStats]] = []
-        try:
-            first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
-            group = self._launch_group(owners)
-            tasks = [
-                asyncio.create_task(
-                    self._fetch_owner(
-                        o, claim, dst, deadline, release, first.get(r), group if o.ipc is not None else None
-                    )
-                )
-                for r, o in owners.items()
-            ]
-            self._owner_tasks.update(tasks)
-            stats = await _all_or_cancel(tasks)
-        except BaseException:  # cancellation too: never leave the room pinned
-            if release:
-                await self._release_all(owners, claim)
-            raise
-        finally:
-            self._owner_tasks.difference_update(tasks)
-        nbytes = sum(s.nbytes for s in stats)
-        freed = release and all(claim.released.get(r, False) for r in owners)
-        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - t0, tuple(stats), freed)
-
-    async def _tracked(self, work: Awaitable[T]) -> T:
-        """`work` in a task that `aclose()` may cancel (the caller then gets `ClosedError`)."""
-        task = asyncio.ensure_future(work)
-        self._owner_tasks.add(task)
-        try:
-            return (await _all_or_cancel([task]))[0]
-        finally:
-            self._owner_tasks.discard(task)
-
-    def _launch_group(self, owners: dict[int, _Owner]) -> LaunchGroup | None:
-        """A group for the owners the GPU lane reads, when there are several."""
-        lane_owners = sum(o.ipc is not None for o in owners.values())
-        if self._gpu is None or lane_owners < 2:
-            return None
-        from transfer.gpu_lane import LaunchGroup
-
-        return LaunchGroup(self._gpu, lane_owners)
-
-    async def _claim_arbiter(
-        self, owners: dict[int, _Owner], claim: _Claim, deadline: Deadline
-    ) -> dict[int, RoomState]:
-        """Claim on the lowest CP rank before any other: every claimant asks it first, so of
-        two racing for a single-consumer room one wins everywhere and the other is refused
-        there, rather than each winning some owners and both failing."""
-        rank = min(owners)
-        if rank in claim.granted:
-            return {}
-        return {rank: await self._claim_owner(owners[rank], claim, deadline)}
-
-    async def _claim_owner(self, owner: _Owner, claim: _Claim, deadline: Deadline) -> RoomState:
-        """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
-        r = owner.rank
-        url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
-        ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
-        unknown_until = time.monotonic() + self.timeouts.publish
-        while True:
-            limit = deadline.left(self.timeouts.poll + self.timeouts.request)
-            state = await self._control("POST", url, RoomState, ask, limit)
-            if state.status is not RoomStatus.UNKNOWN:
-                claim.granted.add(r.cp_rank)
-                return state
-            if time.monotonic() > unknown_until:
-                raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
-
-    async def _poll(self, owner: _Owner, claim: _Claim, after: int, deadline: Deadline) -> RoomState:
-        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
-        return await self._control(
-            "GET", url, RoomState, None, deadline.left(self.timeouts.poll + self.timeouts.request)
-        )
-
-    async def _control(self, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float) -> M:
-        """One control request to an owner, in our layout's envelope both ways."""
-        fp = self.pool.layout.fingerprint
-        answer = await self._client.request(
-            method, url, kind, body, fingerprint=fp, expect_fingerprint=fp, timeout=timeout
-        )
-        assert answer is not None
-        return answer
-
-    async def _fetch_owner(
-        self,
-        owner: _Owner,
-        claim: _Claim,
-        dst: np.ndarray,
-        deadline: Deadline,
-        release: bool,
-        state: RoomState | None,
-        group: LaunchGroup | None = None,
-    ) -> OwnerStats:
-        """Read one owner's layers, then release them there (while other owners still read)."""
-        try:
-            stats = await self._read_owner(owner, claim, dst, deadline, state, group)
-            if release:
-                await self._release(owner, claim, deadline.left(self.timeouts.request))
-            return stats
-        except PeerLostError as exc:
-            raise _lost(owner.rank, exc) from exc
-
-    async def _read_owner(
-        self,
-        owner: _Owner,
-        claim: _Claim,
-        dst: np.ndarray,
-        deadline: Deadline,
-        state: RoomState | None,
-        group: LaunchGroup | None = None,
-    ) -> OwnerStats:
-        slot = group.slot() if group is not None else None
-        try:
-            return await self._read_owner_layers(owner, claim, dst, deadline, state, slot)
-        finally:
-            if slot is not None:
-                slot.close()  # others must not wait for an owner that read alone or failed
-
-    async def _read_owner_layers(
-        self,
-        owner: _Owner,
-        claim: _Claim,
-        dst: np.ndarray,
-        deadline: Deadline,
-        state: RoomState | None,
-        slot: LaunchSlot | None,
-    ) -> OwnerStats:
-        assert self.transport is not None
-        r = owner.rank
-        t0 = time.perf_counter()
-        cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
-        pieces = max(1, self.transport.lanes // r.cp_size)  # owners read at once: fill the lanes, no more
-        if state is None and r.cp_rank in claim.granted:
-            state = await self._poll(owner, claim, cursor - 1, deadline)
-        elif state is None:
-            state = await self._claim_owner(owner, claim, deadline)
-        src = np.asarray(state.src_pages, dtype=np.int64)
-        if src.size != dst.size:
-            raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
-        while True:
-            if state.ready_upto > cursor:
-                layers = range(cursor, state.ready_upto)
-                if slot is not None and owner.ipc is not None and layers == range(r.layer_start, r.layer_end):
-                    xfer = await slot.read(owner.ipc, layers, src, dst)  # every layer ready: one launch for all owners
-                else:
-                    if slot is not None:
-                        slot.close()
-                    xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
-                nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
-                busy += xfer.seconds
-                cursor = state.ready_upto
-            if cursor >= r.layer_end:
-                break
-            state = await self._poll(owner, claim, cursor, deadline)
-        return OwnerStats(
-            r.cp_rank,
-            (r.layer_start, r.layer_end),
-            nbytes,
-            descs,
-            reads,
-            time.perf_counter() - t0,
-            busy,
-            "cuda_ipc" if owner.ipc is not None else "ucx",
-        )
-
-    async def _read_layers(
-        self, owner: _Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline, pieces: int
-    ) -> XferStats:
-        """Copy `layers` of one owner: one gather kernel on the GPU lane, or one batched READ."""
-        if owner.ipc is not None:
-            assert self._gpu is not None
-            return await self._gpu.read(owner.ipc, layers, src, dst)
-        assert self.transport is not None
-        pairs = [p for layer in layers for p in owner.pairs[layer]]
-        plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-        return await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
-
-    async def _release(self, owner: _Owner, claim: _Claim, timeout: float) -> bool:
-        """Release the claim on one owner; True if that freed the room there.
-
-        A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
-        """
-        notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
-        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
-        try:
-            answer = await self._control("POST", url, ReleaseReply, notice, timeout)
-        finally:
-            claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
-        claim.released[owner.rank.cp_rank] = answer.freed
-        return answer.freed
-
-    async def _release_all(self, owners: dict[int, _Owner], claim: _Claim) -> None:
-        """Release the claim wherever it is still open, after a failed fetch.
-
-        Each gets a full request timeout, not what is left of the fetch's deadline: the
-        fetch may have failed on that deadline, and the pins must not be left behind.
-        """
-        limit = self.timeouts.request
-        ranks = claim.open_ranks
-        results = await asyncio.gather(
-            *(self._release(o, claim, limit) for o in owners.values() if o.rank.cp_rank in ranks),
-            return_exceptions=True,
-        )
-        for e in results:
-            if isinstance(e, BaseException):
-                logger.debug("release of room %d after a failed fetch: %s", claim.room, e)
-
 
 class RoomLease:
     """A claim on one room held on every owner; its source pages stay pinned until
     `release()`. Reads under it may be repeated. Use `async with` or call `release()`."""
 
-    def __init__(self, fetcher: DecodeFetcher, engine_id: str, owners: dict[int, _Owner], claim: _Claim) -> None:
+    def __init__(self, fetcher: DecodeFetcher, engine_id: str, owners: dict[int, Owner], claim: Claim) -> None:
         self._fetcher, self.engine_id, self._owners, self._claim = fetcher, engine_id, owners, claim
         self._released: bool | None = None
 
@@ -685,34 +402,5 @@ def _budget(default: float, deadline: Deadline | None, timeout: float | None) ->
     return Deadline.after(default if timeout is None else timeout)
 
 
-def _lost(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
-    """`exc` naming the engine and CP rank that was lost (once)."""
-    if str(exc).startswith(f"engine {rank.engine_id} cp rank"):
-        return exc
-    return PeerLostError(
-        f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name
-    )
-
-
-def _incarnations(owners: dict[int, _Owner]) -> list[str]:
+def _incarnations(owners: dict[int, Owner]) -> list[str]:
     return [o.rank.incarnation for _, o in sorted(owners.items())]
-
-
-async def _all_or_cancel(tasks: list[asyncio.Future[T]]) -> list[T]:
-    """Await every task; on the first failure (or cancellation) cancel the rest and wait.
-
-    A task cancelled while this caller was not means the fetcher was closed under it.
-    """
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-        # Collects every outcome; a cancel of our own arriving meanwhile propagates.
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
-    if any(t.cancelled() for t in tasks):
-        raise ClosedError("the DecodeFetcher was closed while this fetch was in flight")
-    return [t.result() for t in tasks]

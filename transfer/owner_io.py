@@ -1,0 +1,319 @@
+"""The decode's side of the per-owner protocol: claim, poll, read, release.
+
+`OwnerIO` is the half of `DecodeFetcher` that talks to one owner at a time: it claims the
+room (the lowest CP rank first), polls readiness, reads ready layers (one batched UCX
+READ, or one gather launch on the same-host GPU lane) and releases the claim, proving the
+pages stayed pinned. `DecodeFetcher` supplies the state it reads (`pool`, `timeouts`,
+`consumer_id`, `merge_runs`, `transport`, `_gpu`, `_client`, `_owner_tasks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from pdkv.errors import ClosedError, MetadataError, PeerLostError, UnknownRoomError
+from pdkv.pool import DSAKVPool
+from transfer.deadline import Deadline
+from transfer.http import ControlClient
+from transfer.metadata import ClaimRequest, RankDescriptor, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
+from transfer.plan import BufferPair, build_read_plan
+from transfer.results import FetchResult, OwnerStats
+from transfer.timeouts import Timeouts
+from transfer.ucx import UcxTransport, XferStats
+
+if TYPE_CHECKING:
+    from transfer.gpu_lane import GpuLane, IpcPeer, LaunchGroup, LaunchSlot
+
+__all__ = ["Claim", "Owner", "OwnerIO", "lost_peer"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=msgspec.Struct)
+
+
+@dataclass
+class Owner:
+    rank: RankDescriptor
+    pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), UCX addresses
+    ipc: IpcPeer | None = None  # set when the same-host GPU lane reads this owner
+
+
+@dataclass
+class Claim:
+    """One fetch's (or lease's) claim on a room: a random token, and where it stands."""
+
+    room: int
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    granted: set[int] = field(default_factory=set)  # cp ranks that granted it
+    released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
+
+    @property
+    def open_ranks(self) -> set[int]:
+        return self.granted - self.released.keys()
+
+
+class OwnerIO:
+    """Per-owner claim, readiness, reads and release (see the module docstring)."""
+
+    pool: DSAKVPool
+    timeouts: Timeouts
+    consumer_id: str
+    merge_runs: bool
+    transport: UcxTransport | None
+    _gpu: GpuLane | None
+    _client: ControlClient
+    _owner_tasks: set[asyncio.Future[Any]]
+
+    async def _fetch_from(
+        self,
+        owners: dict[int, Owner],
+        engine_id: str,
+        claim: Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        release: bool = True,
+    ) -> FetchResult:
+        t0 = time.perf_counter()
+        tasks: list[asyncio.Task[OwnerStats]] = []
+        try:
+            first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
+            group = self._launch_group(owners)
+            tasks = [
+                asyncio.create_task(
+                    self._fetch_owner(
+                        o, claim, dst, deadline, release, first.get(r), group if o.ipc is not None else None
+                    )
+                )
+                for r, o in owners.items()
+            ]
+            self._owner_tasks.update(tasks)
+            stats = await _all_or_cancel(tasks)
+        except BaseException:  # cancellation too: never leave the room pinned
+            if release:
+                await self._release_all(owners, claim)
+            raise
+        finally:
+            self._owner_tasks.difference_update(tasks)
+        nbytes = sum(s.nbytes for s in stats)
+        freed = release and all(claim.released.get(r, False) for r in owners)
+        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - t0, tuple(stats), freed)
+
+    async def _tracked(self, work: Awaitable[T]) -> T:
+        """`work` in a task that `aclose()` may cancel (the caller then gets `ClosedError`)."""
+        task = asyncio.ensure_future(work)
+        self._owner_tasks.add(task)
+        try:
+            return (await _all_or_cancel([task]))[0]
+        finally:
+            self._owner_tasks.discard(task)
+
+    def _launch_group(self, owners: dict[int, Owner]) -> LaunchGroup | None:
+        """A group for the owners the GPU lane reads, when there are several."""
+        lane_owners = sum(o.ipc is not None for o in owners.values())
+        if self._gpu is None or lane_owners < 2:
+            return None
+        from transfer.gpu_lane import LaunchGroup
+
+        return LaunchGroup(self._gpu, lane_owners)
+
+    async def _claim_arbiter(self, owners: dict[int, Owner], claim: Claim, deadline: Deadline) -> dict[int, RoomState]:
+        """Claim on the lowest CP rank before any other: every claimant asks it first, so of
+        two racing for a single-consumer room one wins everywhere and the other is refused
+        there, rather than each winning some owners and both failing."""
+        rank = min(owners)
+        if rank in claim.granted:
+            return {}
+        return {rank: await self._claim_owner(owners[rank], claim, deadline)}
+
+    async def _claim_owner(self, owner: Owner, claim: Claim, deadline: Deadline) -> RoomState:
+        """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
+        r = owner.rank
+        url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
+        ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
+        unknown_until = time.monotonic() + self.timeouts.publish
+        while True:
+            limit = deadline.left(self.timeouts.poll + self.timeouts.request)
+            state = await self._control("POST", url, RoomState, ask, limit)
+            if state.status is not RoomStatus.UNKNOWN:
+                claim.granted.add(r.cp_rank)
+                return state
+            if time.monotonic() > unknown_until:
+                raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
+
+    async def _poll(self, owner: Owner, claim: Claim, after: int, deadline: Deadline) -> RoomState:
+        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
+        return await self._control(
+            "GET", url, RoomState, None, deadline.left(self.timeouts.poll + self.timeouts.request)
+        )
+
+    async def _control(self, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float) -> M:
+        """One control request to an owner, in our layout's envelope both ways."""
+        fp = self.pool.layout.fingerprint
+        answer = await self._client.request(
+            method, url, kind, body, fingerprint=fp, expect_fingerprint=fp, timeout=timeout
+        )
+        assert answer is not None
+        return answer
+
+    async def _fetch_owner(
+        self,
+        owner: Owner,
+        claim: Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        release: bool,
+        state: RoomState | None,
+        group: LaunchGroup | None = None,
+    ) -> OwnerStats:
+        """Read one owner's layers, then release them there (while other owners still read)."""
+        try:
+            stats = await self._read_owner(owner, claim, dst, deadline, state, group)
+            if release:
+                await self._release(owner, claim, deadline.left(self.timeouts.request))
+            return stats
+        except PeerLostError as exc:
+            raise lost_peer(owner.rank, exc) from exc
+
+    async def _read_owner(
+        self,
+        owner: Owner,
+        claim: Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        state: RoomState | None,
+        group: LaunchGroup | None = None,
+    ) -> OwnerStats:
+        slot = group.slot() if group is not None else None
+        try:
+            return await self._read_owner_layers(owner, claim, dst, deadline, state, slot)
+        finally:
+            if slot is not None:
+                slot.close()  # others must not wait for an owner that read alone or failed
+
+    async def _read_owner_layers(
+        self,
+        owner: Owner,
+        claim: Claim,
+        dst: np.ndarray,
+        deadline: Deadline,
+        state: RoomState | None,
+        slot: LaunchSlot | None,
+    ) -> OwnerStats:
+        assert self.transport is not None
+        r = owner.rank
+        t0 = time.perf_counter()
+        cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
+        pieces = max(1, self.transport.lanes // r.cp_size)  # owners read at once: fill the lanes, no more
+        if state is None and r.cp_rank in claim.granted:
+            state = await self._poll(owner, claim, cursor - 1, deadline)
+        elif state is None:
+            state = await self._claim_owner(owner, claim, deadline)
+        src = np.asarray(state.src_pages, dtype=np.int64)
+        if src.size != dst.size:
+            raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
+        while True:
+            if state.ready_upto > cursor:
+                layers = range(cursor, state.ready_upto)
+                if slot is not None and owner.ipc is not None and layers == range(r.layer_start, r.layer_end):
+                    xfer = await slot.read(owner.ipc, layers, src, dst)  # every layer ready: one launch for all owners
+                else:
+                    if slot is not None:
+                        slot.close()
+                    xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
+                nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
+                busy += xfer.seconds
+                cursor = state.ready_upto
+            if cursor >= r.layer_end:
+                break
+            state = await self._poll(owner, claim, cursor, deadline)
+        return OwnerStats(
+            r.cp_rank,
+            (r.layer_start, r.layer_end),
+            nbytes,
+            descs,
+            reads,
+            time.perf_counter() - t0,
+            busy,
+            "cuda_ipc" if owner.ipc is not None else "ucx",
+        )
+
+    async def _read_layers(
+        self, owner: Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline, pieces: int
+    ) -> XferStats:
+        """Copy `layers` of one owner: one gather kernel on the GPU lane, or one batched READ."""
+        if owner.ipc is not None:
+            assert self._gpu is not None
+            return await self._gpu.read(owner.ipc, layers, src, dst)
+        assert self.transport is not None
+        pairs = [p for layer in layers for p in owner.pairs[layer]]
+        plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
+        return await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
+
+    async def _release(self, owner: Owner, claim: Claim, timeout: float) -> bool:
+        """Release the claim on one owner; True if that freed the room there.
+
+        A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
+        """
+        notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
+        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
+        try:
+            answer = await self._control("POST", url, ReleaseReply, notice, timeout)
+        finally:
+            claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
+        claim.released[owner.rank.cp_rank] = answer.freed
+        return answer.freed
+
+    async def _release_all(self, owners: dict[int, Owner], claim: Claim) -> None:
+        """Release the claim wherever it is still open, after a failed fetch.
+
+        Each gets a full request timeout, not what is left of the fetch's deadline: the
+        fetch may have failed on that deadline, and the pins must not be left behind.
+        """
+        limit = self.timeouts.request
+        ranks = claim.open_ranks
+        results = await asyncio.gather(
+            *(self._release(o, claim, limit) for o in owners.values() if o.rank.cp_rank in ranks),
+            return_exceptions=True,
+        )
+        for e in results:
+            if isinstance(e, BaseException):
+                logger.debug("release of room %d after a failed fetch: %s", claim.room, e)
+
+
+def lost_peer(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
+    """`exc` naming the engine and CP rank that was lost (once)."""
+    if str(exc).startswith(f"engine {rank.engine_id} cp rank"):
+        return exc
+    return PeerLostError(
+        f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name
+    )
+
+
+async def _all_or_cancel(tasks: list[asyncio.Future[T]]) -> list[T]:
+    """Await every task; on the first failure (or cancellation) cancel the rest and wait.
+
+    A task cancelled while this caller was not means the fetcher was closed under it.
+    """
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        # Collects every outcome; a cancel of our own arriving meanwhile propagates.
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+    if any(t.cancelled() for t in tasks):
+        raise ClosedError("the DecodeFetcher was closed while this fetch was in flight")
+    return [t.result() for t in tasks]

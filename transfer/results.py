@@ -1,0 +1,41 @@
+"""What a fetch reports: bytes, time and path per owner, and the fetch as a whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FetchResult", "OwnerStats"]
+
+
+@dataclass(frozen=True)
+class OwnerStats:
+    cp_rank: int
+    layers: tuple[int, int]
+    nbytes: int
+    descriptors: int
+    reads: int
+    seconds: float  # from the first poll to the last byte from this owner
+    read_seconds: float  # inside READs only (the rest is waiting for prefill)
+    path: str = "ucx"  # what moved the bytes: "ucx", or "cuda_ipc" (the same-host GPU lane)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    engine_id: str
+    room: int
+    nbytes: int
+    seconds: float
+    owners: tuple[OwnerStats, ...]
+    freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
+
+    @property
+    def descriptors(self) -> int:
+        return sum(o.descriptors for o in self.owners)
+
+    @property
+    def read_seconds(self) -> float:
+        return sum(o.read_seconds for o in self.owners)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
