@@ -234,24 +234,9 @@ def print_table(rows, args) -> None:
     )
     print("".join(f"{h:>12}" for h in head))
     for n, nbytes, du, dm, s in rows:
-        g = {k: nbytes / statistics.median(v) / 1e9 for k, v in s.items()}
-        lat = np.array(s["pdkv"]) * 1e3
-        vals = (
-            n,
-            nbytes / 1e6,
-            du,
-            dm,
-            g["pdkv"],
-            g["raw"],
-            g["memcpy"],
-            g["bandwidth"],
-            g["pdkv"] / g["raw"],
-            g["pdkv"] / g["memcpy"],
-            g["pdkv"] / g["bandwidth"],
-            np.percentile(lat, 50),
-            np.percentile(lat, 99),
-        )
-        print("".join(f"{v:>12.0f}" if i < 4 else f"{v:>12.2f}" for i, v in enumerate(vals)))
+        g, lat = _rates(nbytes, s, "pdkv")
+        ratios = (g["pdkv"] / g["raw"], g["pdkv"] / g["memcpy"], g["pdkv"] / g["bandwidth"])
+        _row((n, nbytes / 1e6, du, dm), (g["pdkv"], g["raw"], g["memcpy"], g["bandwidth"], *ratios, *lat))
     if any("lane" in s for *_, s in rows):
         print("same-host GPU lane (CUDA IPC + one gather kernel per batch): fetch() end to end, and its kernels alone")
         head = (
@@ -267,20 +252,20 @@ def print_table(rows, args) -> None:
         )
         print("".join(f"{h:>12}" for h in head))
         for n, nbytes, _, _, s in rows:
-            g = {k: nbytes / statistics.median(v) / 1e9 for k, v in s.items()}
-            lat = np.array(s["lane"]) * 1e3
-            vals = (
-                n,
-                nbytes / 1e6,
-                g["lane"],
-                g["lane_copy"],
-                g["bandwidth"],
-                g["lane"] / g["bandwidth"],
-                g["lane_copy"] / g["bandwidth"],
-                np.percentile(lat, 50),
-                np.percentile(lat, 99),
-            )
-            print("".join(f"{v:>12.0f}" if i < 2 else f"{v:>12.2f}" for i, v in enumerate(vals)))
+            g, lat = _rates(nbytes, s, "lane")
+            ratios = (g["lane"] / g["bandwidth"], g["lane_copy"] / g["bandwidth"])
+            _row((n, nbytes / 1e6), (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat))
+
+
+def _rates(nbytes: int, samples: dict, timed: str) -> tuple[dict, tuple[float, float]]:
+    """GB/s of every sample series (medians), and the p50 / p99 ms of the `timed` one."""
+    g = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items()}
+    lat = np.array(samples[timed]) * 1e3
+    return g, (np.percentile(lat, 50), np.percentile(lat, 99))
+
+
+def _row(counts: tuple, rates: tuple) -> None:
+    print("".join(f"{v:>12.0f}" for v in counts) + "".join(f"{v:>12.2f}" for v in rates))
 
 
 def main() -> None:

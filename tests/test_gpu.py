@@ -40,19 +40,16 @@ def test_nccl_owner_broadcast_one_rank_side_stream_awaited(tmp_path):
         dist.destroy_process_group()
 
 
+def _gpu_spec(engines, **over):
+    """A tiny-layout deployment on the GPU(s): one GPU per CP rank where there are several."""
+    base = dict(preset="tiny", device="cuda", prefill_pool_tokens=8192, decode_pool_tokens=8192, start_timeout=240)
+    return DeploymentSpec(engines=engines, **{**base, **over})
+
+
 @pytest.mark.parametrize("engines", [(1,), (2,)])
 def test_gpu_to_gpu_fetch_between_processes_byte_exact(engines):
     async def run():
-        spec = DeploymentSpec(
-            engines=engines,
-            decoders=1,
-            preset="tiny",
-            device="cuda",
-            prefill_pool_tokens=8192,
-            decode_pool_tokens=8192,
-            start_timeout=240,
-        )
-        async with Deployment(spec) as d:
+        async with Deployment(_gpu_spec(engines, decoders=1)) as d:
             return [await d.submit(n) for n in (1, 37, 500, 2000)]
 
     outs = asyncio.run(run())
@@ -85,16 +82,7 @@ def test_nccl_owner_broadcast_across_gpus_every_byte_on_every_rank(layers):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_decode_assembles_from_owners_on_other_gpus():
     async def run():
-        spec = DeploymentSpec(
-            engines=(torch.cuda.device_count(),),
-            decoders=1,
-            preset="tiny",
-            device="cuda",
-            prefill_pool_tokens=8192,
-            decode_pool_tokens=8192,
-            start_timeout=240,
-        )
-        async with Deployment(spec) as d:
+        async with Deployment(_gpu_spec((torch.cuda.device_count(),), decoders=1)) as d:
             return [await d.submit(n, prefix_id=1 if n > 100 else -1, prefix_tokens=64) for n in (1, 37, 500, 2000)]
 
     outs = asyncio.run(run())
@@ -103,16 +91,7 @@ def test_decode_assembles_from_owners_on_other_gpus():
 
 # ---- the same-host GPU lane (CUDA IPC + one gather kernel) -------------------------------------
 def _lane_spec(engines, **over):
-    return DeploymentSpec(
-        engines=engines,
-        decoders=0,
-        preset="tiny",
-        device="cuda",
-        prefill_pool_tokens=8192,
-        decode_pool_tokens=8192,
-        start_timeout=240,
-        **over,
-    )
+    return _gpu_spec(engines, decoders=0, **over)
 
 
 def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
