@@ -170,9 +170,9 @@ async def bench(args: argparse.Namespace) -> None:
 
 async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools, alloc, n, runs):
     fetcher, lane = fetchers
-    samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": []}
+    samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": [], "ctl_pdkv": []}
     if lane is not None:
-        samples.update({"lane": [], "lane_copy": []})
+        samples.update({"lane": [], "lane_copy": [], "ctl_lane": []})
     desc_merged = desc_unmerged = 0
     nbytes = 0
     for i in range(runs + 1):  # the first run is a warm-up
@@ -202,9 +202,11 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
             samples["pdkv"].append(result.seconds)
             samples["memcpy"].append(t_copy)
             samples["bandwidth"].append(t_bw)
+            samples["ctl_pdkv"].append(result.control_messages)
             if lane is not None:
                 samples["lane"].append(through_lane.seconds)
                 samples["lane_copy"].append(through_lane.read_seconds)
+                samples["ctl_lane"].append(through_lane.control_messages)
     return n, nbytes, desc_unmerged, desc_merged, samples
 
 
@@ -231,12 +233,14 @@ def print_table(rows, args) -> None:
         "pdkv/bandw.",
         "p50 ms",
         "p99 ms",
+        "ctl msgs",
     )
     print("".join(f"{h:>12}" for h in head))
     for n, nbytes, du, dm, s in rows:
         g, lat = _rates(nbytes, s, "pdkv")
         ratios = (g["pdkv"] / g["raw"], g["pdkv"] / g["memcpy"], g["pdkv"] / g["bandwidth"])
-        _row((n, nbytes / 1e6, du, dm), (g["pdkv"], g["raw"], g["memcpy"], g["bandwidth"], *ratios, *lat))
+        rates = (g["pdkv"], g["raw"], g["memcpy"], g["bandwidth"], *ratios, *lat)
+        _row((n, nbytes / 1e6, du, dm), rates, statistics.median(s["ctl_pdkv"]))
     if any("lane" in s for *_, s in rows):
         print("same-host GPU lane (CUDA IPC + one gather kernel per batch): fetch() end to end, and its kernels alone")
         head = (
@@ -249,23 +253,27 @@ def print_table(rows, args) -> None:
             "copy/bandw.",
             "p50 ms",
             "p99 ms",
+            "ctl msgs",
         )
         print("".join(f"{h:>12}" for h in head))
         for n, nbytes, _, _, s in rows:
             g, lat = _rates(nbytes, s, "lane")
             ratios = (g["lane"] / g["bandwidth"], g["lane_copy"] / g["bandwidth"])
-            _row((n, nbytes / 1e6), (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat))
+            rates = (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat)
+            _row((n, nbytes / 1e6), rates, statistics.median(s["ctl_lane"]))
 
 
 def _rates(nbytes: int, samples: dict, timed: str) -> tuple[dict, tuple[float, float]]:
     """GB/s of every sample series (medians), and the p50 / p99 ms of the `timed` one."""
-    g = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items()}
+    g = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items() if not k.startswith("ctl")}
     lat = np.array(samples[timed]) * 1e3
     return g, (np.percentile(lat, 50), np.percentile(lat, 99))
 
 
-def _row(counts: tuple, rates: tuple) -> None:
-    print("".join(f"{v:>12.0f}" for v in counts) + "".join(f"{v:>12.2f}" for v in rates))
+def _row(counts: tuple, rates: tuple, messages: float) -> None:
+    """One table row; `messages`: control requests per fetch (claims, polls, releases)."""
+    cells = [f"{v:>12.0f}" for v in counts] + [f"{v:>12.2f}" for v in rates] + [f"{messages:>12.0f}"]
+    print("".join(cells))
 
 
 def main() -> None:

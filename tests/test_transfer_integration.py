@@ -291,3 +291,14 @@ async def test_oversized_bodies_leave_every_service_flat(deployment):
             assert await send_big(url, path, 200 << 20, chunked=True, method=method) == 413, name
         grown = rss_bytes(pid) - before
         assert grown < 64 << 20, f"{name} grew by {grown / 2**20:.0f} MiB"
+
+
+async def test_a_complete_room_costs_one_claim_and_one_release_per_owner(deployment):
+    """The control messages a fetch of a room already written makes (the control-plane issue
+    wants this to reach zero; until then it must not grow unnoticed)."""
+    engine, n, room = deployment.engines[2], 300, 7_600_000  # CP=3
+    await prefill(deployment, engine, room, n)
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
+        result = await fetcher.fetch("prefill2", room, fragmented_pages(pool, n, 12))
+    assert result.control_messages == 2 * 3 and kv_is_exact(pool, "prefill2", room, n, fragmented_pages(pool, n, 12))

@@ -56,6 +56,7 @@ class Claim:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     granted: set[int] = field(default_factory=set)  # cp ranks that granted it
     released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
+    messages: int = 0  # control requests made under it (claims, polls, releases)
 
     @property
     def open_ranks(self) -> set[int]:
@@ -84,6 +85,7 @@ class OwnerIO:
         release: bool = True,
     ) -> FetchResult:
         t0 = time.perf_counter()
+        messages_before = claim.messages
         tasks: list[asyncio.Task[OwnerStats]] = []
         try:
             first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
@@ -106,7 +108,8 @@ class OwnerIO:
             self._owner_tasks.difference_update(tasks)
         nbytes = sum(s.nbytes for s in stats)
         freed = release and all(claim.released.get(r, False) for r in owners)
-        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - t0, tuple(stats), freed)
+        messages = claim.messages - messages_before
+        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - t0, tuple(stats), freed, messages)
 
     async def _tracked(self, work: Awaitable[T]) -> T:
         """`work` in a task that `aclose()` may cancel (the caller then gets `ClosedError`)."""
@@ -143,7 +146,7 @@ class OwnerIO:
         unknown_until = time.monotonic() + self.timeouts.publish
         while True:
             limit = deadline.left(self.timeouts.poll + self.timeouts.request)
-            state = await self._control("POST", url, RoomState, ask, limit)
+            state = await self._control(claim, "POST", url, RoomState, ask, limit)
             if state.status is not RoomStatus.UNKNOWN:
                 claim.granted.add(r.cp_rank)
                 return state
@@ -152,12 +155,14 @@ class OwnerIO:
 
     async def _poll(self, owner: Owner, claim: Claim, after: int, deadline: Deadline) -> RoomState:
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
-        return await self._control(
-            "GET", url, RoomState, None, deadline.left(self.timeouts.poll + self.timeouts.request)
-        )
+        limit = deadline.left(self.timeouts.poll + self.timeouts.request)
+        return await self._control(claim, "GET", url, RoomState, None, limit)
 
-    async def _control(self, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float) -> M:
-        """One control request to an owner, in our layout's envelope both ways."""
+    async def _control(
+        self, claim: Claim, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float
+    ) -> M:
+        """One control request to an owner under `claim`, in our layout's envelope both ways."""
+        claim.messages += 1
         fp = self.pool.layout.fingerprint
         answer = await self._client.request(
             method, url, kind, body, fingerprint=fp, expect_fingerprint=fp, timeout=timeout
@@ -267,7 +272,7 @@ class OwnerIO:
         notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
         try:
-            answer = await self._control("POST", url, ReleaseReply, notice, timeout)
+            answer = await self._control(claim, "POST", url, ReleaseReply, notice, timeout)
         finally:
             claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
         claim.released[owner.rank.cp_rank] = answer.freed

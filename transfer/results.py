@@ -27,6 +27,7 @@ class FetchResult:
     seconds: float
     owners: tuple[OwnerStats, ...]
     freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
+    control_messages: int = 0  # HTTP requests to owners (claims, polls, releases); the lookup is cached
 
     @property
     def descriptors(self) -> int:
