@@ -181,26 +181,14 @@ class OwnerIO:
         group: LaunchGroup | None = None,
     ) -> OwnerStats:
         """Read one owner's layers, then release them there (while other owners still read)."""
+        slot = group.slot() if group is not None else None
         try:
-            stats = await self._read_owner(owner, claim, dst, deadline, state, group)
+            stats = await self._read_owner_layers(owner, claim, dst, deadline, state, slot)
             if release:
                 await self._release(owner, claim, deadline.left(self.timeouts.request))
             return stats
         except PeerLostError as exc:
             raise lost_peer(owner.rank, exc) from exc
-
-    async def _read_owner(
-        self,
-        owner: Owner,
-        claim: Claim,
-        dst: np.ndarray,
-        deadline: Deadline,
-        state: RoomState | None,
-        group: LaunchGroup | None = None,
-    ) -> OwnerStats:
-        slot = group.slot() if group is not None else None
-        try:
-            return await self._read_owner_layers(owner, claim, dst, deadline, state, slot)
         finally:
             if slot is not None:
                 slot.close()  # others must not wait for an owner that read alone or failed
