@@ -152,9 +152,6 @@ class KVLayout:
             detail = ", ".join(f"{k}: local {mine[k]!r} != remote {other.get(k)!r}" for k in diff)
             raise IncompatibleLayoutError(f"KV layouts differ ({detail})", diff)
 
-    def check_compatible(self, other: KVLayout) -> None:
-        self.check_geometry(other.geometry())
-
     def replace(self, **changes: object) -> KVLayout:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 

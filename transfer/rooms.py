@@ -45,8 +45,11 @@ class _Room:
     pinned_until: float
     ready_upto: int
     open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
-    granted: int = 0
-    released: int = 0
+    released: int = 0  # claims granted and released; granted = released + open
+
+    @property
+    def granted(self) -> int:
+        return self.released + len(self.open_claims)
 
 
 @dataclass
@@ -150,7 +153,6 @@ class RoomTable:
                     f"room {room}: all {r.consumers} consumer claim(s) taken; {consumer} may not read it again"
                 )
             r.open_claims[token] = consumer
-            r.granted += 1
         return self.state(room)
 
     def check_claim(self, room: int, token: str) -> None:
