@@ -71,9 +71,9 @@ def main() -> None:
         flat_d, flat_s = dst.kv_slab.view(torch.uint8).view(-1), src.kv_slab.view(torch.uint8).view(-1)
         n_bytes = plan.nbytes
         contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: copy(d, s), args.runs) / 1e9
-        for block in (2048, 4096, 8192):
+        for block in (2048, 4096, 8192):  # the lane picks 4096 x 4 warps, or 8192 x 8 from 1 GiB
             for warps in (4, 8):
-                lane = GatherLane(torch.device("cuda:0"), block, warps)
+                lane = GatherLane(torch.device("cuda:0"), (block, warps))
                 t = timed(lambda lane=lane, plan=plan: lane.launch(plan), args.runs)
                 gbps = plan.nbytes / t / 1e9
                 row = (f"{n:>8}{plan.nbytes / 1e6:>8.0f}{block:>8}{warps:>8}", f"{gbps:>14.0f}{contig:>14.0f}")

@@ -120,6 +120,22 @@ def test_merged_plans_keep_each_owners_source_pages():
         merge_gather_plans([a, build_gather_plan([_pair(0, 0)], np.array([1, 2]), np.array([2, 1]))])
 
 
+def test_the_kernels_task_table_covers_every_word_of_every_item_once():
+    from transfer.gather import _meta
+
+    plan = build_gather_plan(
+        [_pair(0, 0, item=41984), _pair(1 << 20, 1 << 21, item=8448)], np.array([2]), np.array([5])
+    )
+    meta, n_tasks = _meta(plan, block_words=512)  # 4 KiB blocks of 8-byte words
+    tasks = meta[-2 * n_tasks :].reshape(2, n_tasks)
+    assert meta[2 * plan.buffers : 3 * plan.buffers].tolist() == [41984 // 8, 8448 // 8]  # item words
+    for b, words in enumerate((41984 // 8, 8448 // 8)):
+        firsts = tasks[1][tasks[0] == b]
+        covered = np.concatenate([np.arange(f, min(f + 512, words)) for f in firsts])
+        assert sorted(covered.tolist()) == list(range(words))  # no word twice, none missed
+    assert n_tasks == 11 + 3  # no task without a word to copy
+
+
 async def test_a_launch_group_waits_for_every_owner_then_launches_once():
     from transfer.gpu_lane import IpcPeer, LaunchGroup
 
