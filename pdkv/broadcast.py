@@ -1,14 +1,15 @@
 """Owner broadcast over a dedicated CP process group, with an asyncio face.
 
 A layer's owner sends its buffer to every other rank of the CP group; the others receive
-into a scratch buffer. On the host the group is gloo; on CUDA it is NCCL and the
-collective runs on a side stream, ordered against the compute stream with events, so a
-prefetch of layer l+1 overlaps the compute of layer l.
+into a scratch buffer. On the host the group is gloo. On CUDA it is NCCL, whose own
+high-priority stream is the side stream: a broadcast starts after what the compute stream
+had queued when it was started (the owner's writes), and `wait()` orders the compute stream
+after it, so a prefetch of layer l+1 overlaps the compute of layer l. The calls go to the
+process group's C++ methods directly: the per-layer Python is on the prefill's critical path.
 
-`start()` returns at once with a `CollectiveHandle`. `handle.wait()` blocks; `await handle`
-completes when the broadcast has landed without blocking the event loop: the collective's
-own future calls back into the loop, so there is neither a thread per broadcast nor a
-spinning task.
+`start()` returns at once with a `CollectiveHandle`. `handle.wait()` blocks (host) or
+orders the current stream (CUDA); `await handle` completes when the broadcast has landed,
+without blocking the event loop.
 """
 
 from __future__ import annotations
@@ -44,55 +45,52 @@ def _translate(exc: BaseException, what: str) -> Exception:
 
 
 class CollectiveHandle:
-    """One in-flight owner broadcast. Waiting twice is free."""
+    """One in-flight owner broadcast (of one or several tensors). Waiting twice is free."""
 
-    def __init__(self, work: Any, event: torch.cuda.Event | None, what: str) -> None:
-        self._work = work
-        self._event = event
+    def __init__(self, works: list[Any], what: str, on_gpu: bool = False) -> None:
+        self._works = works
         self._what = what
+        self._on_gpu = on_gpu  # NCCL: is_completed() is the GPU's answer; the future is not
         self._done = False
 
     def done(self) -> bool:
-        if self._done:
-            return True
-        if self._event is not None:
-            return self._work.is_completed() and self._event.query()
-        return self._work.is_completed()
+        return self._done or all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
         """Block until the data landed (host) or order the current stream after it (CUDA)."""
         if self._done:
             return
         try:
-            self._work.wait()
+            for work in self._works:
+                work.wait()
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses
             raise _translate(exc, self._what) from exc
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
         self._done = True
 
     async def wait_async(self) -> None:
         """Complete when the broadcast has landed, yielding to the loop meanwhile."""
         if self._done:
             return
-        loop = asyncio.get_running_loop()
-        landed: asyncio.Future[None] = loop.create_future()
-
-        def _wake(_: object) -> None:
-            loop.call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
-
-        self._work.get_future().add_done_callback(_wake)
-        await landed
-        if self._event is not None:
-            # NCCL's future completes once the work is enqueued; the event marks landing.
+        if self._on_gpu:
             delay = _CUDA_POLL_S[0]
-            while not self._event.query():
+            while not self.done():
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _CUDA_POLL_S[1])
+        else:  # gloo's futures complete on its thread once the data is here
+            await asyncio.gather(*(_landed(w) for w in self._works))
         self.wait()
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait_async().__await__()
+
+
+async def _landed(work: Any) -> None:
+    loop = asyncio.get_running_loop()
+    landed: asyncio.Future[None] = loop.create_future()
+    work.get_future().add_done_callback(
+        lambda _: loop.call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
+    )
+    await landed
 
 
 class OwnerBroadcaster:
@@ -115,32 +113,46 @@ class OwnerBroadcaster:
         cuda = self.device.type == "cuda"
         self.backend = backend or ("nccl" if cuda else "gloo")
         world = list(range(dist.get_world_size())) if ranks is None else list(ranks)
-        self.group = dist.new_group(world, backend=self.backend, timeout=timeout)
+        options = None
+        if self.backend == "nccl":  # its kernels get SMs ahead of queued compute: prefetches hide better
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+        self.group = dist.new_group(world, backend=self.backend, timeout=timeout, pg_options=options)
         self.rank = dist.get_rank(self.group)
         self.size = len(world)
-        self._stream = torch.cuda.Stream(self.device) if cuda and self.backend == "nccl" else None
+        self._nccl = cuda and self.backend == "nccl"
         logger.info("owner broadcast group: %s, rank %d of %d", self.backend, self.rank, self.size)
 
-    def start(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> CollectiveHandle:
-        """Start broadcasting `tensor` from group rank `src`; return at once."""
+    def start(
+        self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int, what: str = "broadcast"
+    ) -> CollectiveHandle:
+        """Start broadcasting `tensors` from group rank `src`; return at once.
+
+        On NCCL several tensors (a layer's latent and indexer) go as one group: one launch
+        instead of one each.
+        """
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.asyncOp = src, 0, True
         try:
-            if self._stream is None:
-                if tensor.is_cuda:  # gloo reads and writes device memory outside stream order
-                    torch.cuda.current_stream(tensor.device).synchronize()
-                work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
-                return CollectiveHandle(work, None, what)
-            # The side stream waits for whatever the compute stream queued before (the
-            # owner's writes); the compute stream later waits for the event.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
-                work.wait()
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            tensor.record_stream(self._stream)
-            return CollectiveHandle(work, event, what)
+            if self._nccl:
+                return CollectiveHandle([self._nccl_broadcast(tensors, opts)], what, on_gpu=True)
+            if any(t.is_cuda for t in tensors):  # gloo reads and writes device memory outside stream order
+                torch.cuda.current_stream(self.device).synchronize()
+            return CollectiveHandle([self.group.broadcast([t], opts) for t in tensors], what)
         except RuntimeError as exc:
             raise _translate(exc, what) from exc
+
+    def _nccl_broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> Any:
+        if len(tensors) == 1:
+            return self.group.broadcast(tensors, opts)
+        self.group._start_coalescing(self.device)  # ncclGroupStart: no public API for a group yet
+        try:
+            for t in tensors:
+                self.group.broadcast([t], opts)
+        finally:
+            work = self.group._end_coalescing(self.device)
+        return work
 
     def close(self) -> None:
         dist.destroy_process_group(self.group)

@@ -105,21 +105,18 @@ class RemoteLayerCache:
         assert slot.scratch is not None  # a rank that owns not every layer has scratch
         return slot.scratch
 
-    def _start(self, slot: _Slot, layer_id: int, pages: torch.Tensor | None) -> _Flight:
-        assert self._broadcaster is not None
+    def _payload(
+        self, slot: _Slot, layer_id: int, pages: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """What travels for `layer_id` into `slot`, and what to do once it landed."""
         target = self._target(slot, layer_id)
         if pages is None:
-            payload, finish = target, (lambda: None)
-        elif self._plan.owns(layer_id):
-            payload, finish = take(self._page_rows(target), pages), (lambda: None)
-        else:
-            rows = self._page_rows(target)
-            payload = torch.empty((pages.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
-            finish = lambda: put(rows, (pages,), payload)  # noqa: E731
-        self.broadcasts += 1
-        self.bytes_broadcast += payload.nbytes
-        handle = self._broadcaster.start(payload, self._plan.owner_of(layer_id), f"{self.kind} layer {layer_id}")
-        return _Flight(handle, finish)
+            return target, (lambda: None)
+        if self._plan.owns(layer_id):
+            return take(self._page_rows(target), pages), (lambda: None)
+        rows = self._page_rows(target)
+        payload = torch.empty((pages.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
+        return payload, (lambda: put(rows, (pages,), payload))
 
     @staticmethod
     def _settle(slot: _Slot) -> None:
@@ -133,17 +130,26 @@ class RemoteLayerCache:
 
         A slot holding other pages of the layer is refilled with the ones asked for.
         """
+        prefetch_together([self], layer_id, pages)
+
+    def _stage(
+        self, layer_id: int, pages: torch.Tensor | None
+    ) -> tuple[_Slot, torch.Tensor, Callable[[], None]] | None:
+        """Claim a slot for `layer_id` and say what must travel into it; None: held already."""
         if self._broadcaster is None:
-            return
+            return None
         slot = self._slot_of(layer_id)
         if slot is not None and slot.holds(layer_id, pages):
-            return
+            return None
         victim = slot or min(self._slots, key=lambda s: (s.layer_id is not None, s.used))
         self._settle(victim)  # a broadcast into it must land before it is reused
         victim.layer_id, victim.pages = layer_id, pages
         idx = None if pages is None else pages.reshape(-1).long()
-        victim.flight = self._start(victim, layer_id, idx)
+        payload, finish = self._payload(victim, layer_id, idx)
+        self.broadcasts += 1
+        self.bytes_broadcast += payload.nbytes
         self._touch(victim)
+        return victim, payload, finish
 
     def read(self, layer_id: int) -> torch.Tensor:
         """The buffer holding `layer_id`, broadcasting it first if needed (blocking).
@@ -186,6 +192,29 @@ class RemoteLayerCache:
         for slot in self._slots:
             self._settle(slot)
             slot.layer_id = None
+
+
+def prefetch_together(caches: list[RemoteLayerCache], layer_id: int, pages: torch.Tensor | None) -> None:
+    """Start the broadcasts of `layer_id` into each of `caches` as one collective.
+
+    One call per layer instead of one per kind halves the per-layer launches, events and
+    Python on the prefill's critical path. The caches must share one broadcaster.
+    """
+    staged = [(cache, s) for cache in caches if (s := cache._stage(layer_id, pages)) is not None]
+    if not staged:
+        return
+    broadcaster = staged[0][0]._broadcaster
+    assert broadcaster is not None and all(cache._broadcaster is broadcaster for cache, _ in staged)
+    kinds = "+".join(cache.kind for cache, _ in staged)
+    owner = staged[0][0]._plan.owner_of(layer_id)
+    try:
+        handle = broadcaster.start([payload for _, (_, payload, _) in staged], owner, f"{kinds} layer {layer_id}")
+    except BaseException:
+        for _, (slot, _, _) in staged:  # nothing is on its way into them
+            slot.layer_id = None
+        raise
+    for _, (slot, _, finish) in staged:
+        slot.flight = _Flight(handle, finish)
 
 
 class LayerSplitDSAKVPool(DSAKVPool):
@@ -246,8 +275,7 @@ class LayerSplitDSAKVPool(DSAKVPool):
         """
         self._local(layer_id)
         self._check_pages(pages)
-        self.remote_kv.prefetch(layer_id, pages)
-        self.remote_index.prefetch(layer_id, pages)
+        prefetch_together([self.remote_kv, self.remote_index], layer_id, pages)
 
     async def wait_layer(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
         """Make `layer_id` (or its `pages`) readable without blocking: await its broadcasts.
@@ -256,6 +284,7 @@ class LayerSplitDSAKVPool(DSAKVPool):
         """
         self._local(layer_id)
         self._check_pages(pages)
+        prefetch_together([self.remote_kv, self.remote_index], layer_id, pages)
         await self.remote_kv.read_async(layer_id, pages)
         await self.remote_index.read_async(layer_id, pages)
 

@@ -88,11 +88,11 @@ class PrefillEngineRank:
     # ---- collectives on the engine's control group ---------------------------------------
     async def _gather(self, t: torch.Tensor) -> torch.Tensor:
         out = [torch.empty_like(t) for _ in range(self.world)]
-        await CollectiveHandle(dist.all_gather(out, t, async_op=True), None, "step all_gather")
+        await CollectiveHandle([dist.all_gather(out, t, async_op=True)], "step all_gather")
         return torch.stack(out)
 
     async def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        await CollectiveHandle(dist.broadcast(t, src=0, async_op=True), None, "step broadcast")
+        await CollectiveHandle([dist.broadcast(t, src=0, async_op=True)], "step broadcast")
         return t
 
     # ---- the step loop -------------------------------------------------------------------
