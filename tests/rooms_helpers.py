@@ -10,10 +10,11 @@ from transfer.app.api import PrefillReply, PrefillRequest
 from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
 
 
-async def prefill(deployment, engine, room: int, n: int, consumers: int = 1) -> None:  # type: ignore[no-untyped-def]
-    """Have `engine` write `room` of `n` tokens (published for `consumers` claims)."""
-    req = PrefillRequest(room=room, num_tokens=n, consumers=consumers)
-    await deployment.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, req)
+async def prefill(deployment, engine, room: int, n: int, consumers: int = 1, ticket: bool = False) -> PrefillReply:  # type: ignore[no-untyped-def]
+    """Have `engine` write `room` of `n` tokens (published for `consumers` claims); with
+    `ticket`, the reply carries the room's ticket, which holds one of them."""
+    req = PrefillRequest(room=room, num_tokens=n, consumers=consumers, ticket=ticket)
+    return await deployment.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, req)
 
 
 def fragmented_pages(pool: DSAKVPool, n: int, seed: int) -> np.ndarray:

@@ -6,6 +6,7 @@ the prefill wrote it from; a mismatch fails the request, and these tests assert 
 
 import asyncio
 
+import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -80,17 +81,28 @@ async def test_two_decoders_fetch_from_one_engine(deployment):
 async def test_release_frees_pages_everywhere_and_reuse_is_clean(deployment):
     # 60 rooms of 50 pages through a pool of 1023 pages: every page is reused many times.
     _ok([await deployment.submit(200, engine_id="prefill2") for _ in range(60)])
-    stats = await deployment.stats()
+    stats = await _settled(deployment)
     assert all(s["pinned_pages"] == 0 and s["live_rooms"] == 0 for s in stats["prefill"])
     assert all(s["pages_in_use"] == 0 for s in stats["decode"])
     assert sum(s["published"] for s in stats["prefill"]) == sum(s["released"] for s in stats["prefill"])
+
+
+async def _settled(deployment, within: float = 5.0):  # type: ignore[no-untyped-def]
+    """Stats once no room is pinned: a ticket's release travels after its fetch returned."""
+    for _ in range(int(within / 0.05)):
+        stats = await deployment.stats()
+        if all(s["pinned_pages"] == 0 for s in stats["prefill"]):
+            break
+        await asyncio.sleep(0.05)
+    return stats
 
 
 async def test_second_fetch_of_a_released_room_fails_clearly(deployment):
     done = await deployment.submit(20, engine_id="prefill1")
     assert done.ok
     again = DecodeRequest(engine_id="prefill1", room=done.room, num_tokens=20)
-    with pytest.raises(UnknownRoomError, match="released"):
+    # Its ticket held the one claim: refused while its release is on the way, unknown after.
+    with pytest.raises((UnknownRoomError, RoomClaimedError), match="released|taken"):
         await deployment.client.request("POST", f"{deployment.decoders[0].url}/v1/decode", DecodeReply, again)
 
 
@@ -98,7 +110,7 @@ async def test_one_owner_read_is_split_over_lanes_byte_exact(deployment):
     """More lanes than owners: each owner's READ is cut into pieces posted at once."""
     engine, room, n = deployment.engines[0], 4242, 1000  # CP=1: one owner, four lanes
     await deployment.client.request(
-        "POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n)
+        "POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n, ticket=False)
     )
     pool = DSAKVPool(tiny(size=8192))
     pages = fragmented_page_order(np.arange(pool.layout.num_pages), np.random.default_rng(3))[
@@ -120,9 +132,12 @@ async def test_one_owner_read_is_split_over_lanes_byte_exact(deployment):
 
 
 async def test_fetch_starts_before_the_last_layer_is_ready(deployment):
-    out = await deployment.submit(64, engine_id="prefill0")
-    assert out.ok
-    assert out.decode.reads > 1  # one owner, 7 layers: several READ batches as layers came
+    # What the router does with DeploymentSpec(overlap=True): both legs at once, no ticket.
+    room = 5_100_000
+    ask = DecodeRequest(engine_id="prefill0", room=room, num_tokens=64)
+    decode = deployment.client.request("POST", f"{deployment.decoders[0].url}/v1/decode", DecodeReply, ask)
+    _, out = await asyncio.gather(prefill(deployment, deployment.engines[0], room, 64), decode)
+    assert out.reads > 1  # one owner, 7 layers: several READ batches as layers came
 
 
 async def test_decode_with_another_layout_is_refused(deployment):
@@ -158,7 +173,7 @@ async def test_two_decode_workers_given_one_room_never_both_succeed(deployment):
             for d, leg in zip(deployment.decoders, legs)
         ]
         outcomes = await asyncio.gather(prefill(deployment, engine, room, n), *calls, return_exceptions=True)
-        assert outcomes[0] is None
+        assert isinstance(outcomes[0], PrefillReply)
         ok = [o for o in outcomes[1:] if isinstance(o, DecodeReply)]
         refused = [o for o in outcomes[1:] if not isinstance(o, DecodeReply)]
         assert len(ok) == 1, outcomes  # the winner's decode worker checked every byte
@@ -293,12 +308,73 @@ async def test_oversized_bodies_leave_every_service_flat(deployment):
         assert grown < 64 << 20, f"{name} grew by {grown / 2**20:.0f} MiB"
 
 
-async def test_a_complete_room_costs_one_claim_and_one_release_per_owner(deployment):
-    """The control messages a fetch of a room already written makes (the control-plane issue
-    wants this to reach zero; until then it must not grow unnoticed)."""
+async def test_a_complete_room_read_by_claims_costs_one_claim_and_one_release_per_owner(deployment):
+    """The control messages of a fetch without a ticket (a ticket's fetch makes none)."""
     engine, n, room = deployment.engines[2], 300, 7_600_000  # CP=3
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
     async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
         result = await fetcher.fetch("prefill2", room, fragmented_pages(pool, n, 12))
     assert result.control_messages == 2 * 3 and kv_is_exact(pool, "prefill2", room, n, fragmented_pages(pool, n, 12))
+
+
+# ---- tickets: a finished room read with no control request (issue 13) -----------------------------
+
+
+async def _stats_of(deployment, engine):  # type: ignore[no-untyped-def]
+    return [await deployment.client.get_json(f"{c}/v1/stats") for c in engine.controls]
+
+
+async def test_a_ticket_fetch_asks_nobody_and_its_release_rides_on_the_pin_read(deployment):
+    for index, n in ((0, 900), (2, 300), (3, 1500)):  # CP=1, 3, 4
+        engine, room = deployment.engines[index], 7_700_000 + index
+        reply = await prefill(deployment, engine, room, n, ticket=True)
+        assert reply.ticket is not None and len(reply.ticket.pins) == len(engine.controls)
+        pool = DSAKVPool(tiny(size=8192))
+        pages = fragmented_pages(pool, n, 13)
+        async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+            result = await fetcher.fetch(engine.engine_id, room, pages, ticket=reply.ticket)
+        assert result.control_messages == 0 and all(o.reads == 1 for o in result.owners)
+        assert kv_is_exact(pool, engine.engine_id, room, n, pages)
+        for _ in range(100):  # the release is a notification: it lands shortly after
+            if all(s["pinned_pages"] == 0 for s in await _stats_of(deployment, engine)):
+                break
+            await asyncio.sleep(0.05)
+        assert all(s["pinned_pages"] == 0 and s["released"] >= 1 for s in await _stats_of(deployment, engine))
+
+
+async def test_a_ticket_whose_pages_were_reused_never_passes(deployment):
+    """The ticket's room is aborted and its pages handed to another room; a fetch with the
+    old ticket reads whatever the pages now hold, and the pin word says it is not the room."""
+    engine, n = deployment.engines[0], 2000  # CP=1: the next room reuses most pages
+    old = await prefill(deployment, engine, 7_800_000, n, ticket=True)
+    await deployment.client.request("POST", f"{engine.controls[0]}/v1/rooms/7800000/abort")
+    await prefill(deployment, engine, 7_800_001, n)
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+        with pytest.raises(ClaimLostError, match="freed"):
+            await fetcher.fetch("prefill0", 7_800_000, fragmented_pages(pool, n, 14), ticket=old.ticket)
+        await fetcher.fetch("prefill0", 7_800_001, fragmented_pages(pool, n, 15))  # the new room is intact
+
+
+async def test_a_forged_or_replayed_ticket_is_refused_and_frees_nothing(deployment):
+    engine, n, room = deployment.engines[1], 400, 7_900_000  # CP=2
+    reply = await prefill(deployment, engine, room, n, ticket=True)
+    ticket = reply.ticket
+    assert ticket is not None
+    forged = msgspec.structs.replace(ticket, pins=[msgspec.structs.replace(p, nonce=p.nonce ^ 1) for p in ticket.pins])
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+        with pytest.raises(ClaimLostError):
+            await fetcher.fetch("prefill1", room, fragmented_pages(pool, n, 16), ticket=forged)
+        await asyncio.sleep(0.1)  # its release notifications (with the wrong nonce) arrive
+        await fetcher.fetch("prefill1", room, fragmented_pages(pool, n, 17), ticket=ticket)  # still pinned
+        assert kv_is_exact(pool, "prefill1", room, n, fragmented_pages(pool, n, 17))
+        await _settled(deployment)
+        with pytest.raises(ClaimLostError):  # replayed after its release: the pin words are clear
+            await fetcher.fetch("prefill1", room, fragmented_pages(pool, n, 18), ticket=ticket)
+        stale = msgspec.structs.replace(
+            ticket, pins=[msgspec.structs.replace(p, incarnation="0" * 12) for p in ticket.pins]
+        )
+        with pytest.raises(UnknownRoomError, match="no longer run"):
+            await fetcher.fetch("prefill1", room, fragmented_pages(pool, n, 18), ticket=stale)

@@ -32,6 +32,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import torch
 
 from pdkv.errors import (
     ClosedError,
@@ -41,14 +42,13 @@ from pdkv.errors import (
     PeerLostError,
     TransferError,
     UnknownEngineError,
+    UnknownRoomError,
 )
 from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
 from transfer.http import ControlClient
-from transfer.metadata import (
-    EngineDescriptor,
-)
+from transfer.metadata import EngineDescriptor, RoomTicket
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.plan import buffer_pairs, check_owners, mem_type
 from transfer.results import FetchResult, OwnerStats
@@ -57,6 +57,8 @@ from transfer.ucx import UcxTransport, default_lanes
 
 if TYPE_CHECKING:
     from transfer.gpu_lane import GpuLane
+
+PIN_WORDS = 4096  # pin words in flight at once (reused in turn: a clash can only fail a check)
 
 __all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 
@@ -113,6 +115,8 @@ class DecodeFetcher(OwnerIO):
         self._active = 0  # fetches and lease calls in flight
         self._idle = asyncio.Event()
         self._idle.set()
+        self._pin_words = torch.zeros(PIN_WORDS, dtype=torch.int64)  # where owners' pin words land
+        self._next_word = 0
 
     async def start(self) -> None:
         mem = mem_type(self.pool.device)
@@ -123,7 +127,7 @@ class DecodeFetcher(OwnerIO):
             mem_type=mem,
             connect_timeout=self.timeouts.connect,
         )
-        self.transport.register([self.pool.kv_slab, self.pool.index_slab])
+        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pin_words])
         if self.pool.device.type == "cuda" and self.path != "ucx":
             from transfer.gpu_lane import GpuLane  # CUDA and Triton: only where a GPU is
 
@@ -220,9 +224,11 @@ class DecodeFetcher(OwnerIO):
     async def _connect(self, owners: dict[int, Owner]) -> None:
         assert self.transport is not None
         for o in owners.values():
-            if self._open_ipc(o):
-                continue
+            if self._open_ipc(o) and o.rank.pins is None:
+                continue  # the lane reads it; with a pin table, UCX still READs its pin words
             regions = [(b.addr, b.length) for b in o.rank.buffers]
+            if o.rank.pins is not None:
+                regions.append((o.rank.pins.addr, o.rank.pins.nbytes))
             try:
                 await self.transport.add_peer(o.rank.agent_name, o.rank.agent_metadata, regions)
             except PeerLostError as exc:
@@ -266,23 +272,33 @@ class DecodeFetcher(OwnerIO):
         *,
         deadline: Deadline | None = None,
         timeout: float | None = None,
+        ticket: RoomTicket | None = None,
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
         `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or CUDA
         tensor), one per source page, checked before anything is asked. `deadline` (a
         request's end-to-end budget, passed through unchanged) or `timeout` (seconds from
-        now): give at most one; with neither, `Timeouts.fetch` applies. Returns only when
-        every byte of the room was read under a claim whose release proved the source pages
-        stayed pinned; otherwise raises a `PdkvError` and the destination pages hold no
-        valid KV.
+        now): give at most one; with neither, `Timeouts.fetch` applies. `ticket`: the
+        room's ticket from its prefill (through the router): the fetch then asks nobody;
+        it reads every owner at once and proves the pin by each owner's pin word. Returns
+        only when every byte of the room was read while its source pages stayed pinned
+        (proved by a release, or by a pin word READ after the data); otherwise raises a
+        `PdkvError` and the destination pages hold no valid KV.
         """
         dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
         budget = _budget(self.timeouts.fetch, deadline, timeout)
+        if ticket is not None and (ticket.engine_id, ticket.room) != (engine_id, room):
+            raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
         self._enter()
         try:
             was_cached = engine_id in self._engines
             owners = await self._lookup(engine_id, budget)
+            if ticket is not None:
+                owners = await self._ticket_owners(engine_id, owners, ticket, budget)
+                if owners is not None:
+                    return await self._fetch_ticket(owners, engine_id, ticket, dst, budget)
+                owners = await self._lookup(engine_id, budget)
             try:
                 return await self._fetch_from(owners, engine_id, Claim(room), dst, budget)
             except PeerLostError:
@@ -293,6 +309,30 @@ class DecodeFetcher(OwnerIO):
                 return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget)
         finally:
             self._leave()
+
+    async def _ticket_owners(
+        self, engine_id: str, owners: dict[int, Owner], ticket: RoomTicket, budget: Deadline
+    ) -> dict[int, Owner] | None:
+        """The owners `ticket` can be read from; None: read by claims instead.
+
+        A ticket naming other incarnations than the cached ones makes one fresh lookup (the
+        engine restarted since it was cached, or the cache is older than the ticket).
+        """
+        if any(o.rank.pins is None for o in owners.values()):
+            return None  # an exporter without a pin table: claims
+        if _ticket_matches(owners, ticket):
+            return owners
+        await self.forget(engine_id)
+        owners = await self._lookup(engine_id, budget)
+        if _ticket_matches(owners, ticket):
+            return owners
+        raise UnknownRoomError(
+            f"room {ticket.room}: its ticket names owners of {engine_id} that no longer run (restarted)"
+        )
+
+    def _pin_word(self) -> torch.Tensor:
+        self._next_word = (self._next_word + 1) % len(self._pin_words)
+        return self._pin_words[self._next_word : self._next_word + 1]
 
     async def _reregistered(
         self, engine_id: str, owners: dict[int, Owner], was_cached: bool, budget: Deadline
@@ -400,6 +440,11 @@ def _budget(default: float, deadline: Deadline | None, timeout: float | None) ->
     if deadline is not None:
         return deadline
     return Deadline.after(default if timeout is None else timeout)
+
+
+def _ticket_matches(owners: dict[int, Owner], ticket: RoomTicket) -> bool:
+    pins = {p.cp_rank: p.incarnation for p in ticket.pins}
+    return pins == {r: o.rank.incarnation for r, o in owners.items()}
 
 
 def _incarnations(owners: dict[int, Owner]) -> list[str]:

@@ -14,6 +14,9 @@ Schema history:
      does not know a class rebuilds its nearest known base).
   4: RankDescriptor.ipc: CUDA IPC handles of a GPU rank's owned slabs, for decodes on
      the same host (the same-host GPU lane).
+  5: RankDescriptor.pins (a rank's pin table, readable by UCX); RoomTicket and OwnerPin
+     (what a decode needs to read a finished room without asking anyone); TicketRelease
+     (a ticket holder's release, sent as a UCX notification with its last READ).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ __all__ = [
     "EngineDescriptor",
     "RoomState",
     "RoomStatus",
+    "PinTable",
+    "OwnerPin",
+    "RoomTicket",
+    "TicketRelease",
     "ClaimRequest",
     "ReleaseNotice",
     "ReleaseReply",
@@ -47,7 +54,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -128,6 +135,22 @@ class IpcExport(_Wire):
         raise KeyError(kind)
 
 
+class PinTable(_Wire):
+    """A rank's pin words in host memory registered with its UCX agent, one int64 a slot.
+
+    A slot holds its room's random nonce while the room's pages are pinned, and is
+    cleared before they are freed: a decode that READs the nonce after its data READs
+    has proof that no page was freed or reused while it read, without asking anyone.
+    """
+
+    addr: U63
+    slots: Annotated[int, Meta(ge=1, le=1 << 20)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * 8
+
+
 class RankDescriptor(_Wire):
     """What one prefill CP rank publishes: its layers, buffers and UCX connection blob."""
 
@@ -144,6 +167,7 @@ class RankDescriptor(_Wire):
     control_url: Annotated[str, Meta(min_length=1, max_length=512)]
     incarnation: Name
     ipc: IpcExport | None = None  # GPU ranks only
+    pins: PinTable | None = None
 
     def __post_init__(self) -> None:
         if self.cp_rank >= self.cp_size:
@@ -210,6 +234,41 @@ class RoomState(_Wire):
     status: RoomStatus
     src_pages: PageList = []
     ready_upto: Count = 0  # layers [layer_start, ready_upto) are ready
+
+
+class OwnerPin(_Wire):
+    """Where one owner pins a room: the slot of its pin table and the nonce it holds."""
+
+    cp_rank: Count
+    incarnation: Name
+    slot: Count
+    nonce: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+
+
+class RoomTicket(_Wire):
+    """A finished room, as its prefill hands it to the one decode that will read it.
+
+    With it a decode reads every owner at once and proves the pin by each owner's pin
+    word: no claim, no poll, no release request. It is a capability: it reaches the
+    decode through the router, and a decode holding it consumes one of the room's reads.
+    """
+
+    engine_id: Name
+    room: U63
+    src_pages: PageList
+    pins: Annotated[list[OwnerPin], Meta(min_length=1, max_length=1024)]
+
+    def __post_init__(self) -> None:
+        if sorted(p.cp_rank for p in self.pins) != list(range(len(self.pins))):
+            raise ValueError("a ticket carries one pin for each CP rank 0..n-1")
+
+
+class TicketRelease(_Wire):
+    """A ticket holder is done with `room` on this rank (a UCX notification)."""
+
+    room: U63
+    slot: Count
+    nonce: Annotated[int, Meta(ge=1, le=2**63 - 1)]
 
 
 class ClaimRequest(_Wire):

@@ -1,10 +1,16 @@
-"""The decode's side of the per-owner protocol: claim, poll, read, release.
+"""The decode's side of the per-owner protocol: claim, poll, read, release; or, with a
+ticket, read and prove the pin.
 
 `OwnerIO` is the half of `DecodeFetcher` that talks to one owner at a time: it claims the
 room (the lowest CP rank first), polls readiness, reads ready layers (one batched UCX
 READ, or one gather launch on the same-host GPU lane) and releases the claim, proving the
 pages stayed pinned. `DecodeFetcher` supplies the state it reads (`pool`, `timeouts`,
-`consumer_id`, `merge_runs`, `transport`, `_gpu`, `_client`, `_owner_tasks`).
+`consumer_id`, `merge_runs`, `transport`, `_gpu`, `_client`, `_owner_tasks`, `_pin_word`).
+
+With a `RoomTicket` (a finished room, handed over by its prefill through the router) a
+fetch makes no control request at all: every owner is read at once, then each owner's
+pin word is READ; the nonce still being there proves that no page was freed while it was
+read. That last READ carries the release as its NIXL notification.
 """
 
 from __future__ import annotations
@@ -19,12 +25,24 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import numpy as np
+import torch
 
-from pdkv.errors import ClosedError, MetadataError, PeerLostError, UnknownRoomError
+from pdkv.errors import ClaimLostError, ClosedError, MetadataError, PdkvError, PeerLostError, UnknownRoomError
 from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
 from transfer.http import ControlClient
-from transfer.metadata import ClaimRequest, RankDescriptor, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
+from transfer.metadata import (
+    ClaimRequest,
+    OwnerPin,
+    RankDescriptor,
+    ReleaseNotice,
+    ReleaseReply,
+    RoomState,
+    RoomStatus,
+    RoomTicket,
+    TicketRelease,
+    encode,
+)
 from transfer.plan import BufferPair, build_read_plan
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
@@ -74,6 +92,110 @@ class OwnerIO:
     _gpu: GpuLane | None
     _client: ControlClient
     _owner_tasks: set[asyncio.Future[Any]]
+
+    def _pin_word(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- with a ticket: no control request ---------------------------------------------------
+    async def _fetch_ticket(
+        self, owners: dict[int, Owner], engine_id: str, ticket: RoomTicket, dst: np.ndarray, deadline: Deadline
+    ) -> FetchResult:
+        t0 = time.perf_counter()
+        src = np.asarray(ticket.src_pages, dtype=np.int64)
+        if src.size != dst.size:
+            raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
+        pins = {p.cp_rank: p for p in ticket.pins}
+        group = self._launch_group(owners)
+        proved: set[int] = set()
+        tasks = [
+            asyncio.create_task(
+                self._read_with_pin(
+                    o, pins[r], ticket.room, src, dst, deadline, proved, group if o.ipc is not None else None
+                )
+            )
+            for r, o in owners.items()
+        ]
+        self._owner_tasks.update(tasks)
+        try:
+            stats = await _all_or_cancel(tasks)
+        except BaseException:  # release where the pin READ (which carries it) never went
+            await self._release_pins([(o, pins[r]) for r, o in owners.items() if r not in proved], ticket.room)
+            raise
+        finally:
+            self._owner_tasks.difference_update(tasks)
+        nbytes = sum(s.nbytes for s in stats)
+        return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - t0, tuple(stats), False, 0)
+
+    async def _read_with_pin(
+        self,
+        owner: Owner,
+        pin: OwnerPin,
+        room: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        deadline: Deadline,
+        proved: set[int],
+        group: LaunchGroup | None,
+    ) -> OwnerStats:
+        """Read all of one owner's layers, then prove (and release) its pin."""
+        assert self.transport is not None
+        r = owner.rank
+        slot = group.slot() if group is not None else None
+        t0 = time.perf_counter()
+        layers = range(r.layer_start, r.layer_end)
+        try:
+            if slot is not None and owner.ipc is not None:
+                xfer = await slot.read(owner.ipc, layers, src, dst)
+            else:
+                if slot is not None:
+                    slot.close()
+                pieces = max(1, self.transport.lanes // r.cp_size)
+                xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
+            proved.add(r.cp_rank)  # from here the pin READ carries the release, whatever it finds
+            await self._prove_pin(owner, pin, room, deadline)
+        except PeerLostError as exc:
+            raise lost_peer(r, exc) from exc
+        finally:
+            if slot is not None:
+                slot.close()
+        path = "cuda_ipc" if owner.ipc is not None else "ucx"
+        return OwnerStats(
+            r.cp_rank,
+            (layers.start, layers.stop),
+            xfer.nbytes,
+            xfer.descriptors,
+            1,
+            time.perf_counter() - t0,
+            xfer.seconds,
+            path,
+        )
+
+    async def _prove_pin(self, owner: Owner, pin: OwnerPin, room: int, deadline: Deadline) -> None:
+        """READ the owner's pin word for `room` after its data; the release rides on it."""
+        assert self.transport is not None and owner.rank.pins is not None
+        if pin.slot >= owner.rank.pins.slots:
+            raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
+        release = encode(TicketRelease(room=room, slot=pin.slot, nonce=pin.nonce), self.pool.layout.fingerprint)
+        addr = owner.rank.pins.addr + 8 * pin.slot
+        word = await self.transport.read_word(
+            owner.rank.agent_name, addr, self._pin_word(), deadline.within(self.timeouts.request), release
+        )
+        if word != pin.nonce:
+            raise ClaimLostError(
+                f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
+                "by another holder of its ticket) before they were all read; the bytes may belong to another room"
+            )
+
+    async def _release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
+        """After a failed ticket fetch: release the room where no pin READ carried it."""
+        assert self.transport is not None
+        fp = self.pool.layout.fingerprint
+        for owner, pin in pins:
+            message = encode(TicketRelease(room=room, slot=pin.slot, nonce=pin.nonce), fp)
+            try:
+                await self.transport.notify(owner.rank.agent_name, message)
+            except PdkvError as exc:
+                logger.debug("release of room %d after a failed ticket fetch: %s", room, exc)
 
     async def _fetch_from(
         self,

@@ -1,9 +1,10 @@
 """The prefill side: one exporter per CP rank.
 
-It registers only the rank's owned KV buffers with UCX, publishes a `RankDescriptor` to
-the registry and keeps renewing it, serves decodes' control requests (readiness
-long-polls, releases), keeps each room's source pages pinned until released, aborted or
-expired, and keeps its UCX worker progressing (a target is not always passive).
+It registers only the rank's owned KV buffers (and its pin table) with UCX, publishes a
+`RankDescriptor` to the registry and keeps renewing it, serves decodes' control requests
+(readiness long-polls, releases), keeps each room's source pages pinned until released,
+aborted or expired, and keeps its UCX worker progressing (a target is not always passive);
+ticket releases arrive there, as UCX notifications.
 
     POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
     GET  /v1/rooms/{room}?after=N&claim=T
@@ -38,9 +39,13 @@ from transfer.metadata import (
     IpcSlab,
     LayoutSpec,
     MemoryDescriptor,
+    OwnerPin,
+    PinTable,
     RankDescriptor,
     ReleaseNotice,
+    TicketRelease,
     claim_token,
+    decode,
 )
 from transfer.plan import device_id, mem_type
 from transfer.rooms import RoomTable
@@ -50,6 +55,9 @@ from transfer.ucx import UcxTransport
 __all__ = ["PrefillExporter"]
 
 logger = logging.getLogger(__name__)
+
+INCARNATION_HEX = 12  # an incarnation is this many hex digits (it fits an int64)
+PIN_SLOTS = 4096  # rooms a rank can pin with a ticket at once; beyond, rooms are read by claims
 
 
 def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
@@ -108,8 +116,10 @@ class PrefillExporter:
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.registry_url = registry_url.rstrip("/")
         self.timeouts = timeouts
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free)
+        self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
+        # Host memory whatever the pool's device: decodes READ a word of it after their data.
+        self._pins = torch.zeros(PIN_SLOTS, dtype=torch.int64)
+        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.numpy())
         self._client = ControlClient(timeouts, secret)
         app = make_app(secret)
         app.router.add_get("/v1/rooms/{room}", self._wait)
@@ -138,7 +148,7 @@ class PrefillExporter:
             name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
-        self.transport.register([self.pool.kv_slab, self.pool.index_slab])
+        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pins])
         url = await self._http.start()
         layout = self.pool.layout
         self.descriptor = RankDescriptor(
@@ -155,6 +165,7 @@ class PrefillExporter:
             control_url=url,
             incarnation=self.incarnation,
             ipc=_ipc_export(self.pool),
+            pins=PinTable(addr=self._pins.data_ptr(), slots=PIN_SLOTS),
         )
         await self._register(deadline=time.monotonic() + self.timeouts.lookup)
         self._tasks = [
@@ -218,6 +229,17 @@ class PrefillExporter:
     def abort_room(self, room: int) -> bool:
         return self.rooms.abort(room)
 
+    async def pin(self, room: int, timeout: float) -> OwnerPin | None:
+        """This rank's part of `room`'s ticket, once every owned layer is readable.
+
+        None if the room has no pin slot or died meanwhile: its decode reads by claims.
+        """
+        got = await self.rooms.pin(room, timeout)
+        if got is None:
+            return None
+        slot, nonce = got
+        return OwnerPin(cp_rank=self.cp_rank, incarnation=self.incarnation, slot=slot, nonce=nonce)
+
     # ---- registry ----------------------------------------------------------------------------
     def _rank_url(self) -> str:
         return f"{self.registry_url}/v1/engines/{self.engine_id}/ranks/{self.cp_rank}"
@@ -249,8 +271,18 @@ class PrefillExporter:
     async def _progress_forever(self) -> None:
         assert self.transport is not None
         while True:
-            await self.transport.progress()
+            for peer, messages in (await self.transport.progress()).items():
+                for message in messages:
+                    self._on_notification(peer, message)
             await asyncio.sleep(self.timeouts.progress_interval)
+
+    def _on_notification(self, peer: str, message: bytes) -> None:
+        try:
+            notice = decode(message, TicketRelease, self.pool.layout.fingerprint)
+        except PdkvError as exc:
+            logger.warning("dropping a malformed notification from %s: %s", peer, exc)
+            return
+        self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
 
     async def _expire_forever(self) -> None:
         while True:

@@ -13,12 +13,19 @@ were pinned for this room from the claim to the release, i.e. during every READ 
 under the claim. A release after the room was freed (aborted, expired, forgotten) or
 with an unknown claim raises `ClaimLostError`: the reader must discard what it read.
 Finished rooms are remembered (bounded) so a late fetch gets a clear answer.
+
+A room can also be read with a ticket (`transfer.metadata.RoomTicket`): with a pin table,
+each live room holds a slot whose word is a random nonce while its pages are pinned; the
+word is cleared before the pages are freed. A decode that READs the nonce after its data
+READs has the same proof a release gives, without a request. Its release arrives as a UCX
+notification (`release_ticket`) and counts as one of the room's consumers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,10 +53,13 @@ class _Room:
     ready_upto: int
     open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
     released: int = 0  # claims granted and released; granted = released + open
+    slot: int = -1  # its pin table slot; -1: none
+    nonce: int = 0
+    ticket: str = ""  # "", "issued" (holds one of the claims), "released"
 
     @property
     def granted(self) -> int:
-        return self.released + len(self.open_claims)
+        return self.released + len(self.open_claims) + (self.ticket == "issued")
 
 
 @dataclass
@@ -69,7 +79,9 @@ class RoomTable:
         num_pages: int,
         pin_seconds: float,
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
+        pins: np.ndarray | None = None,
     ) -> None:
+        """`pins`: the int64 pin table decodes READ (zeroed here); None: no tickets."""
         self.layers = layers
         self.num_pages = num_pages
         self.pin_seconds = pin_seconds
@@ -78,13 +90,20 @@ class RoomTable:
         self._finished: OrderedDict[int, RoomStatus] = OrderedDict()
         self._tick = asyncio.Event()  # set and replaced on every change
         self.counters = RoomCounters()
+        self._pins = pins
+        if pins is not None:
+            pins[:] = 0
+        self._free_slots = list(range(len(pins) - 1, -1, -1)) if pins is not None else []
 
     # ---- the model side -------------------------------------------------------------------
     def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
         if room in self._live or room in self._finished:
             raise ConflictError(f"room {room} was already published on this rank")
         pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
-        self._live[room] = _Room(room, pages, consumers, time.monotonic() + self.pin_seconds, self.layers.start)
+        r = self._live[room] = _Room(room, pages, consumers, time.monotonic() + self.pin_seconds, self.layers.start)
+        if self._pins is not None and self._free_slots:  # else: no ticket for this room, claims still work
+            r.slot, r.nonce = self._free_slots.pop(), secrets.randbits(63) or 1
+            self._pins[r.slot] = r.nonce
         self.counters.published += 1
         self._notify()
 
@@ -181,6 +200,30 @@ class RoomTable:
             self.counters.released += 1
         return ReleaseReply(room=room, freed=freed, unreleased=r.consumers - r.released)
 
+    async def pin(self, room: int, timeout: float) -> tuple[int, int] | None:
+        """Issue `room`'s ticket once every layer is ready: its (slot, nonce). The ticket
+        holds one of the room's claims. None if the room has no pin slot, died, or every
+        claim is taken (a decode that began before the prefill ended claimed it)."""
+        await self.wait(room, self.layers.stop - 1, timeout)
+        r = self._live.get(room)
+        if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket or r.granted >= r.consumers:
+            return None
+        r.ticket = "issued"
+        return r.slot, r.nonce
+
+    def release_ticket(self, room: int, slot: int, nonce: int) -> bool:
+        """A ticket holder's release (once a room); False if the ticket no longer pins it."""
+        r = self._live.get(room)
+        if r is None or r.slot != slot or r.nonce != nonce or r.ticket != "issued":
+            logger.info("room %d: a ticket release that pins nothing (late, repeated or forged)", room)
+            return False
+        r.ticket = "released"
+        r.released += 1
+        if r.released >= r.consumers:
+            self._finish(room, RoomStatus.RELEASED)
+            self.counters.released += 1
+        return True
+
     # ---- housekeeping ---------------------------------------------------------------------
     def expire(self, now: float) -> list[int]:
         gone = [room for room, r in self._live.items() if r.pinned_until <= now]
@@ -200,6 +243,10 @@ class RoomTable:
 
     def _finish(self, room: int, status: RoomStatus) -> None:
         r = self._live.pop(room)
+        if r.slot >= 0:
+            assert self._pins is not None
+            self._pins[r.slot] = 0  # before the pages are freed: a ticket READ after this fails
+            self._free_slots.append(r.slot)
         self._remember(room, status)
         self._on_free(room, r.src_pages)
         self._notify()

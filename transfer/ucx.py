@@ -144,12 +144,17 @@ class _Lane:
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-    def read_blocking(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float) -> float:
-        """Run one READ to completion on this lane's thread; returns its duration."""
+    def read_blocking(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, notif: bytes = b""
+    ) -> float:
+        """Run one READ to completion on this lane's thread; returns its duration.
+
+        `notif` reaches the peer once the READ is complete (NIXL's notification).
+        """
         t0 = time.perf_counter()
         agent = self.agent
         handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
+            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer, notif
         )
         state = "PROC"
         try:
@@ -357,15 +362,56 @@ class UcxTransport:
         )
         return XferStats(plan.nbytes, plan.descriptors, seconds, len(futs))
 
+    async def read_word(
+        self, peer: str, remote_addr: int, local: torch.Tensor, deadline: Deadline, notif: bytes
+    ) -> int:
+        """READ one int64 of host memory from `peer` into `local` (a registered one-element
+        host tensor) and return it; `notif` reaches the peer once the READ is complete."""
+        regions = self._peers.get(peer)
+        if regions is None:
+            raise PeerLostError(f"no connection to {peer}", peer)
+        remote = np.array([[remote_addr, 8, 0]], dtype=np.int64)
+        here = np.array([[local.data_ptr(), 8, 0]], dtype=np.int64)
+        if local.nbytes != 8 or local.is_cuda or not self.local_regions.contains(here):
+            raise TransferError("a word READ needs a registered one-element host tensor")
+        if not regions.contains(remote):
+            raise TransferError(f"the word at {remote_addr:#x} falls outside what {peer} exported")
+        deadline.left(what=f"word READ from {peer}: deadline passed before it was posted")
+        lane = self._pick_lanes()[0]
+        fut = asyncio.get_running_loop().run_in_executor(
+            lane.executor, lane.read_blocking, peer, here, remote, "DRAM", deadline.at, notif
+        )
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+        except (DeadlineExceeded, TransferError):
+            raise
+        except Exception as exc:
+            raise _translate(exc, f"word READ from {peer}", peer) from exc
+        return int(local.item())
+
+    async def notify(self, peer: str, message: bytes) -> None:
+        """Send `message` to `peer` as a NIXL notification (no reply; best effort)."""
+        if peer not in self._peers:
+            raise PeerLostError(f"no connection to {peer}", peer)
+        lane = self._lanes[0]
+        try:
+            await lane.call(lambda: lane.agent.send_notif(peer, message))
+        except Exception as exc:
+            raise _translate(exc, f"notification to {peer}", peer) from exc
+
     def _pick_lanes(self) -> list[_Lane]:
         """Every lane, starting from the next in turn, so concurrent READs spread out."""
         first = next(self._next_lane)
         return self._lanes[first:] + self._lanes[:first]
 
-    async def progress(self) -> None:
-        """Drive the UCX worker once: a target must progress for wire-up and emulated GETs."""
+    async def progress(self) -> dict[str, list[bytes]]:
+        """Drive the UCX worker once (a target must, for wire-up and emulated GETs); returns
+        the notifications that arrived, by sender."""
         lane = self._lanes[0]
-        await lane.call(lane.agent.get_new_notifs)
+        return await lane.call(lane.agent.get_new_notifs)
 
     async def aclose(self) -> None:
         if self._closed:

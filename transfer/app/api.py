@@ -6,6 +6,8 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
+from transfer.metadata import RoomTicket
+
 __all__ = ["PrefillRequest", "PrefillReply", "DecodeRequest", "DecodeReply"]
 
 Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
@@ -27,12 +29,16 @@ class PrefillRequest(_Api):
     prefix_tokens: Count = 0
     consumers: Annotated[int, Meta(ge=1, le=64)] = 1
     budget_ms: BudgetMs | None = None
+    # Reply with the room's ticket, which holds one of its claims; False: every consumer
+    # claims (a decode that starts before the prefill ends, say).
+    ticket: bool = True
 
 
 class PrefillReply(_Api):
     room: Room
     pages: Count
     seconds: float
+    ticket: RoomTicket | None = None  # None: the room is read by claims (no pin slot free)
 
 
 class DecodeRequest(_Api):
@@ -42,6 +48,7 @@ class DecodeRequest(_Api):
     prefix_id: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
     prefix_tokens: Count = 0
     budget_ms: BudgetMs | None = None
+    ticket: RoomTicket | None = None  # the prefill's, when the decode starts after it
 
 
 class DecodeReply(_Api):

@@ -68,7 +68,7 @@ class DecodeWorker:
         pages = self.allocator.alloc(-(-req.num_tokens // self.layout.page_size))
         try:
             deadline = None if req.budget_ms is None else Deadline.from_wire(req.budget_ms)
-            result = await self.fetcher.fetch(req.engine_id, req.room, pages, deadline=deadline)
+            result = await self.fetcher.fetch(req.engine_id, req.room, pages, deadline=deadline, ticket=req.ticket)
             content = RequestContent(
                 request_seed(req.engine_id, req.room),
                 req.num_tokens,

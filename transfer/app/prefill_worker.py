@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -50,6 +51,8 @@ from transfer.app.synthetic import (
 )
 from transfer.deadline import Deadline
 from transfer.http import HttpService, health, make_app, path_int, read_body, reply
+from transfer.metadata import OwnerPin, RoomTicket
+from transfer.prefill import INCARNATION_HEX as _INCARNATION_HEX
 from transfer.prefill import PrefillExporter
 from transfer.timeouts import Timeouts
 
@@ -59,7 +62,7 @@ _STEP_IDLE_S = 0.05  # rank 0 joins a step at least this often: it carries frees
 _MAX_BATCH = 8
 # What the ranks of a step learn of each request, packed by name into an int64 row (a
 # field added to PrefillRequest without a place here does not reach the other ranks).
-_STEP_FIELDS = ("room", "num_tokens", "prefix_id", "prefix_tokens", "consumers")
+_STEP_FIELDS = ("room", "num_tokens", "prefix_id", "prefix_tokens", "consumers", "ticket")
 
 
 class PrefixMismatch(PdkvError):
@@ -138,11 +141,28 @@ class PrefillEngineRank:
             logger.exception("room %d failed", req.room)
             outcome = PdkvError(f"room {req.room}: prefill failed: {exc}")
             self.exporter.abort_room(req.room)
+        ticket = await self._ticket(req.room, pages if isinstance(outcome, PrefillReply) and req.ticket else None)
+        if isinstance(outcome, PrefillReply):
+            outcome = msgspec.structs.replace(outcome, ticket=ticket)
         if waiter is not None and not waiter.done.done():
             if isinstance(outcome, PdkvError):
                 waiter.done.set_exception(outcome)
             else:
                 waiter.done.set_result(outcome)
+
+    async def _ticket(self, room: int, pages: np.ndarray | None) -> RoomTicket | None:
+        """Every rank's pin of `room` gathered into the ticket rank 0 replies with (a
+        collective: every rank calls it for every request); None if any rank has none."""
+        pin = None if pages is None else await self.exporter.pin(room, self.timeouts.request)
+        row = [0, 0, 0] if pin is None else [pin.slot, pin.nonce, int(pin.incarnation, 16)]
+        rows = (await self._gather(torch.tensor(row, dtype=torch.int64))).tolist()
+        if pages is None or any(nonce == 0 for _, nonce, _ in rows):
+            return None
+        pins = [
+            OwnerPin(cp_rank=rank, incarnation=f"{inc:0{_INCARNATION_HEX}x}", slot=slot, nonce=nonce)
+            for rank, (slot, nonce, inc) in enumerate(rows)
+        ]
+        return RoomTicket(engine_id=self.args.engine_id, room=room, src_pages=pages.tolist(), pins=pins)
 
     # ---- one request ------------------------------------------------------------------------
     async def prefill(self, req: PrefillRequest) -> np.ndarray:

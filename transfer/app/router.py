@@ -18,6 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
+
 from pdkv.errors import CapacityError, PdkvError
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.supervisor import DecoderEndpoint, DeploymentSpec, EngineEndpoints, Supervisor
@@ -144,8 +146,14 @@ class Router:
     ) -> DecodeReply:
         """Both legs carry what remains of `deadline`; each worker bounds its work by it."""
         budget = deadline.to_wire()
+        overlap = self.services.spec.overlap
         pre = PrefillRequest(
-            room=room, num_tokens=num_tokens, prefix_id=prefix_id, prefix_tokens=prefix_tokens, budget_ms=budget
+            room=room,
+            num_tokens=num_tokens,
+            prefix_id=prefix_id,
+            prefix_tokens=prefix_tokens,
+            budget_ms=budget,
+            ticket=not overlap,
         )
         dec = DecodeRequest(
             engine_id=engine.engine_id,
@@ -160,14 +168,19 @@ class Router:
         prefill = asyncio.create_task(
             self.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, pre, timeout=wait)
         )
-        decode = asyncio.create_task(
-            self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec, timeout=wait)
-        )
+        decode: asyncio.Task[DecodeReply | None] | None = None
         try:
-            await asyncio.wait([prefill, decode], return_when=asyncio.FIRST_EXCEPTION)
-            for leg in (prefill, decode):
-                if leg.done() and leg.exception() is not None:
-                    raise leg.exception()  # type: ignore[misc]
+            if overlap:
+                decode = asyncio.create_task(self._decode(decoder, dec, wait))
+                await asyncio.wait([prefill, decode], return_when=asyncio.FIRST_EXCEPTION)
+                for leg in (prefill, decode):
+                    if leg.done() and leg.exception() is not None:
+                        raise leg.exception()  # type: ignore[misc]
+            else:  # the prefill's reply carries the room's ticket to the decode
+                done = await prefill
+                assert done is not None
+                dec = msgspec.structs.replace(dec, ticket=done.ticket, budget_ms=deadline.to_wire())
+                decode = asyncio.create_task(self._decode(decoder, dec, deadline.left() + self.timeouts.request))
             out = await decode
             assert out is not None
             return out
@@ -175,9 +188,13 @@ class Router:
             await self.abort(engine, decoder, room)
             raise
         finally:
-            for leg in (prefill, decode):
+            legs = [leg for leg in (prefill, decode) if leg is not None]
+            for leg in legs:
                 leg.cancel()
-            await asyncio.gather(prefill, decode, return_exceptions=True)
+            await asyncio.gather(*legs, return_exceptions=True)
+
+    async def _decode(self, decoder: DecoderEndpoint, dec: DecodeRequest, wait: float) -> DecodeReply | None:
+        return await self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec, timeout=wait)
 
     async def abort(self, engine: EngineEndpoints, decoder: DecoderEndpoint, room: int) -> None:
         """Cancel `room` everywhere: the decode's fetch, the queued prefill, every rank's pins."""

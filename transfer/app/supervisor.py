@@ -35,6 +35,10 @@ class DeploymentSpec:
     pin: float = Timeouts().pin
     lease: float = Timeouts().lease
     decode_lanes: int = 0  # 0: one a core, up to 8 (4 on a GPU)
+    # False: the decode starts once the prefill replied, with the room's ticket (no control
+    # request during the fetch). True: both start at once and the decode reads layers as
+    # they are written (claims and readiness polls over HTTP).
+    overlap: bool = False
     secret: str | None = None
     start_timeout: float = 120.0
     log_level: str = "WARNING"
