@@ -3,11 +3,13 @@
 DSA-shaped layout, one prefill engine of CP=4 (four processes, fragmented page
 allocators) and the decode in this process (fragmented destination pages). For each
 request size: the prefill writes the room, then in turn (a) raw NIXL READs of exactly the
-descriptor list pdkv builds, posted per owner from one thread, (b) pdkv's fetch (which
-also polls readiness and releases), and (c) an in-process copy of the same pages between
-two pools (the limit). Medians over --runs after a warm-up; prints a table.
+descriptor list pdkv builds, posted per owner from one thread, (b) pdkv's fetch with the
+room's ticket (all owners at once, then a pin word READ per owner that carries the
+release; `--claims`: a claim and a release over HTTP per owner instead), and (c) an
+in-process copy of the same pages between two pools (the limit). Medians over --runs
+after a warm-up; prints a table.
 
-    .venv/bin/python scripts/bench_fetch.py [--sizes 1024,8192,32768] [--runs 5]
+    .venv/bin/python scripts/bench_fetch.py [--sizes 1024,8192,32768] [--runs 5] [--claims]
 """
 
 from __future__ import annotations
@@ -163,12 +165,18 @@ async def bench(args: argparse.Namespace) -> None:
                         alloc,
                         n,
                         args.runs,
+                        not args.claims,
                     )
                 )
     print_table(rows, args)
 
 
-async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools, alloc, n, runs):
+async def _prefill(d, engine, room: int, n: int, consumers: int, tickets: bool) -> PrefillReply:
+    ask = PrefillRequest(room=room, num_tokens=n, consumers=consumers, ticket=tickets)
+    return await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, ask)
+
+
+async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools, alloc, n, runs, tickets):
     fetcher, lane = fetchers
     samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": [], "ctl_pdkv": []}
     if lane is not None:
@@ -177,19 +185,26 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
     nbytes = 0
     for i in range(runs + 1):  # the first run is a warm-up
         room = (n << 20) + i
-        ask = PrefillRequest(room=room, num_tokens=n, consumers=1 if lane is None else 2)  # one claim each
-        await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, ask)
-        state = await d.client.request("GET", f"{engine.controls[0]}/v1/rooms/{room}?after=-1", RoomState)
-        src = np.asarray(state.src_pages)
+        # With tickets each fetch reads a room of its own; by claims, one room takes a claim each.
+        reply = await _prefill(d, engine, room, n, 1 if tickets or lane is None else 2, tickets)
+        if tickets:
+            src = np.asarray(reply.ticket.src_pages)
+        else:
+            state = await d.client.request("GET", f"{engine.controls[0]}/v1/rooms/{room}?after=-1", RoomState)
+            src = np.asarray(state.src_pages)
         dst = alloc.alloc(len(src))
         plans = [build_read_plan(p, src, dst) for p in pairs]
         desc_merged = sum(p.descriptors for p in plans)
         desc_unmerged = sum(build_read_plan(p, src, dst, merge=False).descriptors for p in pairs)
         nbytes = sum(p.nbytes for p in plans)
         t_raw = raw.read(plans)
-        result = await fetcher.fetch("prefill0", room, dst)
+        result = await fetcher.fetch("prefill0", room, dst, ticket=reply.ticket)
         if lane is not None:
-            through_lane = await lane.fetch("prefill0", room, dst)
+            lane_room, ticket = room, None
+            if tickets:
+                lane_room = room + (1 << 19)
+                ticket = (await _prefill(d, engine, lane_room, n, 1, True)).ticket
+            through_lane = await lane.fetch("prefill0", lane_room, dst, ticket=ticket)
             assert {o.path for o in through_lane.owners} == {"cuda_ipc"}
         if pools[0].device.type == "cuda":
             t_copy = device_copy_limit(pools[0], pools[1], src, dst)
@@ -212,7 +227,8 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
 
 def print_table(rows, args) -> None:
     print(
-        f"DSA layout, owners on {args.prefill_device or args.device}, decode on {args.decode_device or args.device}, "
+        f"DSA layout, {'claims' if args.claims else 'tickets'}, owners on {args.prefill_device or args.device}, "
+        f"decode on {args.decode_device or args.device}, "
         f"prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians"
     )
     if args.device == "cuda":
@@ -282,6 +298,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--lanes", type=int, default=0, help="decode lanes; 0: one a core, up to 8 (4 on a GPU)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--claims", action="store_true", help="fetch by claims and releases over HTTP instead of the rooms' tickets"
+    )
     ap.add_argument("--prefill-device", default="", help="the owners' device: cuda (one GPU a rank), cuda:N")
     ap.add_argument("--decode-device", default="", help="the decode pool's device (default --device)")
     asyncio.run(bench(ap.parse_args()))

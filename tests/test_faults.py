@@ -19,9 +19,10 @@ from transfer.timeouts import Timeouts
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LEASE, PIN = 2.0, 3.0
-SPEC = DeploymentSpec(
+SPEC = DeploymentSpec(  # overlap: decodes read while the prefill writes, so a kill lands mid-fetch
     engines=(3, 2),
     decoders=2,
+    overlap=True,
     preset="tiny",
     prefill_pool_tokens=8192,
     decode_pool_tokens=8192,
