@@ -58,7 +58,8 @@ from transfer.ucx import UcxTransport, default_lanes
 if TYPE_CHECKING:
     from transfer.gpu_lane import GpuLane
 
-PIN_WORDS = 4096  # pin words in flight at once (reused in turn: a clash can only fail a check)
+PIN_WINDOW = 2048  # words of an owner's pin table READ around a slot (16 KiB)
+PIN_WINDOWS = 64  # such READs in flight at once (reused in turn: a clash can only fail a check)
 
 __all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
 
@@ -115,8 +116,8 @@ class DecodeFetcher(OwnerIO):
         self._active = 0  # fetches and lease calls in flight
         self._idle = asyncio.Event()
         self._idle.set()
-        self._pin_words = torch.zeros(PIN_WORDS, dtype=torch.int64)  # where owners' pin words land
-        self._next_word = 0
+        self._pin_windows = torch.zeros((PIN_WINDOWS, PIN_WINDOW), dtype=torch.int64)  # owners' pin words land here
+        self._next_window = 0
 
     async def start(self) -> None:
         mem = mem_type(self.pool.device)
@@ -127,7 +128,7 @@ class DecodeFetcher(OwnerIO):
             mem_type=mem,
             connect_timeout=self.timeouts.connect,
         )
-        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pin_words])
+        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pin_windows])
         if self.pool.device.type == "cuda" and self.path != "ucx":
             from transfer.gpu_lane import GpuLane  # CUDA and Triton: only where a GPU is
 
@@ -330,9 +331,9 @@ class DecodeFetcher(OwnerIO):
             f"room {ticket.room}: its ticket names owners of {engine_id} that no longer run (restarted)"
         )
 
-    def _pin_word(self) -> torch.Tensor:
-        self._next_word = (self._next_word + 1) % len(self._pin_words)
-        return self._pin_words[self._next_word : self._next_word + 1]
+    def _pin_window(self) -> torch.Tensor:
+        self._next_window = (self._next_window + 1) % len(self._pin_windows)
+        return self._pin_windows[self._next_window]
 
     async def _reregistered(
         self, engine_id: str, owners: dict[int, Owner], was_cached: bool, budget: Deadline

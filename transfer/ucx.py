@@ -144,17 +144,12 @@ class _Lane:
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-    def read_blocking(
-        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, notif: bytes = b""
-    ) -> float:
-        """Run one READ to completion on this lane's thread; returns its duration.
-
-        `notif` reaches the peer once the READ is complete (NIXL's notification).
-        """
+    def read_blocking(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float) -> float:
+        """Run one READ to completion on this lane's thread; returns its duration."""
         t0 = time.perf_counter()
         agent = self.agent
         handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer, notif
+            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
         )
         state = "PROC"
         try:
@@ -236,9 +231,12 @@ class UcxTransport:
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Register `tensors` with UCX on every lane, once, at start-up."""
         tensors = [t for t in tensors if t.numel() > 0]  # 0-row placeholders are skipped
+        # NIXL takes one memory kind a call: a GPU pool's slabs and a host pin table go apart.
+        kinds = {t.device: [u for u in tensors if u.device == t.device] for t in tensors}
         for lane in self._lanes:
-            descs = lane.executor.submit(lane.agent.register_memory, tensors).result()
-            self._registrations.append((lane, descs))
+            for group in kinds.values():
+                descs = lane.executor.submit(lane.agent.register_memory, group).result()
+                self._registrations.append((lane, descs))
         self._local_ranges += [(t.data_ptr(), t.nbytes) for t in tensors]
         self.local_regions = Regions(self._local_ranges)
         logger.info("%s registered %d buffers, %.1f MiB", self.name, len(tensors), self.local_regions.total / 2**20)
@@ -362,24 +360,22 @@ class UcxTransport:
         )
         return XferStats(plan.nbytes, plan.descriptors, seconds, len(futs))
 
-    async def read_word(
-        self, peer: str, remote_addr: int, local: torch.Tensor, deadline: Deadline, notif: bytes
-    ) -> int:
-        """READ one int64 of host memory from `peer` into `local` (a registered one-element
-        host tensor) and return it; `notif` reaches the peer once the READ is complete."""
+    async def read_host(self, peer: str, remote_addr: int, local: torch.Tensor, deadline: Deadline) -> None:
+        """READ `local.nbytes` of `peer`'s host memory at `remote_addr` into `local` (a
+        registered, contiguous host tensor)."""
         regions = self._peers.get(peer)
         if regions is None:
             raise PeerLostError(f"no connection to {peer}", peer)
-        remote = np.array([[remote_addr, 8, 0]], dtype=np.int64)
-        here = np.array([[local.data_ptr(), 8, 0]], dtype=np.int64)
-        if local.nbytes != 8 or local.is_cuda or not self.local_regions.contains(here):
-            raise TransferError("a word READ needs a registered one-element host tensor")
+        remote = np.array([[remote_addr, local.nbytes, 0]], dtype=np.int64)
+        here = np.array([[local.data_ptr(), local.nbytes, 0]], dtype=np.int64)
+        if local.is_cuda or not local.is_contiguous() or not self.local_regions.contains(here):
+            raise TransferError("a host READ needs a registered, contiguous host tensor")
         if not regions.contains(remote):
-            raise TransferError(f"the word at {remote_addr:#x} falls outside what {peer} exported")
-        deadline.left(what=f"word READ from {peer}: deadline passed before it was posted")
+            raise TransferError(f"{local.nbytes} bytes at {remote_addr:#x} fall outside what {peer} exported")
+        deadline.left(what=f"host READ from {peer}: deadline passed before it was posted")
         lane = self._pick_lanes()[0]
         fut = asyncio.get_running_loop().run_in_executor(
-            lane.executor, lane.read_blocking, peer, here, remote, "DRAM", deadline.at, notif
+            lane.executor, lane.read_blocking, peer, here, remote, "DRAM", deadline.at
         )
         try:
             await asyncio.shield(fut)
@@ -389,8 +385,7 @@ class UcxTransport:
         except (DeadlineExceeded, TransferError):
             raise
         except Exception as exc:
-            raise _translate(exc, f"word READ from {peer}", peer) from exc
-        return int(local.item())
+            raise _translate(exc, f"host READ from {peer}", peer) from exc
 
     async def notify(self, peer: str, message: bytes) -> None:
         """Send `message` to `peer` as a NIXL notification (no reply; best effort)."""
