@@ -124,8 +124,9 @@ class _NoBroadcast:
         raise AssertionError("no broadcast expected in this test")
 
 
+@pytest.mark.parametrize("token", [7, 9])  # in a full page; in the last, partial page
 @pytest.mark.parametrize("where", ["kv", "index_k", "index_scale"])
-def test_verification_catches_a_single_flipped_byte(where, device):
+def test_verification_catches_a_single_flipped_byte(where, token, device):
     from transfer.app.synthetic import RequestContent, token_locations
 
     pool = DSAKVPool(tiny(device=device, layer_num=3))
@@ -138,9 +139,9 @@ def test_verification_catches_a_single_flipped_byte(where, device):
         pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
     assert content.mismatched_layers(pool, pages) == []
     if where == "kv":
-        pool.kv_buffer[1].view(torch.uint8)[loc[7], 0, 3] ^= 1  # bytes: a bf16 NaN + 1 may not change
+        pool.kv_buffer[1].view(torch.uint8)[loc[token], 0, 3] ^= 1  # bytes: a bf16 NaN + 1 may not change
     else:
-        page, off = int(pages[1]), 3  # token 7 lives in the second page, slot 3
+        page, off = int(pages[token // 4]), token % 4  # 4-token pages
         col = off * 128 + 5 if where == "index_k" else pool.layout.index_scale_offset + off * 4 + 1
         pool.index_buffer[1][page, col] ^= 1
     assert content.mismatched_layers(pool, pages) == [1]

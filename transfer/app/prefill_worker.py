@@ -213,7 +213,7 @@ class PrefillEngineRank:
                 if layer + 1 < layout.end_layer:
                     pool.prefetch(layer + 1, prefix_pages)  # lands while this layer is written
             if pool.is_owned(layer):
-                data = content.layer(layout, layer)
+                data = content.layer(layout, layer, scratch=True)  # written at once
                 pool.set_kv_buffer(layer, loc, data.kv_rows(layout))
                 pool.set_index_k_and_scale(layer, loc, data.index_k, data.index_scale)
                 if room is not None:
