@@ -112,3 +112,42 @@ async def test_bad_source_pages_refused():
         t.publish(1, np.array([32]))
     with pytest.raises(InvalidPagesError):
         t.publish(1, np.array([3, 3]))
+
+
+# ---- tickets: pin words and their releases ---------------------------------------------------
+
+
+async def test_a_ticket_holds_a_claim_its_word_is_cleared_before_the_pages_are_freed():
+    pins = np.zeros(4, dtype=np.int64)
+    seen = []
+    t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=pins, on_free=lambda r, p: seen.append(pins.copy()))
+    t.publish(1, np.array([4, 5]))
+    assert await t.pin(1, timeout=0.01) is None  # not every layer ready yet: no ticket
+    t.mark_ready(1, 2)
+    slot, nonce = await t.pin(1, timeout=1)
+    assert pins[slot] == nonce != 0 and t.tickets_out == 1
+    assert await t.pin(1, timeout=1) is None  # one ticket a room
+    with pytest.raises(RoomClaimedError):
+        t.claim(1, A, "d0")  # the ticket holds the single consumer's claim
+    assert not t.release_ticket(1, slot, nonce ^ 1)  # forged: frees nothing
+    assert t.release_ticket(1, slot, nonce) and t.tickets_out == 0
+    assert len(seen) == 1 and not seen[0].any()  # cleared before on_free ran
+    assert not t.release_ticket(1, slot, nonce)  # replayed
+
+
+async def test_an_aborted_room_with_its_ticket_out_clears_its_word_and_count():
+    pins = np.zeros(2, dtype=np.int64)
+    t = RoomTable(range(0, 1), num_pages=32, pin_seconds=60, pins=pins)
+    for room in (1, 2):
+        t.publish(room, np.array([room]))
+        t.mark_ready(room, 1)
+    (s1, n1), (s2, n2) = await t.pin(1, 1), await t.pin(2, 1)
+    t.publish(3, np.array([3]))  # no slot left: claims still work, no ticket
+    t.mark_ready(3, 1)
+    assert await t.pin(3, 1) is None and t.claim(3, A, "d0").status is RoomStatus.READY
+    t.abort(1)
+    assert pins[s1] == 0 and pins[s2] == n2 and t.tickets_out == 1
+    t.publish(4, np.array([6]))  # the freed slot, a fresh nonce
+    t.mark_ready(4, 1)
+    s4, n4 = await t.pin(4, 1)
+    assert s4 == s1 and n4 != n1 and pins[s4] == n4

@@ -274,7 +274,8 @@ class PrefillExporter:
             for peer, messages in (await self.transport.progress()).items():
                 for message in messages:
                     self._on_notification(peer, message)
-            await asyncio.sleep(self.timeouts.progress_interval)
+            busy = self.rooms.tickets_out > 0
+            await asyncio.sleep(self.timeouts.ticket_progress_interval if busy else self.timeouts.progress_interval)
 
     def _on_notification(self, peer: str, message: bytes) -> None:
         try:

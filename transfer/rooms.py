@@ -90,6 +90,7 @@ class RoomTable:
         self._finished: OrderedDict[int, RoomStatus] = OrderedDict()
         self._tick = asyncio.Event()  # set and replaced on every change
         self.counters = RoomCounters()
+        self.tickets_out = 0  # tickets issued and not yet released or freed
         self._pins = pins
         if pins is not None:
             pins[:] = 0
@@ -209,6 +210,7 @@ class RoomTable:
         if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket or r.granted >= r.consumers:
             return None
         r.ticket = "issued"
+        self.tickets_out += 1
         return r.slot, r.nonce
 
     def release_ticket(self, room: int, slot: int, nonce: int) -> bool:
@@ -218,6 +220,7 @@ class RoomTable:
             logger.info("room %d: a ticket release that pins nothing (late, repeated or forged)", room)
             return False
         r.ticket = "released"
+        self.tickets_out -= 1
         r.released += 1
         if r.released >= r.consumers:
             self._finish(room, RoomStatus.RELEASED)
@@ -243,6 +246,8 @@ class RoomTable:
 
     def _finish(self, room: int, status: RoomStatus) -> None:
         r = self._live.pop(room)
+        if r.ticket == "issued":  # aborted or expired with its ticket out
+            self.tickets_out -= 1
         if r.slot >= 0:
             assert self._pins is not None
             self._pins[r.slot] = 0  # before the pages are freed: a ticket READ after this fails
