@@ -30,7 +30,7 @@ async def test_only_owned_layer_buffers_are_registered_and_described():
             )
             assert described == owned
             # and nothing else but the pin table, whose words decodes READ after their data
-            assert exporter.transport.local_regions.total == sum(n for _, n in owned) + d.pins.nbytes
+            assert exporter.transport.local_regions.total == sum(n for _, n in owned) + d.pins.nbytes + 8  # + its tag
             for b in d.buffers:
                 want = layout.kv_page_bytes if b.kind is BufferKind.LATENT else layout.index_page_bytes
                 assert b.item_len == want and b.num_items == layout.num_pages

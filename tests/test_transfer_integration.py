@@ -378,3 +378,29 @@ async def test_a_forged_or_replayed_ticket_is_refused_and_frees_nothing(deployme
         )
         with pytest.raises(UnknownRoomError, match="no longer run"):
             await fetcher.fetch("prefill1", room, fragmented_pages(pool, n, 18), ticket=stale)
+
+
+async def test_pin_words_are_read_over_ucx_where_the_table_cannot_be_mapped(deployment, monkeypatch):
+    """As for an owner on another host: the pin word travels by a UCX READ."""
+    import transfer.decode
+
+    monkeypatch.setattr(transfer.decode, "map_pins", lambda table: None)
+    engine, n = deployment.engines[2], 600  # CP=3
+    good = await prefill(deployment, engine, 8_000_000, n, ticket=True)
+    gone = await prefill(deployment, engine, 8_000_001, n, ticket=True)
+    await deployment.client.request("POST", f"{engine.controls[1]}/v1/rooms/8000001/abort")
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+        reads = []
+        inner = fetcher.transport.read_host
+
+        async def spy(*args, **kwargs):
+            reads.append(args[0])
+            return await inner(*args, **kwargs)
+
+        fetcher.transport.read_host = spy
+        result = await fetcher.fetch("prefill2", 8_000_000, fragmented_pages(pool, n, 19), ticket=good.ticket)
+        assert result.control_messages == 0 and len(reads) == 3  # one pin READ an owner
+        assert kv_is_exact(pool, "prefill2", 8_000_000, n, fragmented_pages(pool, n, 19))
+        with pytest.raises(ClaimLostError, match="cp rank 1"):
+            await fetcher.fetch("prefill2", 8_000_001, fragmented_pages(pool, n, 20), ticket=gone.ticket)

@@ -50,6 +50,7 @@ from transfer.deadline import Deadline
 from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor, RoomTicket
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
+from transfer.pin_table import map_pins
 from transfer.plan import buffer_pairs, check_owners, mem_type
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
@@ -228,8 +229,10 @@ class DecodeFetcher(OwnerIO):
     async def _connect(self, owners: dict[int, Owner]) -> None:
         assert self.transport is not None
         for o in owners.values():
-            if self._open_ipc(o) and o.rank.pins is None:
-                continue  # the lane reads it; with a pin table, UCX still READs its pin words
+            if o.rank.pins is not None:
+                o.pins = map_pins(o.rank.pins)
+            if self._open_ipc(o) and (o.rank.pins is None or o.pins is not None):
+                continue  # the lane reads it, and its pin words (if any) are mapped here
             regions = [(b.addr, b.length) for b in o.rank.buffers]
             if o.rank.pins is not None:
                 regions.append((o.rank.pins.addr, o.rank.pins.nbytes))
@@ -262,6 +265,8 @@ class DecodeFetcher(OwnerIO):
         """Drop a cached engine and its peers' connections and keys."""
         owners = self._engines.pop(engine_id, None)
         for o in (owners or {}).values():
+            if o.pins is not None:
+                o.pins.close()
             if o.ipc is not None and self._gpu is not None:
                 await self._gpu.close(o.ipc)  # a dead owner's memory is freed only then
             if self.transport is not None:

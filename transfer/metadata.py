@@ -14,7 +14,7 @@ Schema history:
      does not know a class rebuilds its nearest known base).
   4: RankDescriptor.ipc: CUDA IPC handles of a GPU rank's owned slabs, for decodes on
      the same host (the same-host GPU lane).
-  5: RankDescriptor.pins (a rank's pin table, readable by UCX); RoomTicket and OwnerPin
+  5: RankDescriptor.pins (a rank's pin table, readable by UCX, mappable on its host); RoomTicket and OwnerPin
      (what a decode needs to read a finished room without asking anyone); TicketRelease
      (a ticket holder's release, sent as a UCX notification with its last READ).
 """
@@ -143,8 +143,13 @@ class PinTable(_Wire):
     has proof that no page was freed or reused while it read, without asking anyone.
     """
 
-    addr: U63
+    addr: U63  # slot 0's address in the owner, for UCX READs
     slots: Annotated[int, Meta(ge=1, le=1 << 20)]
+    # For a decode on the same host: map the owner's table instead (transfer.pin_table).
+    host_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    pid: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    fd: Annotated[int, Meta(ge=0, le=2**31 - 1)]
+    tag: Annotated[int, Meta(ge=1, le=2**63 - 1)]
 
     @property
     def nbytes(self) -> int:

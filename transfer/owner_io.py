@@ -43,6 +43,7 @@ from transfer.metadata import (
     TicketRelease,
     encode,
 )
+from transfer.pin_table import MappedPins
 from transfer.plan import BufferPair, build_read_plan
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
@@ -64,6 +65,7 @@ class Owner:
     rank: RankDescriptor
     pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), UCX addresses
     ipc: IpcPeer | None = None  # set when the same-host GPU lane reads this owner
+    pins: MappedPins | None = None  # its pin table, mapped when it runs on this host
 
 
 @dataclass
@@ -177,6 +179,19 @@ class OwnerIO:
         assert self.transport is not None and owner.rank.pins is not None
         if pin.slot >= owner.rank.pins.slots:
             raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
+        if owner.pins is not None:  # on the owner's host: a load from its mapped table
+            word = owner.pins.word(pin.slot)
+        else:
+            word = await self._read_pin(owner, pin, deadline)
+        if word != pin.nonce:
+            raise ClaimLostError(
+                f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
+                "by another holder of its ticket) before they were all read; the bytes may belong to another room"
+            )
+
+    async def _read_pin(self, owner: Owner, pin: OwnerPin, deadline: Deadline) -> int:
+        """The pin word READ over UCX (an owner on another host)."""
+        assert self.transport is not None and owner.rank.pins is not None
         # A window of words around the slot, not the word alone: on loopback an 8-byte READ
         # is emulated with messages the owner must progress (up to its 10 ms interval,
         # measured), while 16 KiB go by cma's zero copy like the data.
@@ -185,11 +200,7 @@ class OwnerIO:
         window = local[: min(len(local), owner.rank.pins.slots - first)]
         addr = owner.rank.pins.addr + 8 * first
         await self.transport.read_host(owner.rank.agent_name, addr, window, deadline.within(self.timeouts.request))
-        if int(window[pin.slot - first]) != pin.nonce:
-            raise ClaimLostError(
-                f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
-                "by another holder of its ticket) before they were all read; the bytes may belong to another room"
-            )
+        return int(window[pin.slot - first])
 
     async def _release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
         """Release a ticket's room on these owners: a notification each, no answer."""

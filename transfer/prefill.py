@@ -40,13 +40,13 @@ from transfer.metadata import (
     LayoutSpec,
     MemoryDescriptor,
     OwnerPin,
-    PinTable,
     RankDescriptor,
     ReleaseNotice,
     TicketRelease,
     claim_token,
     decode,
 )
+from transfer.pin_table import PinWords
 from transfer.plan import device_id, mem_type
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
@@ -117,9 +117,9 @@ class PrefillExporter:
         self.registry_url = registry_url.rstrip("/")
         self.timeouts = timeouts
         self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
-        # Host memory whatever the pool's device: decodes READ a word of it after their data.
-        self._pins = torch.zeros(PIN_SLOTS, dtype=torch.int64)
-        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.numpy())
+        # Host memory whatever the pool's device: decodes check a word of it after their data.
+        self._pins = PinWords(PIN_SLOTS)
+        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words)
         self._client = ControlClient(timeouts, secret)
         app = make_app(secret)
         app.router.add_get("/v1/rooms/{room}", self._wait)
@@ -148,7 +148,7 @@ class PrefillExporter:
             name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
-        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pins])
+        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pins.tensor])
         url = await self._http.start()
         layout = self.pool.layout
         self.descriptor = RankDescriptor(
@@ -165,7 +165,7 @@ class PrefillExporter:
             control_url=url,
             incarnation=self.incarnation,
             ipc=_ipc_export(self.pool),
-            pins=PinTable(addr=self._pins.data_ptr(), slots=PIN_SLOTS),
+            pins=self._pins.wire(),
         )
         await self._register(deadline=time.monotonic() + self.timeouts.lookup)
         self._tasks = [
@@ -188,6 +188,7 @@ class PrefillExporter:
         if self.transport is not None:
             await self.transport.aclose()
             self.transport = None
+        self._pins.close()
 
     async def __aenter__(self) -> PrefillExporter:
         await self.start()

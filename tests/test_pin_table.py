@@ -1,0 +1,35 @@
+"""The pin table a decode on the owner's host maps (transfer.pin_table)."""
+
+import msgspec
+import pytest
+
+from pdkv import PeerLostError
+from transfer.pin_table import PinWords, map_pins
+
+
+def test_a_mapped_table_shows_the_owners_words_as_they_change():
+    owner = PinWords(64)
+    try:
+        mapped = map_pins(owner.wire())
+        assert mapped is not None and mapped.word(5) == 0
+        owner.words[5] = 1234567
+        assert mapped.word(5) == 1234567  # the same memory, no message
+        owner.words[5] = 0
+        assert mapped.word(5) == 0
+        mapped.close()
+        with pytest.raises(PeerLostError):
+            mapped.word(5)
+    finally:
+        owner.close()
+
+
+def test_a_table_of_another_host_or_tag_is_not_mapped():
+    owner = PinWords(8)
+    try:
+        wire = owner.wire()
+        assert map_pins(msgspec.structs.replace(wire, host_id="elsewhere:0")) is None
+        assert map_pins(msgspec.structs.replace(wire, tag=wire.tag ^ 1)) is None  # a reused pid or fd
+        assert map_pins(msgspec.structs.replace(wire, slots=9)) is None  # not the size published
+        assert map_pins(msgspec.structs.replace(wire, fd=wire.fd + 1000)) is None
+    finally:
+        owner.close()
