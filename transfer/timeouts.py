@@ -29,10 +29,12 @@ class Timeouts:
     lease: float = 10.0  # a registry entry lives this long without renewal
     pin: float = 120.0  # source pages stay pinned this long without release
     progress_interval: float = 0.01  # how often an exporter drives its UCX worker
-    # ... while a ticket it issued is unreleased: a holder on another host READs its pin
-    # word, which needs the owner to progress (measured on an H200 host: 7.6-10 ms a pin
-    # READ at the 10 ms interval; 1.4-2.6 ms at 0.5 ms). Holders on its host map the table.
-    ticket_progress_interval: float = 0.002
+    # ... while a ticket it issued is unreleased. A holder on another host READs the pin
+    # word, which waits for the owner to progress (on an H200 host: 7.6-10 ms a pin READ at
+    # 10 ms, 1.4-2.6 ms at 0.5 ms); holders on its host map the table and need nothing.
+    # Polling faster cost 8-14% of 2-core fetch throughput, so it is for cross-host
+    # deployments to lower.
+    ticket_progress_interval: float = 0.01
 
     @property
     def renew_interval(self) -> float:
