@@ -102,10 +102,18 @@ def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
                 for e, engine in enumerate(d.engines):
                     for i, n in enumerate((1, 37, 500, 2000)):
                         room, pages = 9_000_000 + 10 * e + i, fragmented_pages(pool, n, 10 * e + i)
-                        await prefill(d, engine, room, n)
-                        result = await fetcher.fetch(engine.engine_id, room, pages)
-                        assert {o.path for o in result.owners} == {"cuda_ipc"} and result.freed
+                        ticket = i % 2 == 1  # by claims and by ticket (pin words mapped, release by notification)
+                        reply = await prefill(d, engine, room, n, ticket=ticket)
+                        result = await fetcher.fetch(engine.engine_id, room, pages, ticket=reply.ticket)
+                        assert {o.path for o in result.owners} == {"cuda_ipc"}
+                        assert result.freed or (ticket and result.control_messages == 0)
                         assert kv_is_exact(pool, engine.engine_id, room, n, pages), (engine.engine_id, n)
+            for _ in range(100):  # every room released on every rank, tickets' too
+                stats = [await d.client.get_json(f"{c}/v1/stats") for e in d.engines for c in e.controls]
+                if all(s["pinned_pages"] == 0 for s in stats):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(s["pinned_pages"] == 0 for s in stats), stats
 
     asyncio.run(run())
 

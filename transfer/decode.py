@@ -231,8 +231,8 @@ class DecodeFetcher(OwnerIO):
         for o in owners.values():
             if o.rank.pins is not None:
                 o.pins = map_pins(o.rank.pins)
-            if self._open_ipc(o) and (o.rank.pins is None or o.pins is not None):
-                continue  # the lane reads it, and its pin words (if any) are mapped here
+            if self._open_ipc(o) and o.rank.pins is None:
+                continue  # the lane reads it; tickets (pin tables) also need UCX, for releases
             regions = [(b.addr, b.length) for b in o.rank.buffers]
             if o.rank.pins is not None:
                 regions.append((o.rank.pins.addr, o.rank.pins.nbytes))

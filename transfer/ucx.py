@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _POLL_SLEEP_S = (0.0, 0.0001)
 _LATE_GRACE_S = 10.0  # how long a READ abandoned at its deadline is waited for before release
+_NOTIFY_POLLS = 10  # worker progress calls after a notification, so that it leaves
+_NOTIFY_POLL_S = 0.001
 
 
 def configure_ucx_environment() -> None:
@@ -388,7 +390,12 @@ class UcxTransport:
             raise _translate(exc, f"host READ from {peer}", peer) from exc
 
     async def notify(self, peer: str, message: bytes) -> None:
-        """Send `message` to `peer` as a NIXL notification (no reply; best effort)."""
+        """Send `message` to `peer` as a NIXL notification (no reply; best effort).
+
+        The message leaves only as this lane's worker progresses; a decode that reads by
+        the GPU lane may not post another READ for a while, so the worker is driven here
+        for a short while (a notification left behind was seen to be cancelled at close).
+        """
         if peer not in self._peers:
             raise PeerLostError(f"no connection to {peer}", peer)
         lane = self._lanes[0]
@@ -396,6 +403,9 @@ class UcxTransport:
             await lane.call(lambda: lane.agent.send_notif(peer, message))
         except Exception as exc:
             raise _translate(exc, f"notification to {peer}", peer) from exc
+        for _ in range(_NOTIFY_POLLS):
+            await asyncio.sleep(_NOTIFY_POLL_S)
+            await lane.call(lane.agent.get_new_notifs)
 
     def _pick_lanes(self) -> list[_Lane]:
         """Every lane, starting from the next in turn, so concurrent READs spread out."""
