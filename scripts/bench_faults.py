@@ -2,8 +2,10 @@
 healthy engines.
 
 Two prefill engines (CP=2 each) and one decode. Engine A serves long requests (a stand-in
-compute delay per layer keeps fetches in flight); each repeat SIGKILLs one of A's ranks
-mid-fetch and times kill -> typed fetch error, then restarts A. Meanwhile a steady
+compute delay per layer keeps them in flight); each repeat SIGKILLs one of A's ranks
+mid-request and times kill -> typed error, then restarts A. With tickets (the default) the
+decode starts after the prefill, so the kill lands in the prefill and the router sees the
+exit; `--overlap` starts both legs at once, so it lands mid-fetch and the decode sees it. Meanwhile a steady
 stream of requests runs against engine B; its throughput is reported for a quiet window
 and for the window with kills.
 
@@ -54,6 +56,7 @@ async def bench(args: argparse.Namespace) -> None:
         decode_pool_tokens=65536,
         layer_delay=args.layer_delay,
         lease=2.0,
+        overlap=args.overlap,
     )
     async with Deployment(spec) as d:
         stop, log = asyncio.Event(), []
@@ -80,7 +83,8 @@ async def bench(args: argparse.Namespace) -> None:
     ms = np.array(to_error) * 1e3
     q_req, q_gb = rate(log, quiet_start, quiet_end)
     f_req, f_gb = rate(log, quiet_end, faults_end)
-    print(f"{args.repeats} kills of a CP owner mid-fetch ({args.preset} layout, {args.tokens * 4} tokens)")
+    where = "mid-fetch (legs overlap)" if args.overlap else "mid-prefill (tickets)"
+    print(f"{args.repeats} kills of a CP owner {where} ({args.preset} layout, {args.tokens * 4} tokens)")
     print(
         f"kill -> fetch error: p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, "
         f"max {ms.max():.1f} ms; errors: {', '.join(sorted(set(kinds)))}"
@@ -97,6 +101,7 @@ async def bench(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--overlap", action="store_true", help="start the decode with the prefill (no ticket)")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layer-delay", type=float, default=0.05)

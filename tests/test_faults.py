@@ -2,6 +2,7 @@
 deadlines. Nothing may hang, leak pinned pages, or hand a decode unverified KV."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -193,3 +194,20 @@ async def test_the_request_deadline_crosses_from_the_router_to_both_workers(d):
     finally:
         await router.aclose()
     assert await _eventually(lambda: _no_pins(d), 10, "pins released after a deadline")
+
+
+async def test_with_tickets_a_rank_killed_mid_prefill_fails_the_request_at_once(d):
+    """Ticket mode: the decode starts only after the prefill; the router notices the exit."""
+    d.spec = dataclasses.replace(d.spec, overlap=False)
+    try:
+        victim = asyncio.create_task(d.submit(3000, engine_id="prefill1", decoder=0))
+        await asyncio.sleep(0.15)  # 7 layers x 50 ms: mid-prefill
+        t0 = time.monotonic()
+        _kill(d, "prefill1-cp0")
+        out = await victim
+        assert not out.ok and "PeerLostError" in out.error and "prefill1-cp0" in out.error, out.error
+        assert time.monotonic() - t0 < 2.0  # not the CP group's collective timeout
+    finally:
+        d.spec = dataclasses.replace(d.spec, overlap=True)
+    await d.restart_engine("prefill1")
+    assert (await d.submit(300, engine_id="prefill1", decoder=0)).ok

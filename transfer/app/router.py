@@ -17,6 +17,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -32,6 +33,9 @@ __all__ = ["Deployment", "DeploymentSpec", "RequestOutcome", "Router", "TokenBud
 logger = logging.getLogger(__name__)
 
 _PAGE_SLACK = 64  # tokens: a request may use part of one more page than it fills
+_LIVENESS_POLL_S = 0.01  # how often a waiting leg checks that its services still run
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -177,11 +181,11 @@ class Router:
                     if leg.done() and leg.exception() is not None:
                         raise leg.exception()  # type: ignore[misc]
             else:  # the prefill's reply carries the room's ticket to the decode
-                done = await prefill
+                done = await self._unless_lost(prefill, engine, decoder)
                 assert done is not None
                 dec = msgspec.structs.replace(dec, ticket=done.ticket, budget_ms=deadline.to_wire())
                 decode = asyncio.create_task(self._decode(decoder, dec, deadline.left() + self.timeouts.request))
-            out = await decode
+            out = await self._unless_lost(decode, engine, decoder)
             assert out is not None
             return out
         except BaseException:
@@ -192,6 +196,18 @@ class Router:
             for leg in legs:
                 leg.cancel()
             await asyncio.gather(*legs, return_exceptions=True)
+
+    async def _unless_lost(self, leg: asyncio.Task[T], engine: EngineEndpoints, decoder: DecoderEndpoint) -> T:
+        """`leg`'s result, or `PeerLostError` as soon as a process it depends on exited.
+
+        A prefill rank killed mid-request is otherwise noticed only when its CP group's
+        collectives time out (seconds); the supervisor sees the exit at once.
+        """
+        while True:
+            done, _ = await asyncio.wait([leg], timeout=_LIVENESS_POLL_S)
+            if done:
+                return leg.result()
+            self.services.check_alive(engine, decoder)
 
     async def _decode(self, decoder: DecoderEndpoint, dec: DecodeRequest, wait: float) -> DecodeReply | None:
         return await self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec, timeout=wait)
