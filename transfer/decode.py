@@ -52,6 +52,7 @@ from transfer.metadata import EngineDescriptor, RoomTicket
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.pin_table import map_pins
 from transfer.plan import buffer_pairs, check_owners, mem_type
+from transfer.readiness import ReadinessFeed
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport, default_lanes
@@ -115,6 +116,7 @@ class DecodeFetcher(OwnerIO):
         self._closing = False
         self._owner_tasks: set[asyncio.Future[Any]] = set()
         self._releases: set[asyncio.Future[None]] = set()
+        self._feed = ReadinessFeed(self._client, self.consumer_id, pool.layout.fingerprint, timeouts.heartbeat)
         self._active = 0  # fetches and lease calls in flight
         self._idle = asyncio.Event()
         self._idle.set()
@@ -148,6 +150,7 @@ class DecodeFetcher(OwnerIO):
             logger.warning("closing with %d fetches still in flight", self._active)
         if self._releases:  # tickets' releases still on their way: let them go out
             await asyncio.wait(self._releases, timeout=self.timeouts.request)
+        await self._feed.aclose()
         await self._client.aclose()
         if self._gpu is not None:
             await self._gpu.aclose()

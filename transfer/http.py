@@ -18,7 +18,8 @@ import asyncio
 import hmac
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterator
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import aiohttp
@@ -249,6 +250,27 @@ class ControlClient:
         if reply_kind is None:
             return None
         return decode(payload, reply_kind, expect_fingerprint)
+
+    async def stream(self, url: str, *, idle_timeout: float, max_frame: int) -> AsyncIterator[bytes]:
+        """The length-prefixed frames of a long-lived GET (b"" for a heartbeat), until the
+        server ends it; a stall of `idle_timeout` between bytes raises `DeadlineExceeded`."""
+        timeout = aiohttp.ClientTimeout(connect=self.timeouts.connect, sock_read=idle_timeout)
+        try:
+            async with self._sess().get(url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise _error_from_reply(resp.status, await resp.read(), url)
+                while True:
+                    try:
+                        (size,) = struct.unpack(">I", await resp.content.readexactly(4))
+                    except asyncio.IncompleteReadError:
+                        return  # the server ended the stream
+                    if size > max_frame:
+                        raise MetadataError(f"{url}: a frame of {size} bytes (limit {max_frame})")
+                    yield await resp.content.readexactly(size) if size else b""
+        except asyncio.TimeoutError as exc:
+            raise DeadlineExceeded(f"GET {url}: nothing for {idle_timeout:.1f}s") from exc
+        except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+            raise PeerLostError(f"GET {url}: {exc}", url) from exc
 
     async def get_json(self, url: str) -> dict[str, object]:
         """GET a JSON status page (stats, health), bounded by `Timeouts.request`."""

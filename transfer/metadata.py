@@ -50,6 +50,7 @@ __all__ = [
     "ReleaseReply",
     "ErrorReply",
     "claim_token",
+    "consumer_name",
     "encode",
     "decode",
 ]
@@ -349,6 +350,14 @@ def decode(data: bytes, kind: type[T], fingerprint: str | None = None) -> T:
         return decoder.decode(env.body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MetadataError(f"invalid {kind.__name__}: {exc}") from exc
+
+
+def consumer_name(text: str) -> str:
+    """A consumer id from a URL, checked like the one in a `ClaimRequest`."""
+    try:
+        return msgspec.convert(text, Name)
+    except msgspec.ValidationError as exc:
+        raise MetadataError(f"consumer: {exc}") from exc
 
 
 def claim_token(text: str) -> str:

@@ -45,6 +45,7 @@ from transfer.metadata import (
 )
 from transfer.pin_table import MappedPins
 from transfer.plan import BufferPair, build_read_plan
+from transfer.readiness import ReadinessFeed
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport, XferStats
@@ -95,6 +96,7 @@ class OwnerIO:
     _client: ControlClient
     _owner_tasks: set[asyncio.Future[Any]]
     _releases: set[asyncio.Future[None]]  # ticket releases still being sent
+    _feed: ReadinessFeed  # readiness pushed by owners, where their streams are up
 
     def _pin_window(self) -> torch.Tensor:
         raise NotImplementedError
@@ -225,6 +227,8 @@ class OwnerIO:
         t0 = time.perf_counter()
         messages_before = claim.messages
         tasks: list[asyncio.Task[OwnerStats]] = []
+        for o in owners.values():
+            self._feed.want(o.rank.control_url, claim.room)
         try:
             first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
             group = self._launch_group(owners)
@@ -244,6 +248,8 @@ class OwnerIO:
             raise
         finally:
             self._owner_tasks.difference_update(tasks)
+            for o in owners.values():
+                self._feed.forget(o.rank.control_url, claim.room)
         nbytes = sum(s.nbytes for s in stats)
         freed = release and all(claim.released.get(r, False) for r in owners)
         messages = claim.messages - messages_before
@@ -292,6 +298,11 @@ class OwnerIO:
                 raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
 
     async def _poll(self, owner: Owner, claim: Claim, after: int, deadline: Deadline) -> RoomState:
+        """The room's state once layers beyond `after` are ready: pushed on the owner's
+        readiness stream, or (stream down, or a room that ended) one long-poll over HTTP."""
+        pushed = await self._feed.wait(owner.rank.control_url, claim.room, after, deadline.left(self.timeouts.poll))
+        if pushed is not None and pushed.status in (RoomStatus.PENDING, RoomStatus.READY):
+            return pushed
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
         limit = deadline.left(self.timeouts.poll + self.timeouts.request)
         return await self._control(claim, "GET", url, RoomState, None, limit)

@@ -44,10 +44,12 @@ from transfer.metadata import (
     ReleaseNotice,
     TicketRelease,
     claim_token,
+    consumer_name,
     decode,
 )
 from transfer.pin_table import PinWords
 from transfer.plan import device_id, mem_type
+from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport
@@ -119,10 +121,14 @@ class PrefillExporter:
         self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
         # Host memory whatever the pool's device: decodes check a word of it after their data.
         self._pins = PinWords(PIN_SLOTS)
-        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words)
+        self._readiness = ReadinessHub()
+        self.rooms = RoomTable(
+            pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._readiness.publish
+        )
         self._client = ControlClient(timeouts, secret)
         app = make_app(secret)
         app.router.add_get("/v1/rooms/{room}", self._wait)
+        app.router.add_get("/v1/events", self._events)
         app.router.add_post("/v1/rooms/{room}/claim", self._claim)
         app.router.add_post("/v1/rooms/{room}/release", self._release)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
@@ -177,6 +183,7 @@ class PrefillExporter:
         logger.info("exporter %s/cp%d serving layers %s on %s", self.engine_id, self.cp_rank, self.pool.owned, url)
 
     async def aclose(self) -> None:
+        self._readiness.close()  # event streams end before the HTTP server stops
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -302,6 +309,26 @@ class PrefillExporter:
         if claim is not None:
             self.rooms.check_claim(room, claim)
         return reply(state, self.pool.layout.fingerprint)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """The consumer's readiness stream: its claimed rooms now, then every move."""
+        consumer = consumer_name(request.query.get("consumer", ""))
+        fp = self.pool.layout.fingerprint
+        sub = self._readiness.subscribe(consumer)
+        resp = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
+        try:
+            await resp.prepare(request)
+            for state in self.rooms.claimed_by(consumer):
+                await resp.write(frame(state, fp))
+            await resp.write(HEARTBEAT)  # the consumer knows the stream is up
+            while not sub.closed.is_set():
+                state = await sub.next(self.timeouts.heartbeat)
+                await resp.write(HEARTBEAT if state is None else frame(state, fp))
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self._readiness.unsubscribe(consumer, sub)
+        return resp
 
     async def _claim(self, request: web.Request) -> web.Response:
         room = path_int(request, "room")

@@ -80,8 +80,10 @@ class RoomTable:
         pin_seconds: float,
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
         pins: np.ndarray | None = None,
+        on_change: Callable[[RoomState, set[str]], None] = lambda state, consumers: None,
     ) -> None:
-        """`pins`: the int64 pin table decodes READ (zeroed here); None: no tickets."""
+        """`pins`: the int64 pin table decodes READ (zeroed here); None: no tickets.
+        `on_change(state, consumers)`: a room moved; `consumers` hold claims on it."""
         self.layers = layers
         self.num_pages = num_pages
         self.pin_seconds = pin_seconds
@@ -91,6 +93,7 @@ class RoomTable:
         self._tick = asyncio.Event()  # set and replaced on every change
         self.counters = RoomCounters()
         self.tickets_out = 0  # tickets issued and not yet released or freed
+        self._on_change = on_change
         self._pins = pins
         if pins is not None:
             pins[:] = 0
@@ -113,10 +116,13 @@ class RoomTable:
         r = self._live.get(room)
         if r is None:
             return  # aborted or expired meanwhile: nothing waits for it
+        before = r.ready_upto
         r.ready_upto = max(r.ready_upto, min(upto, self.layers.stop))
         if r.ready_upto == self.layers.stop:
             r.pinned_until = time.monotonic() + self.pin_seconds
         self._notify()
+        if r.ready_upto > before and r.open_claims:
+            self._on_change(self.state(room), set(r.open_claims.values()))
 
     def abort(self, room: int) -> bool:
         """Free `room` now (its request was cancelled). False if it was not live."""
@@ -236,6 +242,10 @@ class RoomTable:
             self.counters.expired += 1
         return gone
 
+    def claimed_by(self, consumer: str) -> list[RoomState]:
+        """The states of the live rooms `consumer` holds a claim on."""
+        return [self.state(room) for room, r in self._live.items() if consumer in r.open_claims.values()]
+
     @property
     def pinned_pages(self) -> int:
         return sum(r.src_pages.size for r in self._live.values())
@@ -246,6 +256,7 @@ class RoomTable:
 
     def _finish(self, room: int, status: RoomStatus) -> None:
         r = self._live.pop(room)
+        claimants = set(r.open_claims.values())
         if r.ticket == "issued":  # aborted or expired with its ticket out
             self.tickets_out -= 1
         if r.slot >= 0:
@@ -255,6 +266,8 @@ class RoomTable:
         self._remember(room, status)
         self._on_free(room, r.src_pages)
         self._notify()
+        if claimants:
+            self._on_change(RoomState(room=room, status=status), claimants)
 
     def _remember(self, room: int, status: RoomStatus) -> None:
         self._finished[room] = status

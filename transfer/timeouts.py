@@ -21,6 +21,7 @@ class Timeouts:
     request: float = 10.0  # one control request/response round trip
     lookup: float = 30.0  # waiting for an engine to be complete in the registry
     poll: float = 2.0  # one long-poll for room readiness (server-side hold)
+    heartbeat: float = 2.0  # a readiness stream's frame when nothing moved; 3 missed: it is dead
     publish: float = 120.0  # a room appearing on an owner (its prefill may still be queued)
     admission: float = 120.0  # a request waiting for pool capacity at the router
     prefill: float = 120.0  # a prefill worker answering once its room is written

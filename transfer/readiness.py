@@ -1,0 +1,166 @@
+"""Readiness pushed, not polled: one event stream per (decode, owner).
+
+A decode reading a room that is still being prefilled needs to learn when more of its
+layers are written. Rather than a long-poll per owner per batch of layers, each decode
+keeps one stream open to each owner it reads (`GET /v1/events?consumer=<id>`); the owner
+writes a `RoomState` frame whenever a room that consumer holds a claim on moves (layers
+ready, released, aborted), and a heartbeat when nothing moved for a while. A stream that
+is down costs nothing but speed: the decode polls over HTTP as before.
+
+Frames: a 4-byte big-endian length, then an enveloped `RoomState`; length 0 is a heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Iterable
+
+from pdkv.errors import PdkvError
+from transfer.http import ControlClient
+from transfer.metadata import RoomState, RoomStatus, decode, encode
+
+__all__ = ["ReadinessHub", "Subscription", "ReadinessFeed", "frame", "HEARTBEAT"]
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT = struct.pack(">I", 0)
+STREAM_TYPE = "application/x-pdkv-frames"
+_QUEUE_LIMIT = 4096  # states waiting for a slow consumer; beyond, its stream is dropped
+_MAX_FRAME = 1 << 24
+
+
+def frame(state: RoomState, fingerprint: str) -> bytes:
+    body = encode(state, fingerprint)
+    return struct.pack(">I", len(body)) + body
+
+
+class Subscription:
+    """One consumer's stream on an owner: the states to send, in order."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[RoomState] = asyncio.Queue(_QUEUE_LIMIT)
+        self.closed = asyncio.Event()
+
+    def push(self, state: RoomState) -> None:
+        try:
+            self._queue.put_nowait(state)
+        except asyncio.QueueFull:  # the consumer falls back to polling when its stream ends
+            logger.warning("readiness stream too far behind: closing it")
+            self.closed.set()
+
+    async def next(self, timeout: float) -> RoomState | None:
+        """The next state to send; None after `timeout` (send a heartbeat) or once closed."""
+        if self.closed.is_set():
+            return None
+        get = asyncio.ensure_future(self._queue.get())
+        closed = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait([get, closed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not get.done():
+                get.cancel()
+        return get.result() if get.done() and not get.cancelled() and not self.closed.is_set() else None
+
+
+class ReadinessHub:
+    """The owner's side: who listens, and whom a room's change concerns."""
+
+    def __init__(self) -> None:
+        self._subs: dict[str, Subscription] = {}
+
+    def subscribe(self, consumer: str) -> Subscription:
+        old = self._subs.get(consumer)
+        if old is not None:  # the consumer reconnected: its old stream ends
+            old.closed.set()
+        sub = self._subs[consumer] = Subscription()
+        return sub
+
+    def unsubscribe(self, consumer: str, sub: Subscription) -> None:
+        if self._subs.get(consumer) is sub:
+            del self._subs[consumer]
+
+    def publish(self, state: RoomState, consumers: Iterable[str]) -> None:
+        for consumer in consumers:
+            sub = self._subs.get(consumer)
+            if sub is not None:
+                sub.push(state)
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.closed.set()
+        self._subs.clear()
+
+
+class ReadinessFeed:
+    """The decode's side: a stream per owner, and the latest pushed state of each room a
+    fetch is waiting on."""
+
+    def __init__(self, client: ControlClient, consumer_id: str, fingerprint: str, heartbeat: float) -> None:
+        self._client, self._consumer, self._fp = client, consumer_id, fingerprint
+        self._heartbeat = heartbeat
+        self._streams: dict[str, asyncio.Task[None]] = {}
+        self._live: set[str] = set()
+        self._wanted: dict[tuple[str, int], RoomState | None] = {}
+        self._moved: dict[str, asyncio.Event] = {}
+
+    def want(self, url: str, room: int) -> None:
+        """Keep `room`'s pushed states from the owner at `url`; open its stream if needed."""
+        self._wanted.setdefault((url, room), None)
+        task = self._streams.get(url)
+        if task is None or task.done():
+            self._streams[url] = asyncio.ensure_future(self._run(url))
+
+    def forget(self, url: str, room: int) -> None:
+        self._wanted.pop((url, room), None)
+
+    def live(self, url: str) -> bool:
+        return url in self._live
+
+    async def wait(self, url: str, room: int, after: int, timeout: float) -> RoomState | None:
+        """`room`'s state once it has layers beyond `after` (or is all ready); None if the
+        stream is down or nothing came within `timeout`: the caller then polls."""
+        end = time.monotonic() + timeout
+        while True:
+            state = self._wanted.get((url, room))
+            if state is not None and (state.ready_upto > after or state.status is not RoomStatus.PENDING):
+                return state
+            left = end - time.monotonic()
+            if url not in self._live or left <= 0:
+                return None
+            moved = self._moved.setdefault(url, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(moved.wait(), left)
+
+    async def _run(self, url: str) -> None:
+        target = f"{url}/v1/events?consumer={self._consumer}"
+        try:
+            async for state in self._frames(target):
+                self._live.add(url)
+                if state is not None and (url, state.room) in self._wanted:
+                    self._wanted[(url, state.room)] = state
+                self._wake(url)
+        except PdkvError as exc:
+            logger.info("readiness stream from %s ended (%s): polling instead", url, exc)
+        finally:
+            self._live.discard(url)
+            self._wake(url)
+
+    def _wake(self, url: str) -> None:
+        moved = self._moved.pop(url, None)
+        if moved is not None:
+            moved.set()
+
+    async def _frames(self, url: str) -> AsyncIterator[RoomState | None]:
+        async for body in self._client.stream(url, idle_timeout=3 * self._heartbeat, max_frame=_MAX_FRAME):
+            yield None if not body else decode(body, RoomState, self._fp)
+
+    async def aclose(self) -> None:
+        for task in self._streams.values():
+            task.cancel()
+        await asyncio.gather(*self._streams.values(), return_exceptions=True)
+        self._streams.clear()
