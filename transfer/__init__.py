@@ -2,7 +2,8 @@
 
 Modules, one per role: `metadata` (wire types), `ucx` (UCX through NIXL), `plan` (pure
 transfer and gather plans), `rooms` (a rank's claims, tickets and pins), `pin_table` (the
-pin words, mapped on the owner's host), `prefill` (the exporter),
+pin words, mapped on the owner's host), `readiness` (readiness pushed on a stream per
+decode and owner), `prefill` (the exporter),
 `decode` (the fetcher; `owner_io` its per-owner protocol, `results` what it reports),
 `bootstrap` (the registry), `http` (the control plane's HTTP), `deadline`, `timeouts`, and
 the same-host GPU lane (`cuda_ipc`, `gpu_lane`, `gather`). The application that runs them

@@ -7,6 +7,7 @@ aborted or expired, and keeps its UCX worker progressing (a target is not always
 ticket releases arrive there, as UCX notifications.
 
     POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
+    GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
     GET  /v1/rooms/{room}?after=N&claim=T
                                      RoomState once layers beyond N are ready (long-poll);
                                      with a claim, ClaimLostError if it no longer pins the room
