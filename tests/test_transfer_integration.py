@@ -422,3 +422,35 @@ async def test_readiness_is_pushed_on_a_stream_not_polled(deployment):
             assert sum(o.reads for o in result.owners) > 2  # read as layers came
             if i:  # the streams were up: a claim and a release per owner, nothing else
                 assert result.control_messages == 2 * 2, result.control_messages
+
+
+async def test_fetches_are_counted_in_metrics_and_every_service_serves_them(deployment):
+    from prometheus_client import REGISTRY
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    engine, n = deployment.engines[0], 300
+    good = await prefill(deployment, engine, 8_200_000, n, ticket=True)
+    forged = msgspec.structs.replace(
+        good.ticket, pins=[msgspec.structs.replace(p, nonce=p.nonce ^ 1) for p in good.ticket.pins]
+    )
+    fetches, failures = (
+        sample("pdkv_fetch_seconds_count", path="ticket"),
+        sample("pdkv_fetch_failures_total", error="ClaimLostError"),
+    )
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
+        with pytest.raises(ClaimLostError):
+            await fetcher.fetch("prefill0", 8_200_000, fragmented_pages(pool, n, 40), ticket=forged)
+        result = await fetcher.fetch("prefill0", 8_200_000, fragmented_pages(pool, n, 41), ticket=good.ticket)
+    assert sample("pdkv_fetch_seconds_count", path="ticket") == fetches + 1
+    assert sample("pdkv_fetch_failures_total", error="ClaimLostError") == failures + 1
+    assert sample("pdkv_fetch_bytes_sum") >= result.nbytes
+    assert "# TYPE process_cpu_seconds_total" in await deployment.client.get_text(f"{deployment.registry_url}/metrics")
+    for url in [engine.intake, *engine.controls, deployment.decoders[0].url]:
+        text = await deployment.client.get_text(f"{url}/metrics")
+        assert "# TYPE pdkv_fetch_seconds histogram" in text, url
+    assert 'pdkv_pinned_pages{cp_rank="0",engine="prefill0"}' in await deployment.client.get_text(
+        f"{engine.controls[0]}/metrics"
+    )

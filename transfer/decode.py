@@ -32,6 +32,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import numpy as np
 import torch
 
 from pdkv.errors import (
@@ -39,6 +40,7 @@ from pdkv.errors import (
     DeadlineExceeded,
     IncompatibleLayoutError,
     NotReadyError,
+    PdkvError,
     PeerLostError,
     TransferError,
     UnknownEngineError,
@@ -49,6 +51,7 @@ from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
 from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor, RoomTicket
+from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_SECONDS
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.pin_table import map_pins
 from transfer.plan import buffer_pairs, check_owners, mem_type
@@ -304,23 +307,36 @@ class DecodeFetcher(OwnerIO):
             raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
         self._enter()
         try:
-            was_cached = engine_id in self._engines
-            owners = await self._lookup(engine_id, budget)
-            if ticket is not None:
-                owners = await self._ticket_owners(engine_id, owners, ticket, budget)
-                if owners is not None:
-                    return await self._fetch_ticket(owners, engine_id, ticket, dst, budget)
-                owners = await self._lookup(engine_id, budget)
-            try:
-                return await self._fetch_from(owners, engine_id, Claim(room), dst, budget)
-            except PeerLostError:
-                fresh = await self._reregistered(engine_id, owners, was_cached, budget)
-                if fresh is None:
-                    raise
-                logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
-                return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget)
+            result = await self._fetch(engine_id, room, dst, budget, ticket)
+        except PdkvError as exc:
+            FETCH_FAILURES.labels(error=type(exc).__name__).inc()
+            logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)
+            raise
         finally:
             self._leave()
+        FETCH_SECONDS.labels(path="claims" if result.control_messages else "ticket").observe(result.seconds)
+        FETCH_BYTES.observe(result.nbytes)
+        FETCH_DESCRIPTORS.observe(sum(o.descriptors for o in result.owners))
+        return result
+
+    async def _fetch(
+        self, engine_id: str, room: int, dst: np.ndarray, budget: Deadline, ticket: RoomTicket | None
+    ) -> FetchResult:
+        was_cached = engine_id in self._engines
+        owners = await self._lookup(engine_id, budget)
+        if ticket is not None:
+            ticket_owners = await self._ticket_owners(engine_id, owners, ticket, budget)
+            if ticket_owners is not None:
+                return await self._fetch_ticket(ticket_owners, engine_id, ticket, dst, budget)
+            owners = await self._lookup(engine_id, budget)
+        try:
+            return await self._fetch_from(owners, engine_id, Claim(room), dst, budget)
+        except PeerLostError:
+            fresh = await self._reregistered(engine_id, owners, was_cached, budget)
+            if fresh is None:
+                raise
+            logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
+            return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget)
 
     async def _ticket_owners(
         self, engine_id: str, owners: dict[int, Owner], ticket: RoomTicket, budget: Deadline

@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_TYPE
+from prometheus_client import REGISTRY, generate_latest
 
 from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
@@ -37,6 +39,7 @@ __all__ = [
     "ControlClient",
     "HttpService",
     "health",
+    "metrics",
     "make_app",
     "path_int",
     "query_int",
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 SECRET_HEADER = "X-Pdkv-Secret"
 CONTENT_TYPE = "application/x-msgpack"
 MAX_BODY = 4 << 20  # the largest message, a RankDescriptor, is kilobytes
+_OPEN_PATHS = ("/health", "/metrics")  # for probes and scrapers: no secret asked
 HEADER_TIMEOUT = 10.0  # seconds from connect to a complete request head
 IDLE_TIMEOUT = 30.0  # seconds from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
 BODY_TIMEOUT = 30.0  # seconds to receive a body
@@ -143,6 +147,11 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: this process's Prometheus metrics (no secret needed, like /health)."""
+    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": PROMETHEUS_TYPE})
+
+
 def _lineage(exc: PdkvError) -> Iterator[str]:
     for cls in type(exc).__mro__[1:]:
         if isinstance(cls, type) and issubclass(cls, PdkvError):
@@ -156,7 +165,7 @@ def _error_response(exc: PdkvError) -> web.Response:
 
 def _refuse_early(request: web.Request, secret: str | None) -> None:
     """Checks that cost nothing and must come before a body is read."""
-    if secret is not None and request.path != "/health":
+    if secret is not None and request.path not in _OPEN_PATHS:
         given = request.headers.get(SECRET_HEADER, "")
         if not hmac.compare_digest(given.encode(), secret.encode()):
             raise AuthError("missing or wrong shared secret")
@@ -185,7 +194,9 @@ def make_app(secret: str | None) -> web.Application:
         finally:
             _ConnectionGuard.request_finished(request)
 
-    return web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+    app.router.add_get("/metrics", metrics)
+    return app
 
 
 def _known_errors() -> dict[str, type[PdkvError]]:
@@ -271,6 +282,16 @@ class ControlClient:
             raise DeadlineExceeded(f"GET {url}: nothing for {idle_timeout:.1f}s") from exc
         except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             raise PeerLostError(f"GET {url}: {exc}", url) from exc
+
+    async def get_text(self, url: str) -> str:
+        """GET a text page (metrics), bounded by `Timeouts.request`."""
+
+        async def exchange() -> str:
+            async with self._sess().get(url) as resp:
+                resp.raise_for_status()
+                return await resp.text()
+
+        return await _bounded(exchange(), f"GET {url}", url, self.timeouts.request)
 
     async def get_json(self, url: str) -> dict[str, object]:
         """GET a JSON status page (stats, health), bounded by `Timeouts.request`."""

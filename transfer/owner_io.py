@@ -43,6 +43,7 @@ from transfer.metadata import (
     TicketRelease,
     encode,
 )
+from transfer.metrics import READ_SECONDS
 from transfer.pin_table import MappedPins
 from transfer.plan import BufferPair, build_read_plan
 from transfer.readiness import ReadinessFeed
@@ -395,11 +396,15 @@ class OwnerIO:
         """Copy `layers` of one owner: one gather kernel on the GPU lane, or one batched READ."""
         if owner.ipc is not None:
             assert self._gpu is not None
-            return await self._gpu.read(owner.ipc, layers, src, dst)
+            xfer = await self._gpu.read(owner.ipc, layers, src, dst)
+            READ_SECONDS.labels(lane="cuda_ipc").observe(xfer.seconds)
+            return xfer
         assert self.transport is not None
         pairs = [p for layer in layers for p in owner.pairs[layer]]
         plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
-        return await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
+        xfer = await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
+        READ_SECONDS.labels(lane="ucx").observe(xfer.seconds)
+        return xfer
 
     async def _release(self, owner: Owner, claim: Claim, timeout: float) -> bool:
         """Release the claim on one owner; True if that freed the room there.

@@ -48,6 +48,7 @@ from transfer.metadata import (
     consumer_name,
     decode,
 )
+from transfer.metrics import track_exporter, untrack_exporter
 from transfer.pin_table import PinWords
 from transfer.plan import device_id, mem_type
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
@@ -181,9 +182,11 @@ class PrefillExporter:
             asyncio.create_task(self._expire_forever()),
             asyncio.create_task(self._ready_after_writes()),
         ]
+        track_exporter(self)
         logger.info("exporter %s/cp%d serving layers %s on %s", self.engine_id, self.cp_rank, self.pool.owned, url)
 
     async def aclose(self) -> None:
+        untrack_exporter(self)
         self._readiness.close()  # event streams end before the HTTP server stops
         for t in self._tasks:
             t.cancel()
@@ -350,16 +353,19 @@ class PrefillExporter:
         self.abort_room(path_int(request, "room"))
         return web.Response(status=200)
 
-    async def _stats(self, request: web.Request) -> web.Response:
+    def room_metrics(self) -> dict[str, int]:
+        """What `/metrics` and `/v1/stats` report of the rooms."""
         c = self.rooms.counters
-        return web.json_response(
-            {
-                "pinned_pages": self.rooms.pinned_pages,
-                "live_rooms": self.rooms.live_rooms,
-                "published": c.published,
-                "released": c.released,
-                "aborted": c.aborted,
-                "expired": c.expired,
-                "registered_bytes": self.transport.local_regions.total if self.transport else 0,
-            }
-        )
+        return {
+            "pinned_pages": self.rooms.pinned_pages,
+            "live_rooms": self.rooms.live_rooms,
+            "tickets_out": self.rooms.tickets_out,
+            "published": c.published,
+            "released": c.released,
+            "aborted": c.aborted,
+            "expired": c.expired,
+        }
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        registered = self.transport.local_regions.total if self.transport else 0
+        return web.json_response({**self.room_metrics(), "registered_bytes": registered})
