@@ -228,6 +228,10 @@ class PrefillExporter:
             return
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(self.pool.device))
+        self.mark_written(written, room, upto_layer)
+
+    def mark_written(self, written: torch.cuda.Event, room: int, upto_layer: int) -> None:
+        """As `mark_ready`, once `written` (recorded after the writes) has completed."""
         self._written.put_nowait((written, room, upto_layer))
 
     async def _ready_after_writes(self) -> None:
