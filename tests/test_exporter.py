@@ -100,3 +100,35 @@ async def test_control_endpoints_refuse_garbage_and_keep_serving():
                 assert resp.status == 200
     finally:
         await registry.aclose()
+
+
+async def test_readiness_is_pushed_on_a_stream_not_polled():
+    """Layers become ready one by one, 50 ms apart: after the first fetch (whose stream was
+    still opening) a fetch makes a claim and a release and no long-poll, reading each layer
+    as it comes."""
+    import asyncio
+
+    from transfer.decode import DecodeFetcher
+
+    layout = tiny(layer_num=4)
+    src = DSAKVPool(layout)
+    src.kv_slab.view(torch.uint8).view(-1).copy_(torch.arange(src.kv_slab.nbytes) % 253)
+    registry = RegistryServer()
+    url = await registry.start()
+    try:
+        async with PrefillExporter(src, "e7", 0, 1, url) as exporter, DecodeFetcher(DSAKVPool(layout), url) as fetcher:
+            for room in range(3):
+                exporter.publish_room(room, np.array([4, 9, 2]))
+                fetch = asyncio.create_task(fetcher.fetch("e7", room, [1, 2, 3], timeout=20))
+                for layer in range(layout.layer_num):
+                    await asyncio.sleep(0.05)
+                    exporter.mark_ready(room, layer + 1)
+                result = await fetch
+                assert result.owners[0].reads >= 2  # read as layers came (one READ a layer, unless late)
+                if room:
+                    assert result.control_messages == 2  # a claim and a release: readiness was pushed
+            dst = fetcher.pool.kv_buffer[3].view(torch.uint8).reshape(layout.num_pages, -1)
+            want = src.kv_buffer[3].view(torch.uint8).reshape(layout.num_pages, -1)
+            assert torch.equal(dst[[1, 2, 3]], want[[4, 9, 2]])
+    finally:
+        await registry.aclose()

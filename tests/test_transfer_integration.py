@@ -406,24 +406,6 @@ async def test_pin_words_are_read_over_ucx_where_the_table_cannot_be_mapped(depl
             await fetcher.fetch("prefill2", 8_000_001, fragmented_pages(pool, n, 20), ticket=gone.ticket)
 
 
-async def test_readiness_is_pushed_on_a_stream_not_polled(deployment):
-    """A decode reading rooms still being written: after the first, no long-polls at all."""
-    engine = deployment.engines[1]  # CP=2
-    pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
-        for i in range(3):
-            room, n = 8_100_000 + i, 400
-            pages = fragmented_pages(pool, n, 30 + i)
-            fetch = asyncio.create_task(fetcher.fetch("prefill1", room, pages))
-            await asyncio.sleep(0.05)  # the claims wait for the room; then layers come one by one
-            await prefill(deployment, engine, room, n)
-            result = await fetch
-            assert kv_is_exact(pool, "prefill1", room, n, pages)
-            assert sum(o.reads for o in result.owners) > 2  # read as layers came
-            if i:  # the streams were up: a claim and a release per owner, nothing else
-                assert result.control_messages == 2 * 2, result.control_messages
-
-
 async def test_fetches_are_counted_in_metrics_and_every_service_serves_them(deployment):
     from prometheus_client import REGISTRY
 

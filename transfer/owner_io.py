@@ -178,7 +178,7 @@ class OwnerIO:
         )
 
     async def _prove_pin(self, owner: Owner, pin: OwnerPin, room: int, deadline: Deadline) -> None:
-        """READ the owner's pin word for `room` after its data: still the nonce, or raise."""
+        """Check the owner's pin word for `room` after its data: still the nonce, or raise."""
         assert self.transport is not None and owner.rank.pins is not None
         if pin.slot >= owner.rank.pins.slots:
             raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
@@ -206,15 +206,17 @@ class OwnerIO:
         return int(window[pin.slot - first])
 
     async def _release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
-        """Release a ticket's room on these owners: a notification each, no answer."""
+        """Release a ticket's room on these owners: a notification each, no answer. One
+        that cannot be sent leaves the room to its pin's expiry there."""
         assert self.transport is not None
         fp = self.pool.layout.fingerprint
-        for owner, pin in pins:
-            message = encode(TicketRelease(room=room, slot=pin.slot, nonce=pin.nonce), fp)
-            try:
-                await self.transport.notify(owner.rank.agent_name, message)
-            except PdkvError as exc:
-                logger.debug("release of room %d after a failed ticket fetch: %s", room, exc)
+        messages = [
+            (o.rank.agent_name, encode(TicketRelease(room=room, slot=p.slot, nonce=p.nonce), fp)) for o, p in pins
+        ]
+        try:
+            await self.transport.notify(messages)
+        except PdkvError as exc:
+            logger.info("release of room %d: %s (its pins expire instead)", room, exc)
 
     async def _fetch_from(
         self,

@@ -389,23 +389,31 @@ class UcxTransport:
         except Exception as exc:
             raise _translate(exc, f"host READ from {peer}", peer) from exc
 
-    async def notify(self, peer: str, message: bytes) -> None:
-        """Send `message` to `peer` as a NIXL notification (no reply; best effort).
+    async def notify(self, messages: list[tuple[str, bytes]]) -> None:
+        """Send each (peer, message) as a NIXL notification (no reply; best effort).
 
-        The message leaves only as this lane's worker progresses; a decode that reads by
-        the GPU lane may not post another READ for a while, so the worker is driven here
-        for a short while (a notification left behind was seen to be cancelled at close).
+        They leave only as this lane's worker progresses; a decode that reads by the GPU
+        lane may not post another READ for a while, so the worker is driven here for a
+        short while (a notification left behind was seen to be cancelled at close). The
+        first peer without a connection raises `PeerLostError`, after the others were sent.
         """
-        if peer not in self._peers:
-            raise PeerLostError(f"no connection to {peer}", peer)
         lane = self._lanes[0]
+        missing = [peer for peer, _ in messages if peer not in self._peers]
+        sendable = [(peer, message) for peer, message in messages if peer in self._peers]
+
+        def send() -> None:
+            for peer, message in sendable:
+                lane.agent.send_notif(peer, message)
+
         try:
-            await lane.call(lambda: lane.agent.send_notif(peer, message))
+            await lane.call(send)
         except Exception as exc:
-            raise _translate(exc, f"notification to {peer}", peer) from exc
+            raise _translate(exc, "notifications", sendable[0][0] if sendable else "") from exc
         for _ in range(_NOTIFY_POLLS):
             await asyncio.sleep(_NOTIFY_POLL_S)
             await lane.call(lane.agent.get_new_notifs)
+        if missing:
+            raise PeerLostError(f"no connection to {missing[0]}", missing[0])
 
     def _pick_lanes(self) -> list[_Lane]:
         """Every lane, starting from the next in turn, so concurrent READs spread out."""
