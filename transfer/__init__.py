@@ -5,7 +5,8 @@ transfer and gather plans), `rooms` (a rank's claims, tickets and pins), `pin_ta
 pin words, mapped on the owner's host), `readiness` (readiness pushed on a stream per
 decode and owner), `prefill` (the exporter),
 `decode` (the fetcher; `owner_io` its per-owner protocol, `results` what it reports),
-`metrics` (Prometheus), `sync` (the same for synchronous schedulers),
+`metrics` (Prometheus), `logctx` (the request on every log line), `sync` (the same for
+synchronous schedulers),
 `bootstrap` (the registry), `http` (the control plane's HTTP), `deadline`, `timeouts`, and
 the same-host GPU lane (`cuda_ipc`, `gpu_lane`, `gather`). The application that runs them
 lives in `transfer.app`, which nothing here imports. Import from the module that owns a

@@ -50,6 +50,7 @@ from pdkv.pages import PageIds, page_ids
 from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
 from transfer.http import ControlClient
+from transfer.logctx import request_context
 from transfer.metadata import EngineDescriptor, RoomTicket
 from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_SECONDS
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
@@ -307,7 +308,8 @@ class DecodeFetcher(OwnerIO):
             raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
         self._enter()
         try:
-            result = await self._fetch(engine_id, room, dst, budget, ticket)
+            with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
+                result = await self._fetch(engine_id, room, dst, budget, ticket)
         except PdkvError as exc:
             FETCH_FAILURES.labels(error=type(exc).__name__).inc()
             logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)

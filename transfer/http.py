@@ -30,6 +30,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
+from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode
 from transfer.timeouts import Timeouts
 
@@ -173,14 +174,24 @@ def _refuse_early(request: web.Request, secret: str | None) -> None:
         raise _too_large(request.content_length)
 
 
-def make_app(secret: str | None) -> web.Application:
-    """An aiohttp app that checks the shared secret and turns pdkv errors into replies."""
+def make_app(secret: str | None, **identity: object) -> web.Application:
+    """An aiohttp app that checks the shared secret and turns pdkv errors into replies.
+
+    `identity` (engine, rank, consumer...) and the path's room, if any, are bound for every
+    log line a request causes (`transfer.logctx`).
+    """
 
     @web.middleware
     async def guard(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         _ConnectionGuard.request_started(request)
+        with request_context(**identity, room=request.match_info.get("room")):
+            return await _guarded(request, handler)
+
+    async def _guarded(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
             _refuse_early(request, secret)
             return await handler(request)

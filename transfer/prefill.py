@@ -34,6 +34,7 @@ from pdkv.errors import MetadataError, PdkvError
 from pdkv.layout import BufferKind
 from pdkv.pool import DSAKVPool
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
+from transfer.logctx import request_context
 from transfer.metadata import (
     ClaimRequest,
     IpcExport,
@@ -128,7 +129,7 @@ class PrefillExporter:
             pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._readiness.publish
         )
         self._client = ControlClient(timeouts, secret)
-        app = make_app(secret)
+        app = make_app(secret, engine=engine_id, rank=cp_rank)
         app.router.add_get("/v1/rooms/{room}", self._wait)
         app.router.add_get("/v1/events", self._events)
         app.router.add_post("/v1/rooms/{room}/claim", self._claim)
@@ -299,7 +300,12 @@ class PrefillExporter:
         except PdkvError as exc:
             logger.warning("dropping a malformed notification from %s: %s", peer, exc)
             return
-        self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
+        with self._about(notice.room):
+            self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
+
+    def _about(self, room: int) -> contextlib.AbstractContextManager[None]:
+        """Log lines inside name this engine, rank and `room`."""
+        return request_context(engine=self.engine_id, rank=self.cp_rank, room=room)
 
     async def _expire_forever(self) -> None:
         while True:

@@ -145,7 +145,7 @@ class DecodeWorker:
         )
 
     async def run(self) -> None:
-        app = make_app(secret_from_env(self.args.secret_env))
+        app = make_app(secret_from_env(self.args.secret_env), consumer=self.args.consumer_id)
         app.router.add_post("/v1/decode", self._handle)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)

@@ -51,6 +51,7 @@ from transfer.app.synthetic import (
 )
 from transfer.deadline import Deadline
 from transfer.http import HttpService, health, make_app, path_int, read_body, reply
+from transfer.logctx import request_context
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill import INCARNATION_HEX as _INCARNATION_HEX
 from transfer.prefill import PrefillExporter
@@ -127,6 +128,10 @@ class PrefillEngineRank:
             self.allocator.free(self.room_pages.pop(room))
 
     async def _run_one(self, req: PrefillRequest, batch: list[_Pending]) -> None:
+        with request_context(engine=self.args.engine_id, rank=self.rank, room=req.room):
+            await self._run_one_bound(req, batch)
+
+    async def _run_one_bound(self, req: PrefillRequest, batch: list[_Pending]) -> None:
         waiter = next((p for p in batch if p.request.room == req.room), None)
         t0 = time.perf_counter()
         try:
@@ -273,7 +278,7 @@ class PrefillEngineRank:
         await self.exporter.start()
         intake = None
         if self.rank == 0:
-            app = make_app(secret)
+            app = make_app(secret, engine=a.engine_id)
             app.router.add_post("/v1/prefill", self._intake)
             app.router.add_post("/v1/rooms/{room}/abort", self._abort)
             app.router.add_get("/health", health)

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from pdkv.layout import PRESETS
+from transfer.logctx import RequestFilter
 
 __all__ = [
     "add_pool_flags",
@@ -57,8 +58,11 @@ def setup_process(args: argparse.Namespace) -> None:
     if args.die_with_parent:
         die_with_parent()
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(request)s%(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestFilter())  # engine, room and rank of the request a line is about
 
 
 def secret_from_env(name: str) -> str | None:
