@@ -1,18 +1,22 @@
 """The decode side: fetch a request's full KV from every CP owner into local pages.
 
     async with DecodeFetcher(pool, registry_url) as fetcher:
-        result = await fetcher.fetch(engine_id, room, dst_pages)
+        result = await fetcher.fetch(engine_id, room, dst_pages, ticket=ticket)
 
-A fetch looks the engine up (cached), checks that its owners cover every layer once and
-match the local layout, then, for all owners concurrently, claims the room on each owner,
-long-polls for its ready layers and reads them with one batched one-sided READ per batch
-of ready layers, so it starts before the prefill has finished. Each owner's claim is
-released as soon as its layers are read, while other owners may still be read.
+A fetch looks the engine up (cached) and checks that its owners cover every layer once
+and match the local layout. With the room's ticket (a finished room, handed over by its
+prefill) it then reads every owner at once and checks each owner's pin word after the
+data, asking nobody (`owner_io`). Without one, for all owners concurrently, it claims the
+room on each owner, waits for ready layers (pushed on the owner's event stream, or
+long-polled while that is down) and reads them with one batched one-sided READ per batch,
+so it starts before the prefill has finished; each owner's claim is released as soon as
+its layers are read, while other owners may still be read.
 
 The guarantee: a fetch that returns delivered exactly the bytes of its room into
 `dst_pages`. A claim pins the room's source pages on its owner; a release succeeds only
 while the claim still pins them, so every successful release proves that no page read
-under the claim was freed or reused meanwhile. If any owner refuses the release
+under the claim was freed or reused meanwhile. A ticket's pin word is cleared before its
+pages are freed, so finding it unchanged after the data proves the same. If any owner refuses the release
 (`ClaimLostError`: aborted, expired, forgotten) the fetch raises, whatever it read.
 A room published for `consumers` claims grants no more: a duplicate decode or a second
 fetch of a single-consumer room is refused with `RoomClaimedError` before anything is read.
