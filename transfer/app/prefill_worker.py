@@ -53,8 +53,7 @@ from transfer.deadline import Deadline
 from transfer.http import HttpService, health, make_app, path_int, read_body, reply
 from transfer.logctx import request_context
 from transfer.metadata import OwnerPin, RoomTicket
-from transfer.prefill import INCARNATION_HEX as _INCARNATION_HEX
-from transfer.prefill import PrefillExporter
+from transfer.prefill import INCARNATION_HEX, PrefillExporter
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -164,7 +163,7 @@ class PrefillEngineRank:
         if pages is None or any(nonce == 0 for _, nonce, _ in rows):
             return None
         pins = [
-            OwnerPin(cp_rank=rank, incarnation=f"{inc:0{_INCARNATION_HEX}x}", slot=slot, nonce=nonce)
+            OwnerPin(cp_rank=rank, incarnation=f"{inc:0{INCARNATION_HEX}x}", slot=slot, nonce=nonce)
             for rank, (slot, nonce, inc) in enumerate(rows)
         ]
         return RoomTicket(engine_id=self.args.engine_id, room=room, src_pages=pages.tolist(), pins=pins)
