@@ -132,3 +132,50 @@ async def test_readiness_is_pushed_on_a_stream_not_polled():
             assert torch.equal(dst[[1, 2, 3]], want[[4, 9, 2]])
     finally:
         await registry.aclose()
+
+
+async def test_a_room_sent_by_chunks_is_read_chunk_by_chunk_as_they_come():
+    """A chunked prefill: the room's pages arrive a chunk at a time, each chunk in every
+    layer; the decode reads each chunk as it comes and ends with the last."""
+    import asyncio
+
+    from pdkv import InvalidPagesError
+    from transfer.decode import DecodeFetcher
+
+    layout = tiny(layer_num=3)
+    src = DSAKVPool(layout)
+    for t in (src.kv_slab, src.index_slab):
+        t.view(torch.uint8).view(-1).copy_(torch.arange(t.nbytes) % 239)
+    registry = RegistryServer()
+    url = await registry.start()
+    chunks = [np.array([5, 6]), np.array([11]), np.array([2, 30, 8])]
+    dst_pages = [1, 2, 3, 4, 5, 6]
+    try:
+        async with PrefillExporter(src, "e8", 0, 1, url) as exporter, DecodeFetcher(DSAKVPool(layout), url) as fetcher:
+            for room in range(2):
+                exporter.publish_chunked(room, total_pages=6)
+                fetch = asyncio.create_task(fetcher.fetch("e8", room, dst_pages, timeout=20))
+                for chunk in chunks:
+                    await asyncio.sleep(0.05)
+                    exporter.add_chunk(room, chunk)
+                result = await fetch
+                assert result.owners[0].reads >= 2  # chunk by chunk, as they came
+                if room:
+                    assert result.control_messages == 2  # chunks' readiness pushed too
+            dst = fetcher.pool
+            want = np.concatenate(chunks)
+            for layer in range(layout.layer_num):
+                for a, b in (
+                    (dst.kv_buffer[layer], src.kv_buffer[layer]),
+                    (dst.index_buffer[layer], src.index_buffer[layer]),
+                ):
+                    got = a.view(torch.uint8).reshape(layout.num_pages, -1)[dst_pages]
+                    assert torch.equal(got, b.view(torch.uint8).reshape(layout.num_pages, -1)[want])
+            exporter.publish_chunked(9, total_pages=2)
+            with pytest.raises(InvalidPagesError):
+                exporter.add_chunk(9, np.array([3, 4, 5]))  # beyond its pages
+            exporter.add_chunk(9, np.array([3]))
+            with pytest.raises(InvalidPagesError):
+                exporter.add_chunk(9, np.array([3]))  # a page twice
+    finally:
+        await registry.aclose()

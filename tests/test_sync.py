@@ -68,6 +68,12 @@ def test_a_scheduler_loop_exports_and_fetches_without_blocking(registry_url):
             exporter.mark_ready(2, layer + 1)
         pin = _until_done(exporter.pin(2)).result()
         ticket = RoomTicket(engine_id="sync0", room=2, src_pages=pages.tolist(), pins=[pin])
+        assert _until_done(exporter.publish_chunked(3, 4)).poll() is FetchStatus.DONE
+        chunked = fetcher.fetch("sync0", 3, [50, 51, 52, 53])
+        for chunk in (pages[:3], pages[3:]):
+            assert _until_done(exporter.add_chunk(3, chunk)).poll() is FetchStatus.DONE
+        assert _until_done(chunked).result().nbytes == result.nbytes  # a chunked room, same pages
+
         called = threading.Event()
         handle = fetcher.fetch("sync0", 2, [40, 41, 42, 43], ticket=ticket)
         handle.on_done(lambda h: called.set())

@@ -16,7 +16,8 @@ Schema history:
      the same host (the same-host GPU lane).
   5: RankDescriptor.pins (a rank's pin table, readable by UCX, mappable on its host); RoomTicket and OwnerPin
      (what a decode needs to read a finished room without asking anyone); TicketRelease
-     (a ticket holder's release, sent as a UCX notification with its last READ).
+     (a ticket holder's release, sent as a UCX notification).
+  6: RoomState.ready_pages: rooms published by chunks of pages (a chunked prefill).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -240,6 +241,9 @@ class RoomState(_Wire):
     status: RoomStatus
     src_pages: PageList = []
     ready_upto: Count = 0  # layers [layer_start, ready_upto) are ready
+    # A room published by chunks: its first ready_pages pages (src_pages so far) are ready
+    # in every layer of the rank; None: all its pages at once, ready layer by layer.
+    ready_pages: Count | None = None
 
 
 class OwnerPin(_Wire):

@@ -300,13 +300,17 @@ class OwnerIO:
             if time.monotonic() > unknown_until:
                 raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
 
-    async def _poll(self, owner: Owner, claim: Claim, after: int, deadline: Deadline) -> RoomState:
-        """The room's state once layers beyond `after` are ready: pushed on the owner's
-        readiness stream, or (stream down, or a room that ended) one long-poll over HTTP."""
-        pushed = await self._feed.wait(owner.rank.control_url, claim.room, after, deadline.left(self.timeouts.poll))
+    async def _poll(
+        self, owner: Owner, claim: Claim, after: int, deadline: Deadline, after_pages: int = -1
+    ) -> RoomState:
+        """The room's state once layers beyond `after` (or chunks' pages beyond
+        `after_pages`) are ready: pushed on the owner's readiness stream, or (stream down,
+        or a room that ended) one long-poll over HTTP."""
+        url = owner.rank.control_url
+        pushed = await self._feed.wait(url, claim.room, after, deadline.left(self.timeouts.poll), after_pages)
         if pushed is not None and pushed.status in (RoomStatus.PENDING, RoomStatus.READY):
             return pushed
-        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}?after={after}&claim={claim.token}"
+        url = f"{url}/v1/rooms/{claim.room}?after={after}&after_pages={after_pages}&claim={claim.token}"
         limit = deadline.left(self.timeouts.poll + self.timeouts.request)
         return await self._control(claim, "GET", url, RoomState, None, limit)
 
@@ -363,6 +367,13 @@ class OwnerIO:
             state = await self._poll(owner, claim, cursor - 1, deadline)
         elif state is None:
             state = await self._claim_owner(owner, claim, deadline)
+        if state.ready_pages is not None:  # sent by chunks of pages, every layer at once
+            if slot is not None:
+                slot.close()
+            nbytes, descs, reads, busy = await self._read_chunks(owner, claim, dst, deadline, state, pieces)
+            return OwnerStats(
+                r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy, "ucx"
+            )
         src = np.asarray(state.src_pages, dtype=np.int64)
         if src.size != dst.size:
             raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
@@ -391,6 +402,31 @@ class OwnerIO:
             busy,
             "cuda_ipc" if owner.ipc is not None else "ucx",
         )
+
+    async def _read_chunks(
+        self, owner: Owner, claim: Claim, dst: np.ndarray, deadline: Deadline, state: RoomState, pieces: int
+    ) -> tuple[int, int, int, float]:
+        """Read a room sent by chunks: each new chunk's pages in all of the owner's layers,
+        until the room is complete. Returns bytes, descriptors, READs and their seconds."""
+        r = owner.rank
+        layers = range(r.layer_start, r.layer_end)
+        done, nbytes, descs, reads, busy = 0, 0, 0, 0, 0.0
+        while True:
+            src = np.asarray(state.src_pages, dtype=np.int64)
+            if src.size > dst.size or (state.ready_upto >= r.layer_end and src.size != dst.size):
+                raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
+            if src.size > done:
+                xfer = await self._read_layers(owner, layers, src[done:], dst[done : src.size], deadline, pieces)
+                nbytes, descs, reads, busy = (
+                    nbytes + xfer.nbytes,
+                    descs + xfer.descriptors,
+                    reads + 1,
+                    busy + xfer.seconds,
+                )
+                done = src.size
+            if state.ready_upto >= r.layer_end:  # the last chunk is in
+                return nbytes, descs, reads, busy
+            state = await self._poll(owner, claim, state.ready_upto, deadline, after_pages=done)
 
     async def _read_layers(
         self, owner: Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline, pieces: int

@@ -8,8 +8,9 @@ ticket releases arrive there, as UCX notifications.
 
     POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
     GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
-    GET  /v1/rooms/{room}?after=N&claim=T
-                                     RoomState once layers beyond N are ready (long-poll);
+    GET  /v1/rooms/{room}?after=N&after_pages=P&claim=T
+                                     RoomState once layers beyond N (or, for a room sent
+                                     by chunks, pages beyond P) are ready (long-poll);
                                      with a claim, ClaimLostError if it no longer pins the room
     POST /v1/rooms/{room}/release    ReleaseNotice -> ReleaseReply
     POST /v1/rooms/{room}/abort      free the room now (the router cancelled it)
@@ -141,7 +142,7 @@ class PrefillExporter:
         self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._written: asyncio.Queue[tuple[torch.cuda.Event, int, int]] = asyncio.Queue()
+        self._written: asyncio.Queue[tuple[torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -233,15 +234,37 @@ class PrefillExporter:
 
     def mark_written(self, written: torch.cuda.Event, room: int, upto_layer: int) -> None:
         """As `mark_ready`, once `written` (recorded after the writes) has completed."""
-        self._written.put_nowait((written, room, upto_layer))
+        self._written.put_nowait((written, lambda: self.rooms.mark_ready(room, upto_layer)))
+
+    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> None:
+        """`room` arrives in chunks of pages (a chunked prefill), `total_pages` in all."""
+        self.rooms.publish_chunked(room, total_pages, consumers)
+
+    def add_chunk(self, room: int, pages: np.ndarray) -> None:
+        """The next chunk of `room`: `pages`, written in every owned layer (on a GPU: queued
+        on the current stream, readable once it has passed this point)."""
+        if self.pool.device.type != "cuda":
+            self.rooms.add_chunk(room, pages)
+            return
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.pool.device))
+        self.chunk_written(written, room, pages)
+
+    def chunk_written(self, written: torch.cuda.Event, room: int, pages: np.ndarray) -> None:
+        """As `add_chunk`, once `written` (recorded after the chunk's writes) has completed."""
+        chunk = np.array(pages, copy=True)
+        self._written.put_nowait((written, lambda: self.rooms.add_chunk(room, chunk)))
 
     async def _ready_after_writes(self) -> None:
         """Publish GPU layers as their writes complete, in the order they were queued."""
         while True:
-            written, room, upto = await self._written.get()
+            written, publish = await self._written.get()
             if not written.query():
                 await asyncio.to_thread(written.synchronize)
-            self.rooms.mark_ready(room, upto)
+            try:
+                publish()
+            except PdkvError as exc:  # a chunk refused: its room's decodes time out or see the abort
+                logger.error("readiness after writes: %s", exc)
 
     def abort_room(self, room: int) -> bool:
         return self.rooms.abort(room)
@@ -316,10 +339,11 @@ class PrefillExporter:
     async def _wait(self, request: web.Request) -> web.Response:
         room = path_int(request, "room")
         after = query_int(request, "after", -1, lo=-1, hi=2**31 - 1)
+        after_pages = query_int(request, "after_pages", -1, lo=-1, hi=2**31 - 1)
         claim = request.query.get("claim")
         if claim is not None:
             claim = claim_token(claim)
-        state = await self.rooms.wait(room, after, self.timeouts.poll)
+        state = await self.rooms.wait(room, after, self.timeouts.poll, after_pages)
         if claim is not None:
             self.rooms.check_claim(room, claim)
         return reply(state, self.pool.layout.fingerprint)

@@ -67,6 +67,11 @@ class Subscription:
         return get.result() if get.done() and not get.cancelled() and not self.closed.is_set() else None
 
 
+def _moved(state: RoomState, after: int, after_pages: int) -> bool:
+    pages = state.ready_pages is not None and state.ready_pages > after_pages
+    return pages or state.ready_upto > after or state.status is not RoomStatus.PENDING
+
+
 class ReadinessHub:
     """The owner's side: who listens, and whom a room's change concerns."""
 
@@ -121,13 +126,14 @@ class ReadinessFeed:
     def live(self, url: str) -> bool:
         return url in self._live
 
-    async def wait(self, url: str, room: int, after: int, timeout: float) -> RoomState | None:
-        """`room`'s state once it has layers beyond `after` (or is all ready); None if the
-        stream is down or nothing came within `timeout`: the caller then polls."""
+    async def wait(self, url: str, room: int, after: int, timeout: float, after_pages: int = -1) -> RoomState | None:
+        """`room`'s state once it has layers beyond `after`, chunks' pages beyond
+        `after_pages`, or is all ready; None if the stream is down or nothing came within
+        `timeout`: the caller then polls."""
         end = time.monotonic() + timeout
         while True:
             state = self._wanted.get((url, room))
-            if state is not None and (state.ready_upto > after or state.status is not RoomStatus.PENDING):
+            if state is not None and _moved(state, after, after_pages):
                 return state
             left = end - time.monotonic()
             if url not in self._live or left <= 0:

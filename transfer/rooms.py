@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdkv.errors import ClaimLostError, ConflictError, RoomClaimedError, UnknownRoomError
+from pdkv.errors import ClaimLostError, ConflictError, InvalidPagesError, RoomClaimedError, UnknownRoomError
 from pdkv.pages import page_ids
 from transfer.metadata import ReleaseReply, RoomState, RoomStatus
 
@@ -53,6 +53,7 @@ class _Room:
     ready_upto: int
     open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
     released: int = 0  # claims granted and released; granted = released + open
+    total_pages: int = -1  # published by chunks: the pages it will have; -1: all at once
     slot: int = -1  # its pin table slot; -1: none
     nonce: int = 0
     ticket: str = ""  # "", "issued" (holds one of the claims), "released"
@@ -111,6 +112,33 @@ class RoomTable:
         self.counters.published += 1
         self._notify()
 
+    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> None:
+        """`room` will arrive in chunks of pages (`add_chunk`), `total_pages` in all; each
+        chunk is ready in every owned layer when added (a chunked prefill's send)."""
+        if not 0 < total_pages <= self.num_pages:
+            raise InvalidPagesError(f"room {room}: {total_pages} pages (the pool has {self.num_pages})")
+        self.publish(room, np.zeros(0, dtype=np.int64), consumers)
+        self._live[room].total_pages = total_pages
+
+    def add_chunk(self, room: int, pages: np.ndarray) -> None:
+        """The next chunk of a chunked `room`: `pages`, written in every owned layer."""
+        r = self._live.get(room)
+        if r is None:
+            return  # aborted or expired meanwhile: nothing waits for it
+        if r.total_pages < 0:
+            raise ConflictError(f"room {room} was not published by chunks")
+        chunk = page_ids(pages, self.num_pages, f"room {room} chunk pages")
+        joined = np.concatenate([r.src_pages, chunk])
+        if len(joined) > r.total_pages or len(np.unique(joined)) != len(joined):
+            raise InvalidPagesError(f"room {room}: a chunk beyond its {r.total_pages} pages, or a page twice")
+        r.src_pages = joined
+        if len(joined) == r.total_pages:
+            r.ready_upto = self.layers.stop
+            r.pinned_until = time.monotonic() + self.pin_seconds
+        self._notify()
+        if r.open_claims:
+            self._on_change(self.state(room), set(r.open_claims.values()))
+
     def mark_ready(self, room: int, upto: int) -> None:
         """Layers [layers.start, upto) of `room` are written; `upto` never moves back."""
         r = self._live.get(room)
@@ -139,15 +167,21 @@ class RoomTable:
         if r is None:
             return RoomState(room=room, status=self._finished.get(room, RoomStatus.UNKNOWN))
         status = RoomStatus.READY if r.ready_upto == self.layers.stop else RoomStatus.PENDING
-        return RoomState(room=room, status=status, src_pages=r.src_pages.tolist(), ready_upto=r.ready_upto)
+        chunks = len(r.src_pages) if r.total_pages >= 0 else None
+        return RoomState(
+            room=room, status=status, src_pages=r.src_pages.tolist(), ready_upto=r.ready_upto, ready_pages=chunks
+        )
 
-    async def wait(self, room: int, after: int, timeout: float) -> RoomState:
-        """The room's state once it has layers ready beyond `after`, or at `timeout`."""
+    async def wait(self, room: int, after: int, timeout: float, after_pages: int = -1) -> RoomState:
+        """The room's state once it has layers ready beyond `after` (or, by chunks, pages
+        beyond `after_pages`), or at `timeout`."""
 
         def moved() -> bool:
             r = self._live.get(room)
             if r is None:
                 return room in self._finished
+            if r.total_pages >= 0 and len(r.src_pages) > after_pages:
+                return True
             return r.ready_upto > after or r.ready_upto == self.layers.stop
 
         loop = asyncio.get_running_loop()

@@ -189,6 +189,23 @@ class SyncExporter:
         written.record(torch.cuda.current_stream(device))
         self._bg.call(lambda: self.exporter.mark_written(written, room, upto_layer))
 
+    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> Handle[None]:
+        """`room` will arrive in chunks (a chunked prefill), `total_pages` in all."""
+        return Handle(self._bg.submit(_call(self.exporter.publish_chunked, room, total_pages, consumers)))
+
+    def add_chunk(self, room: int, pages: np.ndarray) -> Handle[None] | None:
+        """The next chunk of `room`, written in every owned layer. On the host a handle
+        says whether it was accepted; on a GPU the event is recorded here, on the caller's
+        stream, and the chunk is published once it has passed (returns None)."""
+        chunk = np.array(pages, copy=True)
+        device = self.exporter.pool.device
+        if device.type != "cuda":
+            return Handle(self._bg.submit(_call(self.exporter.add_chunk, room, chunk)))
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(device))
+        self._bg.call(lambda: self.exporter.chunk_written(written, room, chunk))
+        return None
+
     def abort_room(self, room: int) -> None:
         self._bg.call(lambda: self.exporter.abort_room(room))
 
