@@ -219,41 +219,33 @@ class PrefillExporter:
         """`room`'s KV will be in `src_pages`; pin them until released or expired."""
         self.rooms.publish(room, src_pages, consumers)
 
-    def mark_ready(self, room: int, upto_layer: int) -> None:
+    def mark_ready(self, room: int, upto_layer: int, written: torch.cuda.Event | None = None) -> None:
         """Owned layers below `upto_layer` (global id) of `room` are written.
 
-        On a GPU the writes were only queued on the current stream: the layers become
-        readable for decodes once that stream has passed this point, not before.
+        On a GPU the writes were only queued: the layers become readable for decodes once
+        `written` (by default an event recorded now on the current stream) has completed.
         """
-        if self.pool.device.type != "cuda":
-            self.rooms.mark_ready(room, upto_layer)
-            return
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.pool.device))
-        self.mark_written(written, room, upto_layer)
-
-    def mark_written(self, written: torch.cuda.Event, room: int, upto_layer: int) -> None:
-        """As `mark_ready`, once `written` (recorded after the writes) has completed."""
-        self._written.put_nowait((written, lambda: self.rooms.mark_ready(room, upto_layer)))
+        self._after_writes(lambda: self.rooms.mark_ready(room, upto_layer), written)
 
     def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> None:
         """`room` arrives in chunks of pages (a chunked prefill), `total_pages` in all."""
         self.rooms.publish_chunked(room, total_pages, consumers)
 
-    def add_chunk(self, room: int, pages: np.ndarray) -> None:
-        """The next chunk of `room`: `pages`, written in every owned layer (on a GPU: queued
-        on the current stream, readable once it has passed this point)."""
-        if self.pool.device.type != "cuda":
-            self.rooms.add_chunk(room, pages)
-            return
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.pool.device))
-        self.chunk_written(written, room, pages)
-
-    def chunk_written(self, written: torch.cuda.Event, room: int, pages: np.ndarray) -> None:
-        """As `add_chunk`, once `written` (recorded after the chunk's writes) has completed."""
+    def add_chunk(self, room: int, pages: np.ndarray, written: torch.cuda.Event | None = None) -> None:
+        """The next chunk of `room`: `pages`, written in every owned layer (on a GPU, as
+        for `mark_ready`, readable once `written` has completed)."""
         chunk = np.array(pages, copy=True)
-        self._written.put_nowait((written, lambda: self.rooms.add_chunk(room, chunk)))
+        self._after_writes(lambda: self.rooms.add_chunk(room, chunk), written)
+
+    def _after_writes(self, publish: Callable[[], None], written: torch.cuda.Event | None) -> None:
+        """`publish` now on the host; on a GPU once the writes queued before have landed."""
+        if self.pool.device.type != "cuda":
+            publish()  # refusals (a bad chunk) reach the caller
+            return
+        if written is None:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.pool.device))
+        self._written.put_nowait((written, publish))
 
     async def _ready_after_writes(self) -> None:
         """Publish GPU layers as their writes complete, in the order they were queued."""

@@ -179,32 +179,29 @@ class SyncExporter:
         return Handle(self._bg.submit(_call(self.exporter.publish_room, room, pages, consumers)))
 
     def mark_ready(self, room: int, upto_layer: int) -> None:
-        """Owned layers below `upto_layer` of `room` are written (queued, on a GPU, on the
-        caller's current stream: the event is recorded here, on the caller's thread)."""
-        device = self.exporter.pool.device
-        if device.type != "cuda":
-            self._bg.call(lambda: self.exporter.mark_ready(room, upto_layer))
-            return
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(device))
-        self._bg.call(lambda: self.exporter.mark_written(written, room, upto_layer))
+        """Owned layers below `upto_layer` of `room` are written (on a GPU: queued on the
+        caller's current stream, where the event is recorded)."""
+        written = self._written_here()
+        self._bg.call(lambda: self.exporter.mark_ready(room, upto_layer, written))
 
     def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> Handle[None]:
         """`room` will arrive in chunks (a chunked prefill), `total_pages` in all."""
         return Handle(self._bg.submit(_call(self.exporter.publish_chunked, room, total_pages, consumers)))
 
-    def add_chunk(self, room: int, pages: np.ndarray) -> Handle[None] | None:
-        """The next chunk of `room`, written in every owned layer. On the host a handle
-        says whether it was accepted; on a GPU the event is recorded here, on the caller's
-        stream, and the chunk is published once it has passed (returns None)."""
-        chunk = np.array(pages, copy=True)
+    def add_chunk(self, room: int, pages: np.ndarray) -> Handle[None]:
+        """The next chunk of `room`, written in every owned layer (on a GPU, as for
+        `mark_ready`). The handle says whether it was accepted (on a GPU: queued)."""
+        chunk, written = np.array(pages, copy=True), self._written_here()
+        return Handle(self._bg.submit(_call(self.exporter.add_chunk, room, chunk, written)))
+
+    def _written_here(self) -> torch.cuda.Event | None:
+        """On a GPU, an event after what the caller's stream has queued; None on the host."""
         device = self.exporter.pool.device
         if device.type != "cuda":
-            return Handle(self._bg.submit(_call(self.exporter.add_chunk, room, chunk)))
+            return None
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(device))
-        self._bg.call(lambda: self.exporter.chunk_written(written, room, chunk))
-        return None
+        return written
 
     def abort_room(self, room: int) -> None:
         self._bg.call(lambda: self.exporter.abort_room(room))
