@@ -296,21 +296,17 @@ class ControlClient:
 
     async def get_text(self, url: str) -> str:
         """GET a text page (metrics), bounded by `Timeouts.request`."""
-
-        async def exchange() -> str:
-            async with self._sess().get(url) as resp:
-                resp.raise_for_status()
-                return await resp.text()
-
-        return await _bounded(exchange(), f"GET {url}", url, self.timeouts.request)
+        return await self._get(url, lambda resp: resp.text())
 
     async def get_json(self, url: str) -> dict[str, object]:
         """GET a JSON status page (stats, health), bounded by `Timeouts.request`."""
+        return await self._get(url, lambda resp: resp.json())
 
-        async def exchange() -> dict[str, object]:
+    async def _get(self, url: str, read: Callable[[aiohttp.ClientResponse], Awaitable[R]]) -> R:
+        async def exchange() -> R:
             async with self._sess().get(url) as resp:
                 resp.raise_for_status()
-                return await resp.json()
+                return await read(resp)
 
         return await _bounded(exchange(), f"GET {url}", url, self.timeouts.request)
 

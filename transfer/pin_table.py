@@ -73,7 +73,6 @@ class MappedPins:
     """An owner's table mapped read-only here."""
 
     def __init__(self, table: PinTable, mapping: mmap.mmap) -> None:
-        self.slots = table.slots
         self._map = mapping
         self._words = np.frombuffer(mapping, dtype=np.int64)
         self._closed = False

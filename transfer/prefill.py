@@ -354,8 +354,8 @@ class PrefillExporter:
             while not sub.closed.is_set():
                 state = await sub.next(self.timeouts.heartbeat)
                 await resp.write(HEARTBEAT if state is None else frame(state, fp))
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+        except ConnectionResetError:  # the consumer went away; it reconnects or polls
+            logger.debug("readiness stream to %s closed by the peer", consumer)
         finally:
             self._readiness.unsubscribe(consumer, sub)
         return resp

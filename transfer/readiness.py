@@ -123,9 +123,6 @@ class ReadinessFeed:
     def forget(self, url: str, room: int) -> None:
         self._wanted.pop((url, room), None)
 
-    def live(self, url: str) -> bool:
-        return url in self._live
-
     async def wait(self, url: str, room: int, after: int, timeout: float, after_pages: int = -1) -> RoomState | None:
         """`room`'s state once it has layers beyond `after`, chunks' pages beyond
         `after_pages`, or is all ready; None if the stream is down or nothing came within

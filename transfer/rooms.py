@@ -93,7 +93,6 @@ class RoomTable:
         self._finished: OrderedDict[int, RoomStatus] = OrderedDict()
         self._tick = asyncio.Event()  # set and replaced on every change
         self.counters = RoomCounters()
-        self.tickets_out = 0  # tickets issued and not yet released or freed
         self._on_change = on_change
         self._pins = pins
         if pins is not None:
@@ -250,7 +249,6 @@ class RoomTable:
         if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket or r.granted >= r.consumers:
             return None
         r.ticket = "issued"
-        self.tickets_out += 1
         return r.slot, r.nonce
 
     def release_ticket(self, room: int, slot: int, nonce: int) -> bool:
@@ -260,7 +258,6 @@ class RoomTable:
             logger.info("room %d: a ticket release that pins nothing (late, repeated or forged)", room)
             return False
         r.ticket = "released"
-        self.tickets_out -= 1
         r.released += 1
         if r.released >= r.consumers:
             self._finish(room, RoomStatus.RELEASED)
@@ -285,14 +282,17 @@ class RoomTable:
         return sum(r.src_pages.size for r in self._live.values())
 
     @property
+    def tickets_out(self) -> int:
+        """Tickets issued for live rooms and not yet released."""
+        return sum(r.ticket == "issued" for r in self._live.values())
+
+    @property
     def live_rooms(self) -> int:
         return len(self._live)
 
     def _finish(self, room: int, status: RoomStatus) -> None:
         r = self._live.pop(room)
         claimants = set(r.open_claims.values())
-        if r.ticket == "issued":  # aborted or expired with its ticket out
-            self.tickets_out -= 1
         if r.slot >= 0:
             assert self._pins is not None
             self._pins[r.slot] = 0  # before the pages are freed: a ticket READ after this fails
