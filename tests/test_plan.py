@@ -8,7 +8,16 @@ from hypothesis import strategies as st
 from pdkv import PageRangeError
 from pdkv.pages import PageAllocator
 from transfer.app.synthetic import fragmented_page_order
-from transfer.plan import BufferPair, ReadPlan, build_gather_plan, build_read_plan, merge_gather_plans, page_runs
+from transfer.plan import (
+    BufferPair,
+    ReadPlan,
+    build_gather_plan,
+    build_read_plan,
+    gather_plan,
+    merge_gather_plans,
+    merge_gather_tables,
+    page_runs,
+)
 from transfer.ucx import _split
 
 
@@ -95,7 +104,8 @@ def _pair(local, remote, item=64, items=10):
 
 def test_gather_plan_table_and_widest_word():
     plan = build_gather_plan([_pair(4096, 8192), _pair(1 << 20, 1 << 21, item=24)], np.array([3, 1]), np.array([0, 9]))
-    assert plan.table.tolist() == [[8192, 1 << 21], [4096, 1 << 20], [64, 24], [0, 0]]
+    assert plan.table.table.tolist() == [[8192, 1 << 21], [4096, 1 << 20], [64, 24], [0, 0]]
+    assert plan.src_pages.tolist() == [[3, 1]]
     assert plan.word == 8 and plan.pages == 2 and plan.nbytes == (64 + 24) * 2
     odd = build_gather_plan([_pair(4098, 8192)], np.array([1]), np.array([2]))
     assert odd.word == 2  # an address only 2-aligned: loads of 2 bytes
@@ -114,10 +124,23 @@ def test_merged_plans_keep_each_owners_source_pages():
     a = build_gather_plan([_pair(0, 4096)], np.array([5, 6]), np.array([1, 2]))
     b = build_gather_plan([_pair(8192, 16384, item=32), _pair(9000 * 8, 20000 * 8)], np.array([7, 3]), np.array([1, 2]))
     m = merge_gather_plans([a, b])
-    assert m.src_pages.tolist() == [5, 6, 7, 3] and m.table[3].tolist() == [0, 2, 2]
+    assert m.src_pages.tolist() == [[5, 6], [7, 3]] and m.table.table[3].tolist() == [0, 1, 1]
     assert m.nbytes == a.nbytes + b.nbytes and m.word == 8
     with pytest.raises(PageRangeError, match="destination"):
         merge_gather_plans([a, build_gather_plan([_pair(0, 0)], np.array([1, 2]), np.array([2, 1]))])
+
+
+def test_owners_with_the_same_source_pages_share_one_list():
+    a = build_gather_plan([_pair(0, 4096, items=10)], np.array([5, 6]), np.array([1, 2]))
+    b = build_gather_plan([_pair(8192, 16384, items=7)], np.array([5, 6]), np.array([1, 2]))
+    m = merge_gather_plans([a, b])
+    assert m.src_pages.tolist() == [[5, 6]] and m.table.table[3].tolist() == [0, 0]
+    assert m.table.src_items.tolist() == [7]  # the smallest owner bounds the shared list
+    table = merge_gather_tables([a.table, b.table], shared_pages=True)
+    with pytest.raises(PageRangeError, match="source"):
+        gather_plan(table, [np.array([5, 7])], np.array([1, 2]))  # page 7 is past the second owner
+    with pytest.raises(PageRangeError, match="source pages but"):
+        gather_plan(table, [np.array([5])], np.array([1, 2]))
 
 
 def test_the_kernels_task_table_covers_every_word_of_every_item_once():
@@ -126,8 +149,9 @@ def test_the_kernels_task_table_covers_every_word_of_every_item_once():
     plan = build_gather_plan(
         [_pair(0, 0, item=41984), _pair(1 << 20, 1 << 21, item=8448)], np.array([2]), np.array([5])
     )
-    meta, n_tasks = _meta(plan, block_words=512)  # 4 KiB blocks of 8-byte words
+    meta, n_tasks = _meta(plan.table, block_words=512)  # 4 KiB blocks of 8-byte words
     tasks = meta[-2 * n_tasks :].reshape(2, n_tasks)
+    assert meta.size == 4 * plan.buffers + 2 * n_tasks  # the page ids are not in it: uploaded per launch
     assert meta[2 * plan.buffers : 3 * plan.buffers].tolist() == [41984 // 8, 8448 // 8]  # item words
     for b, words in enumerate((41984 // 8, 8448 // 8)):
         firsts = tasks[1][tasks[0] == b]
@@ -147,6 +171,8 @@ async def test_a_launch_group_waits_for_every_owner_then_launches_once():
                 [p for layer in layers for p in peer.pairs[layer]], src, dst
             )
         )
+
+        merge = staticmethod(merge_gather_plans)
 
         async def run(self, plan, peers):
             self.launched.append((plan.buffers, len(peers)))

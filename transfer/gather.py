@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from transfer.plan import GatherPlan
+from transfer.plan import GatherPlan, GatherTable
 
 __all__ = ["GatherLane"]
 
@@ -42,22 +43,24 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def gather_pages(meta, n_bufs, n_src, n_pages, n_tasks, page0, WORD: tl.constexpr, BLOCK: tl.constexpr):
-        # meta, int64: per buffer src base, dst base, item words, src page list offset
-        # (n_bufs each); the source page lists (n_src); the destination pages (n_pages);
-        # per task its buffer, then its first word (n_tasks each).
+    # Counts and offsets unspecialised: Triton would otherwise compile a variant per
+    # divisibility class of the page count, a first fetch of such a size paying a compile.
+    @triton.jit(do_not_specialize=["n_bufs", "n_tasks", "n_pages", "dst0", "page0"])
+    def gather_pages(meta, pages, n_bufs, n_tasks, n_pages, dst0, page0, WORD: tl.constexpr, BLOCK: tl.constexpr):
+        # meta, int64, the table's (uploaded once): per buffer src base, dst base, item
+        # words, source page list (n_bufs each); per task its buffer, then its first word
+        # (n_tasks each). pages, int64, the launch's: the source page lists (n_pages each),
+        # then the destination pages from dst0.
         t = tl.program_id(0)
         i = page0 + tl.program_id(1)
-        tasks = meta + 4 * n_bufs + n_src + n_pages
-        b = tl.load(tasks + t)
-        o = tl.load(tasks + n_tasks + t) + tl.arange(0, BLOCK)
+        b = tl.load(meta + 4 * n_bufs + t)
+        o = tl.load(meta + 4 * n_bufs + n_tasks + t) + tl.arange(0, BLOCK)
         words = tl.load(meta + 2 * n_bufs + b)
         m = o < words
         src_base = tl.load(meta + b).to(tl.pointer_type(WORD))
         dst_base = tl.load(meta + n_bufs + b).to(tl.pointer_type(WORD))
-        sp = tl.load(meta + 4 * n_bufs + tl.load(meta + 3 * n_bufs + b) + i)
-        dp = tl.load(meta + 4 * n_bufs + n_src + i)
+        sp = tl.load(pages + tl.load(meta + 3 * n_bufs + b) * n_pages + i)
+        dp = tl.load(pages + dst0 + i)
         tl.store(dst_base + dp * words + o, tl.load(src_base + sp * words + o, mask=m), mask=m)
 
     return gather_pages
@@ -69,16 +72,19 @@ def _word_type(nbytes: int) -> Any:
     return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[nbytes]
 
 
-def _meta(plan: GatherPlan, block_words: int) -> tuple[np.ndarray, int]:
-    """The kernel's one int64 argument array (see the kernel) and its task count."""
-    table = plan.table.copy()
-    table[2] //= plan.word  # item lengths in words
-    chunks = -(-table[2] // block_words)
-    task_buf = np.repeat(np.arange(plan.buffers, dtype=np.int64), chunks)
+def _meta(table: GatherTable, block_words: int) -> tuple[np.ndarray, int]:
+    """The kernel's table argument (see the kernel) and its task count."""
+    rows = table.table.copy()
+    rows[2] //= table.word  # item lengths in words
+    chunks = -(-rows[2] // block_words)
+    task_buf = np.repeat(np.arange(table.buffers, dtype=np.int64), chunks)
     first = np.concatenate([[0], np.cumsum(chunks)[:-1]])
     task_off = (np.arange(len(task_buf), dtype=np.int64) - np.repeat(first, chunks)) * block_words
-    parts = [table.reshape(-1), plan.src_pages, plan.dst_pages, task_buf, task_off]
-    return np.concatenate(parts).astype(np.int64, copy=False), len(task_buf)
+    return np.concatenate([rows.reshape(-1), task_buf, task_off]).astype(np.int64, copy=False), len(task_buf)
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 class GatherLane:
@@ -88,24 +94,58 @@ class GatherLane:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.shape = shape  # (block bytes, warps); None: by the plan's size
+        # Waits for kernels on a thread of the lane's own: the default executor may be
+        # busy with other blocking work, and this wait is on every fetch's path.
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="pdkv-gather-wait")
+        # Page ids go up through one pinned buffer into one device buffer: kernels on the
+        # lane's stream read the device buffer in order, so each launch may overwrite it.
+        self._staged: torch.Tensor | None = None
+        self._staged_free = torch.cuda.Event()
+        self._pages = torch.empty(0, dtype=torch.int64, device=device)
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # event pairs to reuse
+
+    def _table_on_device(self, table: GatherTable, block: int) -> tuple[torch.Tensor, int]:
+        key = (self.device.index or 0, block)
+        if key not in table.on_device:
+            meta, n_tasks = _meta(table, block)
+            table.on_device[key] = (torch.from_numpy(meta).to(self.device), n_tasks)  # on the lane's stream
+        return table.on_device[key]  # type: ignore[no-any-return]
+
+    def _upload_pages(self, plan: GatherPlan) -> torch.Tensor:
+        """The plan's page ids on the GPU, on the lane's stream (call under it)."""
+        n = plan.src_pages.size + plan.pages
+        host = self._staged
+        if host is None or host.numel() < n or not self._staged_free.query():
+            # Pinned, so the copy does not wait on the host. One still queued behind a
+            # kernel is left to torch's pinned-memory cache, which reuses it once copied.
+            host = self._staged = torch.empty(max(n, 1 << 12), dtype=torch.int64, pin_memory=True)
+        view = host.numpy()
+        view[: plan.src_pages.size] = plan.src_pages.reshape(-1)
+        view[plan.src_pages.size : n] = plan.dst_pages
+        if self._pages.numel() < n:  # kernels still reading the old one run first: same stream
+            self._pages = torch.empty(host.numel(), dtype=torch.int64, device=self.device)
+        self._pages[:n].copy_(host[:n], non_blocking=True)
+        self._staged_free.record(self.stream)
+        return self._pages
 
     def launch(self, plan: GatherPlan) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue `plan` on the lane's stream; the events bracket its kernel."""
         block_bytes, warps = self.shape or _shape(plan.nbytes)
         block = max(1, block_bytes // plan.word)
-        meta_host, n_tasks = _meta(plan, block)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            meta = torch.from_numpy(meta_host).to(self.device)  # one upload
+            meta, n_tasks = self._table_on_device(plan.table, block)
+            pages = self._upload_pages(plan)
+            start, done = self._timing.pop() if self._timing else (_timing_event(), _timing_event())
             start.record(self.stream)
             for page0 in range(0, plan.pages, _MAX_GRID_Y):
                 grid = (n_tasks, min(_MAX_GRID_Y, plan.pages - page0))
                 _kernel()[grid](
                     meta,
+                    pages,
                     plan.buffers,
-                    len(plan.src_pages),
-                    plan.pages,
                     n_tasks,
+                    plan.pages,
+                    plan.src_pages.size,
                     page0,
                     WORD=_word_type(plan.word),
                     BLOCK=block,
@@ -121,10 +161,15 @@ class GatherLane:
         start, done = self.launch(plan)
         # The loop stays free while the GPU copies. A cancelled caller still waits for the
         # kernel to end: bytes must not land in pages that may be handed out again.
-        ended = asyncio.ensure_future(asyncio.to_thread(done.synchronize))
+        ended = asyncio.get_running_loop().run_in_executor(self._waiter, done.synchronize)
         try:
             await asyncio.shield(ended)
         except asyncio.CancelledError:
             await ended
             raise
-        return start.elapsed_time(done) / 1e3
+        seconds = start.elapsed_time(done) / 1e3
+        self._timing.append((start, done))  # both recorded and passed: free to record again
+        return seconds
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=False)

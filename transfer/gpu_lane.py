@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,12 +27,23 @@ from pdkv.layout import BufferKind
 from transfer.cuda_ipc import CudaDriver, IpcMapping, host_id
 from transfer.gather import GatherLane
 from transfer.metadata import RankDescriptor
-from transfer.plan import BufferPair, GatherPlan, build_gather_plan, merge_gather_plans
+from transfer.plan import (
+    BufferPair,
+    GatherPlan,
+    GatherTable,
+    gather_plan,
+    gather_table,
+    merge_gather_plans,
+    merge_gather_tables,
+    shares_source_pages,
+)
 from transfer.ucx import XferStats
 
 __all__ = ["GpuLane", "IpcPeer", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
 
 logger = logging.getLogger(__name__)
+
+_MERGED_KEPT = 64
 
 
 def _visible_gpu(uuid: str) -> int | None:
@@ -67,6 +78,14 @@ class IpcPeer:
     mappings: dict[BufferKind, IpcMapping]
     pairs: dict[int, tuple[BufferPair, BufferPair]]
     closed: bool = False
+    tables: dict[tuple[int, int], GatherTable] = field(default_factory=dict)  # by layer range
+
+    def table(self, layers: range) -> GatherTable:
+        """The gather table of `layers` (built once: a fetch then only uploads page ids)."""
+        key = (layers.start, layers.stop)
+        if key not in self.tables:
+            self.tables[key] = gather_table([p for layer in layers for p in self.pairs[layer]])
+        return self.tables[key]
 
 
 class GpuLane:
@@ -78,6 +97,8 @@ class GpuLane:
         self._driver = CudaDriver.get()
         self._gather = GatherLane(device)
         self._peers: set[IpcPeer] = set()
+        # Tables of several owners merged, by their parts: a room's owners go out as one launch.
+        self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
 
     def open(self, rank: RankDescriptor, local: dict[int, tuple[BufferPair, BufferPair]]) -> IpcPeer:
         """Map `rank`'s slabs and translate its UCX buffer pairs into mapped addresses."""
@@ -117,7 +138,28 @@ class GpuLane:
 
     @staticmethod
     def plan(peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> GatherPlan:
-        return build_gather_plan([p for layer in layers for p in peer.pairs[layer]], src, dst)
+        return gather_plan(peer.table(layers), [src], dst)
+
+    def merge(self, plans: list[GatherPlan]) -> GatherPlan:
+        """One launch for `plans` into the same destination pages, its table merged once."""
+        plans = [p for p in plans if p.buffers]
+        return merge_gather_plans(plans, self._merged_table([p.table for p in plans], shares_source_pages(plans)))
+
+    def _merged_table(self, tables: list[GatherTable], shared_pages: bool) -> GatherTable:
+        key = (tuple(tables), shared_pages)
+        merged = self._merged.get(key)
+        if merged is None:
+            if len(self._merged) >= _MERGED_KEPT:  # owner sets come and go with engines
+                self._merged.clear()
+            merged = self._merged[key] = merge_gather_tables(list(tables), shared_pages)
+        return merged
+
+    async def read_all(self, parts: list[tuple[IpcPeer, range]], src: np.ndarray, dst: np.ndarray) -> float:
+        """Gather every (owner, layers) part, all from the same `src` pages, with one
+        launch; returns its seconds on the GPU once the bytes are in place."""
+        table = self._merged_table([peer.table(layers) for peer, layers in parts], True)
+        plan = gather_plan(table, [src] * table.lists, dst)
+        return await self.run(plan, [peer for peer, _ in parts])
 
     async def run(self, plan: GatherPlan, peers: list[IpcPeer]) -> float:
         """Launch `plan`, which reads `peers`; seconds on the GPU once the bytes are in place."""
@@ -137,6 +179,8 @@ class GpuLane:
             return
         peer.closed = True
         self._peers.discard(peer)
+        dropped = set(peer.tables.values())
+        self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
         await asyncio.to_thread(self._gather.stream.synchronize)
         for m in peer.mappings.values():
             m.close(self._driver)
@@ -144,6 +188,7 @@ class GpuLane:
     async def aclose(self) -> None:
         for peer in list(self._peers):
             await self.close(peer)
+        self._gather.close()
 
 
 class LaunchGroup:
@@ -189,7 +234,7 @@ class LaunchGroup:
 
     async def _launch(self, batch: list[tuple[GatherPlan, IpcPeer, asyncio.Future[float]]]) -> None:
         try:
-            merged = merge_gather_plans([plan for plan, _, _ in batch])
+            merged = self._lane.merge([plan for plan, _, _ in batch])
             seconds = await self._lane.run(merged, [peer for _, peer, _ in batch])
         except BaseException as exc:
             for _, _, done in batch:

@@ -8,7 +8,8 @@ descriptor: fewer, larger descriptors are what UCX is fast at.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +25,14 @@ __all__ = [
     "BufferPair",
     "ReadPlan",
     "build_read_plan",
+    "GatherTable",
     "GatherPlan",
+    "gather_table",
+    "gather_plan",
     "build_gather_plan",
+    "merge_gather_tables",
     "merge_gather_plans",
+    "shares_source_pages",
     "check_owners",
     "buffer_pairs",
     "device_id",
@@ -128,31 +134,58 @@ def build_read_plan(
     return ReadPlan(local, remote, int(lengths.sum()))
 
 
-@dataclass(frozen=True)
-class GatherPlan:
-    """One gather-kernel launch, every address already local to the decode and checked.
+@dataclass(eq=False)  # identity: a lane keys its caches by the table object
+class GatherTable:
+    """The static half of a gather launch: built once per owner and layer range, kept on
+    the GPU by the lane, so a fetch uploads only its page ids.
 
     `table` rows, one column a buffer: source base, destination base, item bytes, and the
-    offset of the buffer's source page list in `src_pages` (owners of one request may
-    keep it in different pages; every list has `pages` entries, one per `dst_pages`).
+    source page list the buffer reads (owners of one request may keep it in different
+    pages). Every address is already local to the decode and checked.
     """
 
     table: np.ndarray  # int64 (4, buffers)
-    src_pages: np.ndarray  # the source page lists, concatenated
-    dst_pages: np.ndarray
+    src_items: np.ndarray  # per source page list: its buffers' fewest items (page ids stay below)
+    dst_items: int  # the destination buffers' fewest items
     word: int  # bytes a load moves: the largest of 8, 4, 2, 1 that every address and length allows
+    on_device: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)  # the lane's upload
 
     @property
     def buffers(self) -> int:
         return self.table.shape[1]
 
     @property
+    def lists(self) -> int:
+        return len(self.src_items)
+
+    @property
+    def page_bytes(self) -> int:
+        return int(self.table[2].sum())
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """One gather-kernel launch: a table and the request's pages, every page id checked."""
+
+    table: GatherTable
+    src_pages: np.ndarray  # int64 (table.lists, pages): one source page list per row
+    dst_pages: np.ndarray
+
+    @property
+    def buffers(self) -> int:
+        return self.table.buffers
+
+    @property
     def pages(self) -> int:
         return len(self.dst_pages)
 
     @property
+    def word(self) -> int:
+        return self.table.word
+
+    @property
     def nbytes(self) -> int:
-        return int(self.table[2].sum()) * self.pages
+        return self.table.page_bytes * self.pages
 
 
 def _word(*arrays: np.ndarray) -> int:
@@ -160,44 +193,87 @@ def _word(*arrays: np.ndarray) -> int:
     return next(w for w in (8, 4, 2, 1) if not (every % w).any())
 
 
-def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_pages: np.ndarray) -> GatherPlan:
-    """The launch that copies `src_pages` of every buffer into `dst_pages` of its twin.
+def gather_table(buffers: list[BufferPair]) -> GatherTable:
+    """The table of a launch that copies pages of every buffer into its twin (one page list).
 
     `remote_addr` of each pair must already be the address the decode's GPU reads the
-    owner's buffer at. Page ids are checked against both sides' item counts here, on the
-    host: a kernel given a bad one would fault the decode's GPU context.
+    owner's buffer at.
     """
-    src, dst = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
-    if src.shape != dst.shape or src.ndim != 1:
-        raise PageRangeError(f"{src.size} source pages but {dst.size} destination pages")
-    if not buffers or src.size == 0:
-        return GatherPlan(np.zeros((4, 0), np.int64), src[:0], dst, 1)
-    _check_pages(src, min(b.remote_items for b in buffers), "source")
-    _check_pages(dst, min(b.local_items for b in buffers), "destination")
+    if not buffers:
+        return GatherTable(np.zeros((4, 0), np.int64), np.zeros(0, np.int64), 0, 1)
     rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)
     lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)
     item = np.array([b.item_len for b in buffers], dtype=np.int64)
     table = np.stack([rbase, lbase, item, np.zeros_like(item)])
-    return GatherPlan(table, src, dst, _word(rbase, lbase, item))
+    src_items = np.array([min(b.remote_items for b in buffers)], dtype=np.int64)
+    return GatherTable(table, src_items, min(b.local_items for b in buffers), _word(rbase, lbase, item))
 
 
-def merge_gather_plans(plans: list[GatherPlan]) -> GatherPlan:
-    """One launch for several plans into the same destination pages (owners of one room)."""
+def merge_gather_tables(tables: list[GatherTable], shared_pages: bool) -> GatherTable:
+    """One table for several (owners of one room). `shared_pages`: every part reads the
+    same source page list (a ticket's room is in the same pages on every owner)."""
+    tables = [t for t in tables if t.buffers]
+    if not tables:
+        return gather_table([])
+    parts, offset = [], 0
+    for t in tables:
+        part = t.table.copy()
+        part[3] = 0 if shared_pages else part[3] + offset
+        parts.append(part)
+        offset += t.lists
+    src_items = np.concatenate([t.src_items for t in tables])
+    if shared_pages:
+        src_items = src_items.min(keepdims=True)
+    dst_items = min(t.dst_items for t in tables)
+    return GatherTable(np.concatenate(parts, axis=1), src_items, dst_items, min(t.word for t in tables))
+
+
+def gather_plan(table: GatherTable, src_lists: list[np.ndarray], dst_pages: np.ndarray) -> GatherPlan:
+    """`table`'s launch for these pages. Page ids are checked against both sides' item
+    counts here, on the host: a kernel given a bad one would fault the decode's GPU context."""
+    dst = np.asarray(dst_pages, np.int64)
+    if dst.ndim != 1:
+        raise PageRangeError(f"destination pages of shape {dst.shape}")
+    rows = [np.asarray(s, np.int64) for s in src_lists]
+    if len(rows) != table.lists:
+        raise ValueError(f"{len(rows)} source page lists for a table of {table.lists}")
+    for row in rows:
+        if row.shape != dst.shape:
+            raise PageRangeError(f"{row.size} source pages but {dst.size} destination pages")
+    src = np.stack(rows) if rows else np.zeros((0, dst.size), np.int64)
+    if table.buffers and dst.size:
+        for row, limit in zip(src, table.src_items):
+            _check_pages(row, int(limit), "source")
+        _check_pages(dst, table.dst_items, "destination")
+    return GatherPlan(table, src, dst)
+
+
+def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_pages: np.ndarray) -> GatherPlan:
+    """The launch that copies `src_pages` of every buffer into `dst_pages` of its twin."""
+    table = gather_table(buffers)
+    return gather_plan(table, [src_pages] * table.lists, dst_pages)
+
+
+def merge_gather_plans(plans: list[GatherPlan], table: GatherTable | None = None) -> GatherPlan:
+    """One launch for several plans into the same destination pages (owners of one room);
+    `table`: their tables already merged (a lane's cached one), else merged here."""
     plans = [p for p in plans if p.buffers]
     if not plans:
         raise ValueError("nothing to merge")
     dst = plans[0].dst_pages
     if any(not np.array_equal(p.dst_pages, dst) for p in plans):
         raise PageRangeError("merged gather plans must share their destination pages")
-    tables, srcs, offset = [], [], 0
-    for p in plans:
-        t = p.table.copy()
-        t[3] += offset
-        tables.append(t)
-        srcs.append(p.src_pages)
-        offset += len(p.src_pages)
-    table = np.concatenate(tables, axis=1)
-    return GatherPlan(table, np.concatenate(srcs), dst, min(p.word for p in plans))
+    shared = shares_source_pages(plans)
+    if table is None:
+        table = merge_gather_tables([p.table for p in plans], shared)
+    src = plans[0].src_pages[:1] if shared else np.concatenate([p.src_pages for p in plans])
+    return GatherPlan(table, src, dst)
+
+
+def shares_source_pages(plans: list[GatherPlan]) -> bool:
+    """Whether every plan reads one and the same source page list."""
+    first = plans[0].src_pages
+    return all(p.src_pages.shape[0] == 1 and np.array_equal(p.src_pages, first) for p in plans)
 
 
 def check_owners(desc: EngineDescriptor, pool: DSAKVPool) -> None:
