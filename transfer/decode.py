@@ -123,7 +123,6 @@ class DecodeFetcher(OwnerIO):
         self.transport: UcxTransport | None = None
         self._closing = False
         self._owner_tasks: set[asyncio.Future[Any]] = set()
-        self._releases: set[asyncio.Future[None]] = set()
         self._feed = ReadinessFeed(self._client, self.consumer_id, pool.layout.fingerprint, timeouts.heartbeat)
         self._active = 0  # fetches and lease calls in flight
         self._idle = asyncio.Event()
@@ -156,8 +155,6 @@ class DecodeFetcher(OwnerIO):
             await asyncio.wait_for(self._idle.wait(), self.timeouts.request)
         except asyncio.TimeoutError:
             logger.warning("closing with %d fetches still in flight", self._active)
-        if self._releases:  # tickets' releases still on their way: let them go out
-            await asyncio.wait(self._releases, timeout=self.timeouts.request)
         await self._feed.aclose()
         await self._client.aclose()
         if self._gpu is not None:

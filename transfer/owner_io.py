@@ -96,7 +96,6 @@ class OwnerIO:
     _gpu: GpuLane | None
     _client: ControlClient
     _owner_tasks: set[asyncio.Future[Any]]
-    _releases: set[asyncio.Future[None]]  # ticket releases still being sent
     _feed: ReadinessFeed  # readiness pushed by owners, where their streams are up
 
     def _pin_window(self) -> torch.Tensor:
@@ -111,71 +110,77 @@ class OwnerIO:
         if src.size != dst.size:
             raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
         pins = {p.cp_rank: p for p in ticket.pins}
-        group = self._launch_group(owners)
-        tasks = [
-            asyncio.create_task(
-                self._read_with_pin(o, pins[r], ticket.room, src, dst, deadline, group if o.ipc is not None else None)
-            )
-            for r, o in owners.items()
-        ]
+        lane = {r: o for r, o in owners.items() if o.ipc is not None}
+        room = ticket.room
+        reads = [self._read_with_pin(o, pins[r], room, src, dst, deadline) for r, o in owners.items() if r not in lane]
+        if lane:  # a room's owners on this host: one launch for all of them
+            reads.append(self._read_lane_with_pins(lane, pins, room, src, dst, deadline))
+        tasks = [asyncio.ensure_future(read) for read in reads]
         self._owner_tasks.update(tasks)
         every = [(o, pins[r]) for r, o in owners.items()]
         try:
-            stats = await _all_or_cancel(tasks)
+            per_task = await _all_or_cancel(tasks)
         except BaseException:  # every READ has ended: release at once
-            await self._release_pins(every, ticket.room)
+            self._release_pins(every, ticket.room)
             raise
         finally:
             self._owner_tasks.difference_update(tasks)
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads (measured, 2 cores).
-        release = asyncio.ensure_future(self._release_pins(every, ticket.room))
-        self._releases.add(release)
-        release.add_done_callback(self._releases.discard)
+        asyncio.get_running_loop().call_soon(self._release_pins, every, ticket.room)
+        stats = sorted((s for some in per_task for s in some), key=lambda s: s.cp_rank)
         nbytes = sum(s.nbytes for s in stats)
         return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - t0, tuple(stats), False, 0)
 
     async def _read_with_pin(
+        self, owner: Owner, pin: OwnerPin, room: int, src: np.ndarray, dst: np.ndarray, deadline: Deadline
+    ) -> list[OwnerStats]:
+        """Read all of one owner's layers over UCX, then prove its pin."""
+        assert self.transport is not None
+        r = owner.rank
+        t0 = time.perf_counter()
+        layers = range(r.layer_start, r.layer_end)
+        try:
+            pieces = max(1, self.transport.lanes // r.cp_size)
+            xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
+            await self._prove_pin(owner, pin, room, deadline)
+        except PeerLostError as exc:
+            raise lost_peer(r, exc) from exc
+        span = (layers.start, layers.stop)
+        return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, time.perf_counter() - t0, xfer.seconds)]
+
+    async def _read_lane_with_pins(
         self,
-        owner: Owner,
-        pin: OwnerPin,
+        owners: dict[int, Owner],
+        pins: dict[int, OwnerPin],
         room: int,
         src: np.ndarray,
         dst: np.ndarray,
         deadline: Deadline,
-        group: LaunchGroup | None,
-    ) -> OwnerStats:
-        """Read all of one owner's layers, then prove its pin."""
-        assert self.transport is not None
-        r = owner.rank
-        slot = group.slot() if group is not None else None
+    ) -> list[OwnerStats]:
+        """Read every layer of these owners (all on this host) with one gather launch, then
+        prove each one's pin; each owner's share of the GPU time is its share of the bytes."""
+        assert self._gpu is not None
         t0 = time.perf_counter()
-        layers = range(r.layer_start, r.layer_end)
+        parts: dict[int, tuple[IpcPeer, range]] = {}
+        for r, o in owners.items():
+            assert o.ipc is not None
+            parts[r] = (o.ipc, range(o.rank.layer_start, o.rank.layer_end))
         try:
-            if slot is not None and owner.ipc is not None:
-                xfer = await slot.read(owner.ipc, layers, src, dst)
-            else:
-                if slot is not None:
-                    slot.close()
-                pieces = max(1, self.transport.lanes // r.cp_size)
-                xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
-            await self._prove_pin(owner, pin, room, deadline)
+            seconds = await self._gpu.read_all(list(parts.values()), src, dst)
+            for r, o in owners.items():
+                await self._prove_pin(o, pins[r], room, deadline)
         except PeerLostError as exc:
-            raise lost_peer(r, exc) from exc
-        finally:
-            if slot is not None:
-                slot.close()
-        path = "cuda_ipc" if owner.ipc is not None else "ucx"
-        return OwnerStats(
-            r.cp_rank,
-            (layers.start, layers.stop),
-            xfer.nbytes,
-            xfer.descriptors,
-            1,
-            time.perf_counter() - t0,
-            xfer.seconds,
-            path,
-        )
+            lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
+            raise (lost_peer(lost, exc) if lost is not None else exc) from exc
+        READ_SECONDS.labels(lane="cuda_ipc").observe(seconds)
+        elapsed = time.perf_counter() - t0
+        sizes = {r: peer.table(layers).page_bytes * src.size for r, (peer, layers) in parts.items()}
+        total = max(1, sum(sizes.values()))
+        return [
+            OwnerStats(r, (ls.start, ls.stop), sizes[r], 0, 1, elapsed, seconds * sizes[r] / total, "cuda_ipc")
+            for r, (_, ls) in parts.items()
+        ]
 
     async def _prove_pin(self, owner: Owner, pin: OwnerPin, room: int, deadline: Deadline) -> None:
         """Check the owner's pin word for `room` after its data: still the nonce, or raise."""
@@ -205,16 +210,18 @@ class OwnerIO:
         await self.transport.read_host(owner.rank.agent_name, addr, window, deadline.within(self.timeouts.request))
         return int(window[pin.slot - first])
 
-    async def _release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
-        """Release a ticket's room on these owners: a notification each, no answer. One
-        that cannot be sent leaves the room to its pin's expiry there."""
-        assert self.transport is not None
+    def _release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
+        """Release a ticket's room on these owners: a notification each, no answer, queued
+        without a wait. One that cannot be sent leaves the room to its pin's expiry there."""
+        if self.transport is None:  # closed meanwhile
+            logger.info("release of room %d: the fetcher is closed (its pins expire instead)", room)
+            return
         fp = self.pool.layout.fingerprint
         messages = [
             (o.rank.agent_name, encode(TicketRelease(room=room, slot=p.slot, nonce=p.nonce), fp)) for o, p in pins
         ]
         try:
-            await self.transport.notify(messages)
+            self.transport.notify(messages)
         except PdkvError as exc:
             logger.info("release of room %d: %s (its pins expire instead)", room, exc)
 
@@ -492,10 +499,11 @@ async def _all_or_cancel(tasks: list[asyncio.Future[T]]) -> list[T]:
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
-        for t in tasks:
-            t.cancel()
-        # Collects every outcome; a cancel of our own arriving meanwhile propagates.
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not all(t.done() for t in tasks):
+            for t in tasks:
+                t.cancel()
+            # Collects every outcome; a cancel of our own arriving meanwhile propagates.
+            await asyncio.gather(*tasks, return_exceptions=True)
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]

@@ -43,8 +43,17 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _POLL_SLEEP_S = (0.0, 0.0001)
 _LATE_GRACE_S = 10.0  # how long a READ abandoned at its deadline is waited for before release
-_NOTIFY_POLLS = 10  # worker progress calls after a notification, so that it leaves
-_NOTIFY_POLL_S = 0.001
+_NOTIFY_DRIVE_S = 0.1  # how long the worker is driven after a notification, so that it leaves
+_NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
+_NOTIFY_POLL_MAX_S = 0.01
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    """Run `fn` on a lane's thread for its side effect; a failure is logged, not raised."""
+    try:
+        fn()
+    except Exception as exc:
+        logger.debug("%s: %s", getattr(fn, "__name__", fn), exc)
 
 
 def configure_ucx_environment() -> None:
@@ -228,6 +237,9 @@ class UcxTransport:
         self.local_regions = Regions([])
         self._peers: dict[str, Regions] = {}
         self._closed = False
+        self._driving = False  # a timer drives notifications out (`notify`)
+        self._drive_until = 0.0
+        self._drive_interval = _NOTIFY_POLL_S
 
     # ---- local memory ------------------------------------------------------------------------
     def register(self, tensors: list[torch.Tensor]) -> None:
@@ -389,13 +401,14 @@ class UcxTransport:
         except Exception as exc:
             raise _translate(exc, f"host READ from {peer}", peer) from exc
 
-    async def notify(self, messages: list[tuple[str, bytes]]) -> None:
-        """Send each (peer, message) as a NIXL notification (no reply; best effort).
+    def notify(self, messages: list[tuple[str, bytes]]) -> None:
+        """Send each (peer, message) as a NIXL notification: no reply, best effort.
 
-        They leave only as this lane's worker progresses; a decode that reads by the GPU
-        lane may not post another READ for a while, so the worker is driven here for a
-        short while (a notification left behind was seen to be cancelled at close). The
-        first peer without a connection raises `PeerLostError`, after the others were sent.
+        Queued on the lane's thread, which sends them and logs what fails; nothing wakes
+        the event loop when they are out. They leave only as the lane's worker progresses,
+        and a decode that reads by the GPU lane may post no READ for a while, so the worker
+        is driven for a short while after (one left behind was seen to be cancelled at
+        close). A peer without a connection raises `PeerLostError`; the others are sent.
         """
         lane = self._lanes[0]
         missing = [peer for peer, _ in messages if peer not in self._peers]
@@ -403,17 +416,37 @@ class UcxTransport:
 
         def send() -> None:
             for peer, message in sendable:
-                lane.agent.send_notif(peer, message)
+                try:
+                    lane.agent.send_notif(peer, message)
+                except Exception as exc:
+                    logger.info("notification to %s: %s", peer, exc)
 
-        try:
-            await lane.call(send)
-        except Exception as exc:
-            raise _translate(exc, "notifications", sendable[0][0] if sendable else "") from exc
-        for _ in range(_NOTIFY_POLLS):
-            await asyncio.sleep(_NOTIFY_POLL_S)
-            await lane.call(lane.agent.get_new_notifs)
+        if sendable:
+            lane.executor.submit(send)
+            self._drive_notifications()
         if missing:
             raise PeerLostError(f"no connection to {missing[0]}", missing[0])
+
+    def _drive_notifications(self) -> None:
+        """Progress the worker for `_NOTIFY_DRIVE_S` from now, 1 ms after the send and then
+        at doubling intervals (up to 10 ms): a notification on a connection not yet wired
+        up waits for the owner's progress too. One timer serves every sender, and each poll
+        is queued on the lane's thread without an await: a wait per poll, and a poller per
+        release, made the next fetch wait (measured, back-to-back GPU-lane fetches)."""
+        self._drive_until = time.monotonic() + _NOTIFY_DRIVE_S
+        self._drive_interval = _NOTIFY_POLL_S
+        if not self._driving:
+            self._driving = True
+            asyncio.get_running_loop().call_later(_NOTIFY_POLL_S, self._poll_notifications)
+
+    def _poll_notifications(self) -> None:
+        if self._closed or time.monotonic() >= self._drive_until:
+            self._driving = False
+            return
+        lane = self._lanes[0]
+        lane.executor.submit(_quietly, lane.agent.get_new_notifs)
+        self._drive_interval = min(2 * self._drive_interval, _NOTIFY_POLL_MAX_S)
+        asyncio.get_running_loop().call_later(self._drive_interval, self._poll_notifications)
 
     def _pick_lanes(self) -> list[_Lane]:
         """Every lane, starting from the next in turn, so concurrent READs spread out."""
@@ -429,6 +462,8 @@ class UcxTransport:
     async def aclose(self) -> None:
         if self._closed:
             return
+        if self._driving:  # the last notifications leave before the agents close
+            await asyncio.sleep(max(0.0, self._drive_until - time.monotonic()) + _NOTIFY_POLL_S)
         self._closed = True
         for name in list(self._peers):
             await self.remove_peer(name)
