@@ -112,7 +112,9 @@ def memcpy_contiguous(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> floa
 
 
 async def bench(args: argparse.Namespace) -> None:
-    pool_tokens = max(args.sizes) * 2 + 4096
+    gpu = args.device.startswith("cuda")
+    # On a GPU the lane is also timed back to back, over `runs` rooms prefilled beforehand.
+    pool_tokens = max(args.sizes) * (args.runs + 2 if gpu else 2) + 4096
     spec = DeploymentSpec(
         engines=(4,),
         decoders=0,
@@ -142,7 +144,6 @@ async def bench(args: argparse.Namespace) -> None:
             ]
             for ps, qs in zip(pairs, owner_pairs(source_copy, desc))
         ]
-        gpu = args.device.startswith("cuda")
         async with (
             DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher,
             DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane,
@@ -222,7 +223,21 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
                 samples["lane"].append(through_lane.seconds)
                 samples["lane_copy"].append(through_lane.read_seconds)
                 samples["ctl_lane"].append(through_lane.control_messages)
+    if lane is not None and tickets:
+        samples["lane_b2b"] = await _back_to_back(d, engine, lane, alloc, n, runs)
     return n, nbytes, desc_unmerged, desc_merged, samples
+
+
+async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> list[float]:
+    """Lane fetches one after another, as a loaded decode runs them: `runs` rooms are
+    prefilled first, then read into the same pages with nothing in between (after an
+    idle wait, this machine's CPUs run the next millisecond of code several times slower)."""
+    tickets = [(await _prefill(d, engine, (n << 20) + (1 << 18) + i, n, 1, True)).ticket for i in range(runs)]
+    dst = alloc.alloc(len(tickets[0].src_pages))
+    try:
+        return [(await lane.fetch("prefill0", t.room, dst, ticket=t)).seconds for t in tickets]
+    finally:
+        alloc.free(dst)
 
 
 def print_table(rows, args) -> None:
@@ -269,14 +284,20 @@ def print_table(rows, args) -> None:
             "copy/bandw.",
             "p50 ms",
             "p99 ms",
+            "b2b GB/s",
+            "b2b/bandw.",
+            "b2b p50 ms",
             "ctl msgs",
         )
         print("".join(f"{h:>12}" for h in head))
         for n, nbytes, _, _, s in rows:
             g, lat = _rates(nbytes, s, "lane")
             ratios = (g["lane"] / g["bandwidth"], g["lane_copy"] / g["bandwidth"])
-            rates = (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat)
+            b2b = g.get("lane_b2b", float("nan"))
+            b2b_p50 = 1e3 * statistics.median(s.get("lane_b2b") or [float("nan")])
+            rates = (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat, b2b, b2b / g["bandwidth"], b2b_p50)
             _row((n, nbytes / 1e6), rates, statistics.median(s["ctl_lane"]))
+        print("b2b: the lane's fetches back to back, rooms prefilled beforehand (the others: one after each prefill)")
 
 
 def _rates(nbytes: int, samples: dict, timed: str) -> tuple[dict, tuple[float, float]]:

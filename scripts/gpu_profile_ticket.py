@@ -3,13 +3,17 @@
 Wraps the fetch's steps with timers and prints, per fetch: the whole fetch, each owner's
 time and GPU copy time, the pin READs and the kernel launch wait. Needs a GPU.
 
-    python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6]
+    python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6] [--cprofile 25]
+
+`--cprofile N` also prints the N functions with the most own time over the measured fetches.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -39,6 +43,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = ap.parse_args()
     size = max(3 * args.tokens, 16384)
     spec = DeploymentSpec(engines=(4,), decoders=0, device="cuda", prefill_pool_tokens=size, decode_pool_tokens=size)
@@ -51,6 +56,7 @@ async def main() -> None:
             fetcher.transport.read_host = timed(pins, fetcher.transport.read_host)
             fetcher._gpu.run = timed(launches, fetcher._gpu.run)
             rows = []
+            prof = cProfile.Profile()
             for i in range(args.runs + 1):
                 room = 9_000 + i
                 ask = PrefillRequest(room=room, num_tokens=args.tokens)
@@ -58,9 +64,12 @@ async def main() -> None:
                 dst = alloc.alloc(len(reply.ticket.src_pages))
                 pins.clear()
                 launches.clear()
+                if i and args.cprofile:
+                    prof.enable()
                 t0 = time.perf_counter()
                 result = await fetcher.fetch("prefill0", room, dst, ticket=reply.ticket)
                 total = time.perf_counter() - t0
+                prof.disable()
                 alloc.free(dst)
                 if i:
                     gpu = max(o.read_seconds for o in result.owners)
@@ -69,6 +78,9 @@ async def main() -> None:
     names = ("fetch", "kernel (GPU)", "launch+wait", "slowest pin READ", "pin READs summed")
     for k, name in enumerate(names):
         print(f"{name:<20}{1e3 * statistics.median(r[k] for r in rows):>10.3f}")
+    if args.cprofile:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(args.cprofile)
 
 
 if __name__ == "__main__":
