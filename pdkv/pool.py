@@ -251,5 +251,15 @@ class DSAKVPool:
         """Indexer buffers of owned layers; item_len is one indexer page."""
         return self._infos(self.index_buffer, self.layout.index_page_bytes)
 
+    def registered_buffers(self) -> list[torch.Tensor]:
+        """What a transfer layer registers: the two slabs of owned layers."""
+        return [self.kv_slab, self.index_slab]
+
+    def ipc_slabs(self) -> dict[BufferKind, torch.Tensor] | None:
+        """The slabs a same-host decode may map by CUDA IPC; None off the GPU or owning nothing."""
+        if self.device.type != "cuda" or self.kv_slab.numel() == 0:
+            return None
+        return {BufferKind.LATENT: self.kv_slab, BufferKind.INDEX: self.index_slab}
+
     def get_kv_size_bytes(self) -> int:
         return self.kv_slab.nbytes + self.index_slab.nbytes

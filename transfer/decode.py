@@ -51,8 +51,8 @@ from pdkv.errors import (
     UnknownRoomError,
 )
 from pdkv.pages import PageIds, page_ids
-from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
+from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient
 from transfer.logctx import request_context
 from transfer.metadata import EngineDescriptor, RoomTicket
@@ -93,7 +93,7 @@ class DecodeFetcher(OwnerIO):
 
     def __init__(
         self,
-        pool: DSAKVPool,
+        pool: KVBuffers,
         registry_url: str,
         *,
         consumer_id: str | None = None,
@@ -139,7 +139,7 @@ class DecodeFetcher(OwnerIO):
             mem_type=mem,
             connect_timeout=self.timeouts.connect,
         )
-        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pin_windows])
+        self.transport.register([*self.pool.registered_buffers(), self._pin_windows])
         if self.pool.device.type == "cuda" and self.path != "ucx":
             from transfer.gpu_lane import GpuLane  # CUDA and Triton: only where a GPU is
 

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from pdkv.errors import ClaimLostError, ClosedError, MetadataError, PdkvError, PeerLostError, UnknownRoomError
-from pdkv.pool import DSAKVPool
 from transfer.deadline import Deadline
+from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient
 from transfer.metadata import (
     ClaimRequest,
@@ -88,7 +88,7 @@ class Claim:
 class OwnerIO:
     """Per-owner claim, readiness, reads and release (see the module docstring)."""
 
-    pool: DSAKVPool
+    pool: KVBuffers
     timeouts: Timeouts
     consumer_id: str
     merge_runs: bool

@@ -16,7 +16,7 @@ import torch
 
 from pdkv.errors import IncompatibleLayoutError, MetadataError, PageRangeError
 from pdkv.layout import BufferKind
-from pdkv.pool import DSAKVPool
+from transfer.engine_kv import KVBuffers
 from transfer.metadata import EngineDescriptor, RankDescriptor
 
 __all__ = [
@@ -276,7 +276,7 @@ def shares_source_pages(plans: list[GatherPlan]) -> bool:
     return all(p.src_pages.shape[0] == 1 and np.array_equal(p.src_pages, first) for p in plans)
 
 
-def check_owners(desc: EngineDescriptor, pool: DSAKVPool) -> None:
+def check_owners(desc: EngineDescriptor, pool: KVBuffers) -> None:
     """An engine a decode with `pool` can read: every rank of our geometry, every layer
     owned by exactly one rank."""
     layout = pool.layout
@@ -288,7 +288,7 @@ def check_owners(desc: EngineDescriptor, pool: DSAKVPool) -> None:
         raise MetadataError(f"engine {desc.engine_id}: owners do not cover every layer exactly once")
 
 
-def buffer_pairs(rank: RankDescriptor, pool: DSAKVPool) -> dict[int, tuple[BufferPair, BufferPair]]:
+def buffer_pairs(rank: RankDescriptor, pool: KVBuffers) -> dict[int, tuple[BufferPair, BufferPair]]:
     """For each layer `rank` owns: its (latent, indexer) buffers paired with `pool`'s."""
     layout = pool.layout
     local = {

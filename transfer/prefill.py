@@ -33,7 +33,7 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.layout import BufferKind
-from pdkv.pool import DSAKVPool
+from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.logctx import request_context
 from transfer.metadata import (
@@ -66,7 +66,7 @@ INCARNATION_HEX = 12  # an incarnation is this many hex digits (it fits an int64
 PIN_SLOTS = 4096  # rooms a rank can pin with a ticket at once; beyond, rooms are read by claims
 
 
-def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
+def _descriptors(pool: KVBuffers) -> list[MemoryDescriptor]:
     dev = device_id(pool.device)
     out = []
     for kind, infos in (
@@ -80,9 +80,10 @@ def _descriptors(pool: DSAKVPool) -> list[MemoryDescriptor]:
     return out
 
 
-def _ipc_export(pool: DSAKVPool) -> IpcExport | None:
+def _ipc_export(pool: KVBuffers) -> IpcExport | None:
     """CUDA IPC handles of a GPU pool's owned slabs, for decodes on this host; else None."""
-    if pool.device.type != "cuda" or pool.kv_slab.numel() == 0:
+    owned = pool.ipc_slabs()
+    if owned is None:
         return None
     from transfer.cuda_ipc import CudaDriver, host_id
 
@@ -90,7 +91,7 @@ def _ipc_export(pool: DSAKVPool) -> IpcExport | None:
     try:
         driver = CudaDriver.get()
         slabs = []
-        for kind, slab in ((BufferKind.LATENT, pool.kv_slab), (BufferKind.INDEX, pool.index_slab)):
+        for kind, slab in owned.items():
             handle, offset = driver.export(dev, slab.data_ptr())
             slabs.append(
                 IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle)
@@ -106,7 +107,7 @@ class PrefillExporter:
 
     def __init__(
         self,
-        pool: DSAKVPool,
+        pool: KVBuffers,
         engine_id: str,
         cp_rank: int,
         cp_size: int,
@@ -158,7 +159,7 @@ class PrefillExporter:
             name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )
         # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
-        self.transport.register([self.pool.kv_slab, self.pool.index_slab, self._pins.tensor])
+        self.transport.register([*self.pool.registered_buffers(), self._pins.tensor])
         url = await self._http.start()
         layout = self.pool.layout
         self.descriptor = RankDescriptor(

@@ -33,8 +33,8 @@ import torch
 
 from pdkv.errors import ClosedError
 from pdkv.pages import PageIds
-from pdkv.pool import DSAKVPool
 from transfer.decode import DecodeFetcher
+from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill import PrefillExporter
 from transfer.results import FetchResult
@@ -125,7 +125,7 @@ class Handle(Generic[T]):
 class SyncFetcher:
     """A `DecodeFetcher` driven from a synchronous scheduler thread."""
 
-    def __init__(self, pool: DSAKVPool, registry_url: str, start_timeout: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, pool: KVBuffers, registry_url: str, start_timeout: float = 30.0, **kwargs: Any) -> None:
         self._bg = BackgroundLoop("pdkv-decode")
         self.fetcher: DecodeFetcher = self._bg.run(_started(DecodeFetcher, pool, registry_url, **kwargs), start_timeout)
 
@@ -159,7 +159,7 @@ class SyncExporter:
 
     def __init__(
         self,
-        pool: DSAKVPool,
+        pool: KVBuffers,
         engine_id: str,
         cp_rank: int,
         cp_size: int,
