@@ -155,11 +155,12 @@ async def test_a_room_sent_by_chunks_is_read_chunk_by_chunk_as_they_come():
             for room in range(2):
                 exporter.publish_chunked(room, total_pages=6)
                 fetch = asyncio.create_task(fetcher.fetch("e8", room, dst_pages, timeout=20))
-                for chunk in chunks:
+                for i, chunk in enumerate(chunks):
                     await asyncio.sleep(0.05)
-                    exporter.add_chunk(room, chunk)
+                    exporter.add_chunk(room, chunk, aux=b"first token %d" % room if i == len(chunks) - 1 else None)
                 result = await fetch
                 assert result.owners[0].reads >= 2  # chunk by chunk, as they came
+                assert result.aux == b"first token %d" % room  # the engine's bytes came with the room
                 if room:
                     assert result.control_messages == 2  # chunks' readiness pushed too
             dst = fetcher.pool
@@ -174,6 +175,8 @@ async def test_a_room_sent_by_chunks_is_read_chunk_by_chunk_as_they_come():
             exporter.publish_chunked(9, total_pages=2)
             with pytest.raises(InvalidPagesError):
                 exporter.add_chunk(9, np.array([3, 4, 5]))  # beyond its pages
+            with pytest.raises(InvalidPagesError, match="last chunk"):
+                exporter.add_chunk(9, np.array([3]), aux=b"early")  # aux before the room is complete
             exporter.add_chunk(9, np.array([3]))
             with pytest.raises(InvalidPagesError):
                 exporter.add_chunk(9, np.array([3]))  # a page twice

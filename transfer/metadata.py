@@ -56,13 +56,14 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Positive = Annotated[int, Meta(ge=1, le=2**40)]
 Name = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
 MAX_PAGES = 1 << 24
+MAX_AUX_BYTES = 1 << 20
 PageList = Annotated[list[Count], Meta(max_length=MAX_PAGES)]
 ClaimToken = Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-f]+$")]
 
@@ -244,6 +245,9 @@ class RoomState(_Wire):
     # A room published by chunks: its first ready_pages pages (src_pages so far) are ready
     # in every layer of the rank; None: all its pages at once, ready layer by layer.
     ready_pages: Count | None = None
+    # The engine's per-request auxiliary bytes (SGLang's first output token, logprobs...),
+    # given with a chunked room's last chunk; sent once the room is complete.
+    aux: Annotated[bytes, Meta(max_length=MAX_AUX_BYTES)] | None = None
 
 
 class OwnerPin(_Wire):

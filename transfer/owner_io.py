@@ -377,10 +377,9 @@ class OwnerIO:
         if state.ready_pages is not None:  # sent by chunks of pages, every layer at once
             if slot is not None:
                 slot.close()
-            nbytes, descs, reads, busy = await self._read_chunks(owner, claim, dst, deadline, state, pieces)
-            return OwnerStats(
-                r.cp_rank, (r.layer_start, r.layer_end), nbytes, descs, reads, time.perf_counter() - t0, busy, "ucx"
-            )
+            nbytes, descs, reads, busy, aux = await self._read_chunks(owner, claim, dst, deadline, state, pieces)
+            span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
+            return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, "ucx", aux)
         src = np.asarray(state.src_pages, dtype=np.int64)
         if src.size != dst.size:
             raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
@@ -412,9 +411,10 @@ class OwnerIO:
 
     async def _read_chunks(
         self, owner: Owner, claim: Claim, dst: np.ndarray, deadline: Deadline, state: RoomState, pieces: int
-    ) -> tuple[int, int, int, float]:
+    ) -> tuple[int, int, int, float, bytes | None]:
         """Read a room sent by chunks: each new chunk's pages in all of the owner's layers,
-        until the room is complete. Returns bytes, descriptors, READs and their seconds."""
+        until the room is complete. Returns bytes, descriptors, READs, their seconds, and
+        the request's auxiliary bytes."""
         r = owner.rank
         layers = range(r.layer_start, r.layer_end)
         done, nbytes, descs, reads, busy = 0, 0, 0, 0, 0.0
@@ -432,7 +432,7 @@ class OwnerIO:
                 )
                 done = src.size
             if state.ready_upto >= r.layer_end:  # the last chunk is in
-                return nbytes, descs, reads, busy
+                return nbytes, descs, reads, busy, state.aux
             state = await self._poll(owner, claim, state.ready_upto, deadline, after_pages=done)
 
     async def _read_layers(

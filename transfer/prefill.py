@@ -232,11 +232,15 @@ class PrefillExporter:
         """`room` arrives in chunks of pages (a chunked prefill), `total_pages` in all."""
         self.rooms.publish_chunked(room, total_pages, consumers)
 
-    def add_chunk(self, room: int, pages: np.ndarray, written: torch.cuda.Event | None = None) -> None:
+    def add_chunk(
+        self, room: int, pages: np.ndarray, written: torch.cuda.Event | None = None, aux: bytes | None = None
+    ) -> None:
         """The next chunk of `room`: `pages`, written in every owned layer (on a GPU, as
-        for `mark_ready`, readable once `written` has completed)."""
+        for `mark_ready`, readable once `written` has completed). `aux`: the request's
+        auxiliary bytes (an engine's first output token and the like), with the last chunk;
+        decodes get them with the room (`FetchResult.aux`)."""
         chunk = np.array(pages, copy=True)
-        self._after_writes(lambda: self.rooms.add_chunk(room, chunk), written)
+        self._after_writes(lambda: self.rooms.add_chunk(room, chunk, aux), written)
 
     def _after_writes(self, publish: Callable[[], None], written: torch.cuda.Event | None) -> None:
         """`publish` now on the host; on a GPU once the writes queued before have landed."""

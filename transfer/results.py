@@ -17,6 +17,7 @@ class OwnerStats:
     seconds: float  # from the first poll to the last byte from this owner
     read_seconds: float  # inside READs only (the rest is waiting for prefill)
     path: str = "ucx"  # what moved the bytes: "ucx", or "cuda_ipc" (the same-host GPU lane)
+    aux: bytes | None = None  # the request's auxiliary bytes, where this owner had them
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class FetchResult:
     owners: tuple[OwnerStats, ...]
     freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
     control_messages: int = 0  # HTTP requests to owners (claims, polls, releases); the lookup is cached
+
+    @property
+    def aux(self) -> bytes | None:
+        """The request's auxiliary bytes (given with a chunked room's last chunk), from
+        the lowest CP rank that had them; None if the prefill gave none."""
+        return next((o.aux for o in sorted(self.owners, key=lambda o: o.cp_rank) if o.aux is not None), None)
 
     @property
     def descriptors(self) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 
 from pdkv.errors import ClaimLostError, ConflictError, InvalidPagesError, RoomClaimedError, UnknownRoomError
 from pdkv.pages import page_ids
-from transfer.metadata import ReleaseReply, RoomState, RoomStatus
+from transfer.metadata import MAX_AUX_BYTES, ReleaseReply, RoomState, RoomStatus
 
 __all__ = ["RoomTable", "RoomCounters"]
 
@@ -57,6 +57,7 @@ class _Room:
     slot: int = -1  # its pin table slot; -1: none
     nonce: int = 0
     ticket: str = ""  # "", "issued" (holds one of the claims), "released"
+    aux: bytes | None = None  # the engine's per-request bytes, given with the last chunk
 
     @property
     def granted(self) -> int:
@@ -119,8 +120,9 @@ class RoomTable:
         self.publish(room, np.zeros(0, dtype=np.int64), consumers)
         self._live[room].total_pages = total_pages
 
-    def add_chunk(self, room: int, pages: np.ndarray) -> None:
-        """The next chunk of a chunked `room`: `pages`, written in every owned layer."""
+    def add_chunk(self, room: int, pages: np.ndarray, aux: bytes | None = None) -> None:
+        """The next chunk of a chunked `room`: `pages`, written in every owned layer;
+        `aux`: the request's auxiliary bytes, given with the last chunk."""
         r = self._live.get(room)
         if r is None:
             return  # aborted or expired meanwhile: nothing waits for it
@@ -130,7 +132,9 @@ class RoomTable:
         joined = np.concatenate([r.src_pages, chunk])
         if len(joined) > r.total_pages or len(np.unique(joined)) != len(joined):
             raise InvalidPagesError(f"room {room}: a chunk beyond its {r.total_pages} pages, or a page twice")
-        r.src_pages = joined
+        if aux is not None and (len(joined) != r.total_pages or len(aux) > MAX_AUX_BYTES):
+            raise InvalidPagesError(f"room {room}: auxiliary bytes come with the last chunk, {MAX_AUX_BYTES} at most")
+        r.src_pages, r.aux = joined, aux
         if len(joined) == r.total_pages:
             r.ready_upto = self.layers.stop
             r.pinned_until = time.monotonic() + self.pin_seconds
@@ -167,8 +171,14 @@ class RoomTable:
             return RoomState(room=room, status=self._finished.get(room, RoomStatus.UNKNOWN))
         status = RoomStatus.READY if r.ready_upto == self.layers.stop else RoomStatus.PENDING
         chunks = len(r.src_pages) if r.total_pages >= 0 else None
+        aux = r.aux if status is RoomStatus.READY else None
         return RoomState(
-            room=room, status=status, src_pages=r.src_pages.tolist(), ready_upto=r.ready_upto, ready_pages=chunks
+            room=room,
+            status=status,
+            src_pages=r.src_pages.tolist(),
+            ready_upto=r.ready_upto,
+            ready_pages=chunks,
+            aux=aux,
         )
 
     async def wait(self, room: int, after: int, timeout: float, after_pages: int = -1) -> RoomState:

@@ -188,11 +188,12 @@ class SyncExporter:
         """`room` will arrive in chunks (a chunked prefill), `total_pages` in all."""
         return Handle(self._bg.submit(_call(self.exporter.publish_chunked, room, total_pages, consumers)))
 
-    def add_chunk(self, room: int, pages: np.ndarray) -> Handle[None]:
+    def add_chunk(self, room: int, pages: np.ndarray, aux: bytes | None = None) -> Handle[None]:
         """The next chunk of `room`, written in every owned layer (on a GPU, as for
-        `mark_ready`). The handle says whether it was accepted (on a GPU: queued)."""
+        `mark_ready`), with the request's `aux` bytes if it is the last. The handle says
+        whether it was accepted (on a GPU: queued)."""
         chunk, written = np.array(pages, copy=True), self._written_here()
-        return Handle(self._bg.submit(_call(self.exporter.add_chunk, room, chunk, written)))
+        return Handle(self._bg.submit(_call(self.exporter.add_chunk, room, chunk, written, aux)))
 
     def _written_here(self) -> torch.cuda.Event | None:
         """On a GPU, an event after what the caller's stream has queued; None on the host."""
