@@ -11,3 +11,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q -e ".[test]"
+# SGLang for its conformance test, without its dependencies (they would replace the CPU
+# torch): the pinned wheel and what importing its transfer-backend classes needs.
+if ! .venv/bin/python -c "import sglang.srt.disaggregation.base.conn" 2>/dev/null; then
+  .venv/bin/pip install -q --no-deps -r scripts/sglang-cpu.txt
+fi

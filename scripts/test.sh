@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 scripts/setup_env.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
 exec .venv/bin/python -m pytest "$@"

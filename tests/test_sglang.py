@@ -1,0 +1,239 @@
+"""pdkv as SGLang's transfer backend, against the real `sglang` 0.5.23 package.
+
+A layer-split prefill (two CP ranks, each a process with its own scheduler-like loop) and
+a decode (this process) drive pdkv's SGLang manager, sender and receiver through the
+`KVPoll` lifecycle, over SGLang's `KVArgs` built from per-layer tensors, with pdkv's
+bootstrap server between them. Bytes are checked page by page, aux rows too.
+
+SGLang's `DisaggregationMode` lives in a module that imports torchvision at import time,
+which cannot be installed beside the CPU torch here; the mode is given by its value
+("prefill" / "decode"), which the manager accepts as well.
+"""
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather than skips
+    import sglang.srt.disaggregation.base.conn  # noqa: F401
+conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
+
+LAYERS, CP, PAGE, PAGES, AUX_ROWS = 4, 2, 16, 32, 8
+KV_ITEM, INDEX_ITEM = 656 * PAGE, 132 * PAGE  # DeepSeek-V3.2's latent and indexer pages
+AUX_ITEMS = (32, 256)  # output ids, a hidden-state row
+OWNED = {0: range(0, 2), 1: range(2, 4)}
+
+
+def _pattern(layer: int, kind: int) -> np.ndarray:
+    item = (KV_ITEM, INDEX_ITEM)[kind]
+    return np.random.default_rng(100 * layer + kind).integers(0, 256, size=(PAGES, item), dtype=np.uint8)
+
+
+def _aux_row(room: int) -> bytes:
+    return b"".join(np.random.default_rng(room).integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in AUX_ITEMS)
+
+
+def _kv_args(layers: range, fill: bool) -> tuple[object, list[torch.Tensor]]:
+    """SGLang's KVArgs over a tensor per layer and kind (and the aux buffers)."""
+    keep = []
+    kv = [torch.from_numpy(_pattern(x, 0) if fill else np.zeros((PAGES, KV_ITEM), np.uint8)) for x in layers]
+    index = [torch.from_numpy(_pattern(x, 1) if fill else np.zeros((PAGES, INDEX_ITEM), np.uint8)) for x in layers]
+    aux = [torch.zeros((AUX_ROWS, n), dtype=torch.uint8) for n in AUX_ITEMS]
+    keep += kv + index + aux
+    args = conn.KVArgs()
+    args.engine_rank, args.gpu_id, args.system_dp_rank, args.pp_rank = 0, 0, 0, 0
+    args.page_size, args.num_draft_entries = PAGE, 0
+    args.prefill_start_layer, args.prefill_end_layer = layers.start, layers.stop
+    args.kv_layer_ids = list(layers)
+    args.kv_data_ptrs = [t.data_ptr() for t in kv]
+    args.kv_data_lens = [t.nbytes for t in kv]
+    args.kv_item_lens = [KV_ITEM] * len(kv)
+    args.state_types = [conn.StateType.DSA]
+    args.state_layer_ids = [list(layers)]
+    args.state_data_ptrs = [[t.data_ptr() for t in index]]
+    args.state_data_lens = [[t.nbytes for t in index]]
+    args.state_item_lens = [[INDEX_ITEM] * len(index)]
+    args.aux_data_ptrs = [t.data_ptr() for t in aux]
+    args.aux_data_lens = [t.nbytes for t in aux]
+    args.aux_item_lens = list(AUX_ITEMS)
+    return args, keep
+
+
+def _env(registry: str, cp_rank: int) -> None:
+    os.environ.update(
+        PDKV_SGLANG_REGISTRY=registry,
+        PDKV_SGLANG_CP_RANK=str(cp_rank),
+        PDKV_SGLANG_CP_SIZE=str(CP),
+        PDKV_SGLANG_LAYERS=str(LAYERS),
+        PDKV_SGLANG_DEVICE="cpu",
+    )
+
+
+def _prefill_rank(registry: str, cp_rank: int, rooms: dict, results: mp.Queue) -> None:
+    """One CP rank's scheduler: a sender per request, polled once an iteration."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+
+    _env(registry, cp_rank)
+    args, keep = _kv_args(OWNED[cp_rank], fill=True)
+    mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
+    aux = keep[-len(AUX_ITEMS) :]
+    try:
+        for room, (chunks, abort) in rooms.items():
+            sender = PdkvKVSender(mgr, registry, room)
+            seen = [sender.poll()]
+            sender.init(sum(len(c) for c in chunks), aux_index=room % AUX_ROWS)
+            seen.append(sender.poll())
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                if last:  # SGLang writes the request's aux row before its last chunk
+                    blob, offset = _aux_row(room), 0
+                    for t, n in zip(aux, AUX_ITEMS):
+                        t[room % AUX_ROWS] = torch.frombuffer(bytearray(blob[offset : offset + n]), dtype=torch.uint8)
+                        offset += n
+                if abort and i == 1:
+                    sender.abort()
+                    break
+                if sender.should_send_kv_chunk(len(chunk), last):
+                    sender.send(np.array(chunk, dtype=np.int32), [np.array(sum(chunks, []))] if last else None)
+                seen.append(sender.poll())
+                time.sleep(0.02)  # the next chunk's forward pass
+            end = time.monotonic() + 60
+            while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
+                time.sleep(0.002)  # the scheduler's other work
+            seen.append(sender.poll())
+            metric, error = sender.get_transfer_metric(), None
+            if seen[-1] == KVPoll.Failed:  # SGLang asks for the failure only then
+                try:
+                    sender.failure_exception()
+                except Exception as exc:
+                    error = type(exc).__name__
+            results.put((cp_rank, room, seen, metric.transfer_total_bytes, error))
+    finally:
+        mgr.close()
+
+
+@pytest.fixture
+def bootstrap():
+    from transfer.sglang.conn import PdkvKVBootstrapServer
+
+    server = PdkvKVBootstrapServer("127.0.0.1", 0)
+    yield server
+    server.close()
+
+
+def test_a_layer_split_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
+
+    rooms = {
+        101: ([[3, 4, 5], [9], [20, 21]], False),  # three chunks of a chunked prefill
+        102: ([[7, 8, 10, 11, 12]], False),  # one chunk
+        103: ([[13, 14], [15], [16]], True),  # aborted by the prefill after its first chunk
+    }
+    dst = {101: [30, 1, 2, 29, 28, 27], 102: [6, 17, 18, 19, 22], 103: [23, 24, 25, 26]}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, rooms, results)) for r in range(CP)]
+    for p in ranks:
+        p.start()
+    _env("", 0)
+    args, keep = _kv_args(range(LAYERS), fill=False)
+    mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    try:
+        receivers = {room: PdkvKVReceiver(mgr, bootstrap.url.removeprefix("http://"), room) for room in rooms}
+        assert {r.poll() for r in receivers.values()} == {KVPoll.Bootstrapping}  # init not called yet
+        for r in receivers.values():
+            r.init(0)
+        lifecycle = {room: [] for room in rooms}
+        end = time.monotonic() + 90
+        while time.monotonic() < end:  # the decode scheduler's loop: one poll a receiver an iteration
+            for room, r in receivers.items():
+                state = r.poll()
+                if not lifecycle[room] or lifecycle[room][-1] != state:
+                    lifecycle[room].append(state)
+                if state == KVPoll.WaitingForInput:
+                    r.send_metadata(np.array(dst[room], dtype=np.int32), aux_index=room % AUX_ROWS + 0)
+            if all(s[-1] in (KVPoll.Success, KVPoll.Failed) for s in lifecycle.values()):
+                break
+            time.sleep(0.002)
+        sent = [results.get(timeout=60) for _ in range(CP * len(rooms))]
+        for p in ranks:
+            p.join(30)
+
+        for room in (101, 102):
+            assert lifecycle[room][-1] == KVPoll.Success, lifecycle[room]
+            assert KVPoll.WaitingForInput in lifecycle[room]  # bootstrapped before its metadata went
+            src = sum(rooms[room][0], [])
+            kv, index = keep[:LAYERS], keep[LAYERS : 2 * LAYERS]
+            for layer in range(LAYERS):
+                assert np.array_equal(kv[layer].numpy()[dst[room]], _pattern(layer, 0)[src]), (room, layer)
+                assert np.array_equal(index[layer].numpy()[dst[room]], _pattern(layer, 1)[src]), (room, layer)
+            aux = keep[2 * LAYERS :]
+            got = b"".join(t[room % AUX_ROWS].numpy().tobytes() for t in aux)
+            assert got == _aux_row(room)  # the first output token and the like came with the KV
+            assert receivers[room].get_transfer_metric().transfer_total_bytes == len(src) * LAYERS * (
+                KV_ITEM + INDEX_ITEM
+            )
+        assert lifecycle[103][-1] == KVPoll.Failed
+        with pytest.raises(Exception) as failure:
+            receivers[103].failure_exception()
+        assert "pdkv" in type(failure.value).__module__  # a typed pdkv error, not a bare Exception
+        never_sent = dst[103][2:]  # the aborted room's chunks after the first never came
+        assert all(not keep[x].numpy()[never_sent].any() for x in range(LAYERS))
+
+        for cp_rank, room, seen, nbytes, error in sent:
+            assert seen[0] == KVPoll.Bootstrapping and seen[1] == KVPoll.WaitingForInput, seen
+            if rooms[room][1]:
+                assert seen[-1] == KVPoll.Failed and error == "TransferError"
+            else:
+                assert KVPoll.Transferring in seen and seen[-1] == KVPoll.Success and error is None, seen
+                per_page = len(OWNED[cp_rank]) * (KV_ITEM + INDEX_ITEM)
+                assert nbytes == len(sum(rooms[room][0], [])) * per_page
+    finally:
+        mgr.close()
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+
+
+def test_the_plugin_selects_pdkv_only_when_asked(monkeypatch):
+    """SGLang's plugin hook: with PDKV_SGLANG=1 every backend but SGLang's fake one (its
+    warm-up) resolves to pdkv. SGLang's enums live in the module that needs torchvision:
+    stand-ins with their values take their place (`select` reads the values only)."""
+    import enum
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from transfer.sglang import conn as pdkv_conn
+    from transfer.sglang import plugin
+
+    Backend = enum.Enum("TransferBackend", {"MOONCAKE": "mooncake", "FAKE": "fake"})
+    Kind = enum.Enum("KVClassType", {"KVARGS": "kvargs", "MANAGER": "manager", "SENDER": "sender"})
+
+    def original(backend, kind):
+        return ("sglang's", backend, kind)
+
+    monkeypatch.delenv("PDKV_SGLANG", raising=False)
+    assert plugin.select(original, Backend.MOONCAKE, Kind.MANAGER)[0] == "sglang's"
+    monkeypatch.setenv("PDKV_SGLANG", "1")
+    assert plugin.select(original, Backend.MOONCAKE, Kind.MANAGER) is pdkv_conn.PdkvKVManager
+    assert plugin.select(original, Backend.MOONCAKE, Kind.SENDER) is pdkv_conn.PdkvKVSender
+    assert plugin.select(original, Backend.MOONCAKE, "receiver") is pdkv_conn.PdkvKVReceiver
+    assert plugin.select(original, Backend.MOONCAKE, "bootstrap_server") is pdkv_conn.PdkvKVBootstrapServer
+    assert plugin.select(original, Backend.FAKE, Kind.SENDER)[0] == "sglang's"  # warm-up requests stay fake
+    assert plugin.select(original, Backend.MOONCAKE, Kind.KVARGS)[0] == "sglang's"  # one KVArgs for all
+    try:
+        plugin.register()
+        assert (HookType.AROUND, plugin.select) in [(t, h) for t, h, _ in HookRegistry._hooks[plugin.TARGET]]
+    finally:
+        HookRegistry.reset()
+    installed = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
+    assert "transfer.sglang.plugin:register" in installed  # SGLang finds it when pdkv is installed

@@ -1,0 +1,90 @@
+"""Where an SGLang rank sits, as pdkv needs it: what SGLang does not put in `KVArgs`.
+
+SGLang keeps its parallel layout in a process-wide runtime context; pdkv reads it there
+when SGLang has set it, and environment variables override it (they are how a test, or
+a deployment SGLang does not describe, says it):
+
+    PDKV_SGLANG_REGISTRY   a prefill's bootstrap server URL (default: SGLang's host and
+                           disaggregation bootstrap port)
+    PDKV_SGLANG_CP_RANK, PDKV_SGLANG_CP_SIZE
+                           a layer-split prefill's CP rank and size (default: SGLang's
+                           attention CP rank and size)
+    PDKV_SGLANG_LAYERS     the model's layer count (default: a decode's own layers; a
+                           layer-split prefill cannot see it and must be told)
+    PDKV_SGLANG_DEVICE     "cpu" or "cuda" (default: cuda where there is a GPU)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdkv.errors import LayoutError
+
+__all__ = ["Topology", "topology"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Topology:
+    registry_url: str  # a prefill's bootstrap server; "" on a decode (each request names one)
+    cp_rank: int
+    cp_size: int
+    layer_num: int
+    device: torch.device
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise LayoutError(f"{name}={value!r} is not an integer") from exc
+
+
+def _sglang_context() -> dict[str, Any]:
+    """What SGLang's runtime context says, where it has been set in this process."""
+    try:
+        from sglang.srt import runtime_context as rc
+
+        parallel, disagg, serving = rc.get_parallel(), rc.get_disagg(), rc.get_serving()
+        return {
+            "host": serving.host,
+            "port": disagg.disaggregation_bootstrap_port,
+            "cp_rank": parallel.attn_cp_rank if parallel.enable_dsa_cache_layer_split else 0,
+            "cp_size": parallel.attn_cp_size if parallel.enable_dsa_cache_layer_split else 1,
+        }
+    except Exception as exc:  # not set (a test, a tool): the environment must say it
+        logger.debug("no SGLang runtime context: %s", exc)
+        return {}
+
+
+def topology(kv_args: Any, prefill: bool) -> Topology:
+    """This rank's place, from the environment, else SGLang's runtime context, else `kv_args`."""
+    ctx = _sglang_context()
+    registry = os.environ.get("PDKV_SGLANG_REGISTRY", "")
+    if prefill and not registry:
+        if "port" not in ctx:
+            raise LayoutError("a pdkv prefill needs its bootstrap server: set PDKV_SGLANG_REGISTRY")
+        registry = f"http://{ctx['host'] or '127.0.0.1'}:{ctx['port']}"
+    cp_rank = _env_int("PDKV_SGLANG_CP_RANK")
+    cp_size = _env_int("PDKV_SGLANG_CP_SIZE")
+    cp_rank = ctx.get("cp_rank", 0) if cp_rank is None else cp_rank
+    cp_size = ctx.get("cp_size", 1) if cp_size is None else cp_size
+    layers = _env_int("PDKV_SGLANG_LAYERS")
+    if layers is None:
+        if prefill and cp_size > 1:
+            raise LayoutError("a layer-split pdkv prefill needs the model's layer count: set PDKV_SGLANG_LAYERS")
+        layers = len(kv_args.kv_data_ptrs) - int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    wanted = os.environ.get("PDKV_SGLANG_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", int(kv_args.gpu_id)) if wanted == "cuda" else torch.device("cpu")
+    if not 0 <= cp_rank < cp_size:
+        raise LayoutError(f"CP rank {cp_rank} outside a CP size of {cp_size}")
+    return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device)
