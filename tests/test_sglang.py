@@ -1,9 +1,10 @@
 """pdkv as SGLang's transfer backend, against the real `sglang` 0.5.23 package.
 
-A layer-split prefill (two CP ranks, each a process with its own scheduler-like loop) and
-a decode (this process) drive pdkv's SGLang manager, sender and receiver through the
-`KVPoll` lifecycle, over SGLang's `KVArgs` built from per-layer tensors, with pdkv's
-bootstrap server between them. Bytes are checked page by page, aux rows too.
+A prefill (SGLang's plain DSA pool: one rank; or its layer-split pool: two CP ranks, each
+a process with its own scheduler-like loop) and a decode (this process) drive pdkv's
+SGLang manager, sender and receiver through the `KVPoll` lifecycle, over SGLang's
+`KVArgs` built from per-layer tensors, with pdkv's bootstrap server between them.
+Bytes are checked page by page, aux rows too.
 
 SGLang's `DisaggregationMode` lives in a module that imports torchvision at import time,
 which cannot be installed beside the CPU torch here; the mode is given by its value
@@ -22,10 +23,14 @@ if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather 
     import sglang.srt.disaggregation.base.conn  # noqa: F401
 conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
 
-LAYERS, CP, PAGE, PAGES, AUX_ROWS = 4, 2, 16, 32, 8
+LAYERS, PAGE, PAGES, AUX_ROWS = 4, 16, 32, 8
 KV_ITEM, INDEX_ITEM = 656 * PAGE, 132 * PAGE  # DeepSeek-V3.2's latent and indexer pages
 AUX_ITEMS = (32, 256)  # output ids, a hidden-state row
-OWNED = {0: range(0, 2), 1: range(2, 4)}
+
+
+def _owned(cp_rank: int, cp_size: int) -> range:
+    per = LAYERS // cp_size
+    return range(cp_rank * per, (cp_rank + 1) * per)
 
 
 def _pattern(layer: int, kind: int) -> np.ndarray:
@@ -63,24 +68,24 @@ def _kv_args(layers: range, fill: bool) -> tuple[object, list[torch.Tensor]]:
     return args, keep
 
 
-def _env(registry: str, cp_rank: int) -> None:
+def _env(registry: str, cp_rank: int, cp_size: int) -> None:
     os.environ.update(
         PDKV_SGLANG_REGISTRY=registry,
         PDKV_SGLANG_CP_RANK=str(cp_rank),
-        PDKV_SGLANG_CP_SIZE=str(CP),
+        PDKV_SGLANG_CP_SIZE=str(cp_size),
         PDKV_SGLANG_LAYERS=str(LAYERS),
         PDKV_SGLANG_DEVICE="cpu",
     )
 
 
-def _prefill_rank(registry: str, cp_rank: int, rooms: dict, results: mp.Queue) -> None:
+def _prefill_rank(registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue) -> None:
     """One CP rank's scheduler: a sender per request, polled once an iteration."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
 
-    _env(registry, cp_rank)
-    args, keep = _kv_args(OWNED[cp_rank], fill=True)
+    _env(registry, cp_rank, cp_size)
+    args, keep = _kv_args(_owned(cp_rank, cp_size), fill=True)
     mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
     aux = keep[-len(AUX_ITEMS) :]
     try:
@@ -127,7 +132,8 @@ def bootstrap():
     server.close()
 
 
-def test_a_layer_split_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap):
+@pytest.mark.parametrize("cp_size", [1, 2], ids=["plain-dsa", "layer-split-cp2"])
+def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
@@ -140,10 +146,12 @@ def test_a_layer_split_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap)
     dst = {101: [30, 1, 2, 29, 28, 27], 102: [6, 17, 18, 19, 22], 103: [23, 24, 25, 26]}
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    ranks = [ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, rooms, results)) for r in range(CP)]
+    ranks = [
+        ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, cp_size, rooms, results)) for r in range(cp_size)
+    ]
     for p in ranks:
         p.start()
-    _env("", 0)
+    _env("", 0, 1)
     args, keep = _kv_args(range(LAYERS), fill=False)
     mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
     try:
@@ -163,7 +171,7 @@ def test_a_layer_split_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap)
             if all(s[-1] in (KVPoll.Success, KVPoll.Failed) for s in lifecycle.values()):
                 break
             time.sleep(0.002)
-        sent = [results.get(timeout=60) for _ in range(CP * len(rooms))]
+        sent = [results.get(timeout=60) for _ in range(cp_size * len(rooms))]
         for p in ranks:
             p.join(30)
 
@@ -194,7 +202,7 @@ def test_a_layer_split_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap)
                 assert seen[-1] == KVPoll.Failed and error == "TransferError"
             else:
                 assert KVPoll.Transferring in seen and seen[-1] == KVPoll.Success and error is None, seen
-                per_page = len(OWNED[cp_rank]) * (KV_ITEM + INDEX_ITEM)
+                per_page = len(_owned(cp_rank, cp_size)) * (KV_ITEM + INDEX_ITEM)
                 assert nbytes == len(sum(rooms[room][0], [])) * per_page
     finally:
         mgr.close()
