@@ -245,3 +245,59 @@ def test_the_plugin_selects_pdkv_only_when_asked(monkeypatch):
         HookRegistry.reset()
     installed = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
     assert "transfer.sglang.plugin:register" in installed  # SGLang finds it when pdkv is installed
+
+
+def _prefill_then_stall(registry: str, room: int, started: mp.Queue) -> None:
+    """A prefill rank that sends a room's first chunk and then stalls (to be killed)."""
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+
+    _env(registry, 0, 1)
+    args, keep = _kv_args(_owned(0, 1), fill=True)
+    mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
+    sender = PdkvKVSender(mgr, registry, room)
+    sender.init(4, aux_index=0)
+    sender.should_send_kv_chunk(2, False)
+    sender.send(np.array([5, 6], dtype=np.int32))
+    started.put(sender.poll())
+    time.sleep(120)
+
+
+def test_a_prefill_killed_mid_room_fails_the_receiver_with_a_typed_error(bootstrap):
+    import signal
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from pdkv.errors import PeerLostError
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
+
+    ctx = mp.get_context("spawn")
+    started = ctx.Queue()
+    prefill = ctx.Process(target=_prefill_then_stall, args=(bootstrap.url, 301, started))
+    prefill.start()
+    _env("", 0, 1)
+    args, keep = _kv_args(range(LAYERS), fill=False)
+    mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    try:
+        assert started.get(timeout=60) == KVPoll.Transferring
+        receiver = PdkvKVReceiver(mgr, bootstrap.url, 301)
+        receiver.init(0)
+        states, end = [], time.monotonic() + 60
+        while time.monotonic() < end:
+            state = receiver.poll()
+            if not states or states[-1] != state:
+                states.append(state)
+            if state == KVPoll.WaitingForInput:
+                receiver.send_metadata(np.array([1, 2, 3, 4], dtype=np.int32), aux_index=1)
+            if state == KVPoll.Transferring and prefill.is_alive():
+                time.sleep(0.3)  # the first chunk is read; then the prefill dies mid-room
+                os.kill(prefill.pid, signal.SIGKILL)
+            if state in (KVPoll.Success, KVPoll.Failed):
+                break
+            time.sleep(0.002)
+        assert states[-1] == KVPoll.Failed, states
+        with pytest.raises(PeerLostError, match="cp rank 0"):  # typed, naming the lost owner
+            receiver.failure_exception()
+    finally:
+        mgr.close()
+        prefill.kill()
+        prefill.join(10)
