@@ -123,6 +123,15 @@ def _prefill_rank(registry: str, cp_rank: int, cp_size: int, rooms: dict, result
         mgr.close()
 
 
+@pytest.fixture(autouse=True)
+def _own_environment():
+    """The PDKV_SGLANG_* variables a test sets in this process end with it."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
 @pytest.fixture
 def bootstrap():
     from transfer.sglang.conn import PdkvKVBootstrapServer
@@ -301,3 +310,23 @@ def test_a_prefill_killed_mid_room_fails_the_receiver_with_a_typed_error(bootstr
         mgr.close()
         prefill.kill()
         prefill.join(10)
+
+
+def test_layouts_the_backend_does_not_serve_are_refused_at_start(monkeypatch):
+    from pdkv.errors import LayoutError
+    from transfer.sglang.conn import PdkvKVManager
+
+    _env("http://127.0.0.1:9", 0, 1)
+    for field, value, why in (("pp_rank", 1, "pipeline"), ("num_draft_entries", 1, "draft")):
+        args, keep = _kv_args(range(LAYERS), fill=False)
+        setattr(args, field, value)
+        with pytest.raises(LayoutError, match=why):
+            PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    args, keep = _kv_args(range(LAYERS), fill=False)
+    args.state_types = []  # not a DSA pool
+    with pytest.raises(LayoutError, match="DSA"):
+        PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    monkeypatch.setenv("PDKV_SGLANG_CP_SIZE", "2")
+    monkeypatch.delenv("PDKV_SGLANG_LAYERS")
+    with pytest.raises(LayoutError, match="layer count"):
+        PdkvKVManager(_kv_args(range(2), fill=True)[0], "prefill", server_args=None, is_mla_backend=True)

@@ -53,8 +53,7 @@ logger = logging.getLogger(__name__)
 
 def engine_kv_from_args(args: KVArgs, layer_num: int, device: Any) -> EngineKV:
     """The latent KV and the DSA indexer state that `args` lists, as pdkv's pool face."""
-    drafts = int(getattr(args, "num_draft_entries", 0) or 0)
-    n = len(args.kv_data_ptrs) - drafts  # a draft model's KV rides behind the target's
+    n = len(args.kv_data_ptrs)
     layers = list(args.kv_layer_ids[:n]) if getattr(args, "kv_layer_ids", None) else None
     if layers is None:
         layers = list(range(args.prefill_start_layer, args.prefill_start_layer + n))

@@ -27,6 +27,17 @@ from pdkv.errors import LayoutError
 
 __all__ = ["Topology", "topology"]
 
+
+def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
+    """Refuse the layouts pdkv's SGLang backend does not serve (see the README)."""
+    if int(getattr(kv_args, "pp_rank", 0) or 0) or ctx.get("pp_size", 1) > 1:
+        raise LayoutError("pdkv's SGLang backend does not serve pipeline parallelism (PP > 1)")
+    if ctx.get("tp_size", 1) > 1:
+        raise LayoutError("pdkv's SGLang backend needs attention TP 1 (MLA keeps the whole latent on every TP rank)")
+    if int(getattr(kv_args, "num_draft_entries", 0) or 0):
+        raise LayoutError("pdkv's SGLang backend does not move a draft model's KV")
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -60,6 +71,8 @@ def _sglang_context() -> dict[str, Any]:
             "port": disagg.disaggregation_bootstrap_port,
             "cp_rank": parallel.attn_cp_rank if parallel.enable_dsa_cache_layer_split else 0,
             "cp_size": parallel.attn_cp_size if parallel.enable_dsa_cache_layer_split else 1,
+            "tp_size": parallel.attn_tp_size,
+            "pp_size": parallel.pp_size,
         }
     except Exception as exc:  # not set (a test, a tool): the environment must say it
         logger.debug("no SGLang runtime context: %s", exc)
@@ -82,9 +95,10 @@ def topology(kv_args: Any, prefill: bool) -> Topology:
     if layers is None:
         if prefill and cp_size > 1:
             raise LayoutError("a layer-split pdkv prefill needs the model's layer count: set PDKV_SGLANG_LAYERS")
-        layers = len(kv_args.kv_data_ptrs) - int(getattr(kv_args, "num_draft_entries", 0) or 0)
+        layers = len(kv_args.kv_data_ptrs)
     wanted = os.environ.get("PDKV_SGLANG_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device("cuda", int(kv_args.gpu_id)) if wanted == "cuda" else torch.device("cpu")
     if not 0 <= cp_rank < cp_size:
         raise LayoutError(f"CP rank {cp_rank} outside a CP size of {cp_size}")
+    _supported(kv_args, ctx)
     return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device)
