@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 nproc | tee -a "$OUT/machine.txt"
 quiet() { grep -v "NIXL INFO\|UCX  WARN"; }
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_pool.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_pool.py tests/test_engine_kv.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   timeout 300 python3 scripts/bench_fetch.py --device cuda --sizes 1024,8192,32768 --runs 5 2>&1 | quiet | tail -14 | tee "$OUT/bench_gpu.log"
