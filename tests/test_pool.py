@@ -145,3 +145,27 @@ def test_verification_catches_a_single_flipped_byte(where, token, device):
         col = off * 128 + 5 if where == "index_k" else pool.layout.index_scale_offset + off * 4 + 1
         pool.index_buffer[1][page, col] ^= 1
     assert content.mismatched_layers(pool, pages) == [1]
+
+
+def test_verification_catches_swapped_pages_and_another_rooms_content():
+    """The page sums: two full pages swapped, or a room's pages holding another room's
+    (or another layer's) content, are caught as surely as a flipped byte."""
+    from transfer.app.synthetic import RequestContent, token_locations
+
+    pool = DSAKVPool(tiny(layer_num=3))
+    pages = torch.tensor([6, 2, 9, 4])
+    content = RequestContent(11, 14, prefix_seed=5, prefix_tokens=4)  # 3 full pages, a partial one
+    loc = token_locations(pool.layout, pages, 14)
+    for layer in range(3):
+        d = content.layer(pool.layout, layer)
+        pool.set_kv_buffer(layer, loc, d.kv_rows(pool.layout))
+        pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
+    assert content.mismatched_layers(pool, pages) == []
+    assert content.mismatched_layers(pool, pages[[1, 0, 2, 3]]) == [0, 1, 2]  # two pages swapped
+    other = RequestContent(12, 14, prefix_seed=5, prefix_tokens=4)  # same prefix, another room
+    assert other.mismatched_layers(pool, pages) == [0, 1, 2]
+    saved = pool.index_buffer[2][6].clone()
+    pool.index_buffer[2][6] = pool.index_buffer[1][6]  # layer 1's indexer page in layer 2
+    assert content.mismatched_layers(pool, pages) == [2]
+    pool.index_buffer[2][6] = saved
+    assert content.mismatched_layers(pool, pages) == []

@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 _M1, _M2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd 64-bit mixing constants
+_STEP = np.uint64(_M2 | 1)  # what a token's next 64-bit word adds
 
 
 _scratch = threading.local()
@@ -55,18 +56,31 @@ def token_bytes(
     With `scratch` the result lives in this thread's scratch for (salt, width), valid
     until the next such call on this thread: for bytes consumed at once.
     """
+    h = _token_hash(seed, layer_id, tokens.reshape(-1).cpu().numpy(), salt)
+    with np.errstate(over="ignore"):
+        words = -(-width // 8)
+        # 64-bit words: one add per 8 output bytes; word j of a token is h + (j + 1) * _STEP.
+        shape = (len(h), words)
+        out = _buffer(f"words_{salt}_{width}", shape, np.uint64) if scratch else np.empty(shape, np.uint64)
+        np.add(h[:, None], np.arange(1, words + 1, dtype=np.uint64)[None, :] * _STEP, out=out)
+    return torch.from_numpy(out.view(np.uint8)[:, :width])
+
+
+def _token_hash(seed: int, layer_id: int, positions: np.ndarray, salt: int) -> np.ndarray:
+    """The 64-bit hash each token's words derive from (see `token_bytes`)."""
     key = np.uint64((seed * _M1 + layer_id * _M2 + salt * 0x9E3779B97F4A7C15) & (2**64 - 1))
     with np.errstate(over="ignore"):
-        h = tokens.reshape(-1).cpu().numpy().astype(np.uint64) * np.uint64(_M1) + key
+        h = positions.astype(np.uint64) * np.uint64(_M1) + key
         h ^= h >> np.uint64(29)
         h *= np.uint64(_M2)
         h ^= h >> np.uint64(32)
-        words = -(-width // 8)
-        # 64-bit words: one add per 8 output bytes; each word differs per column.
-        shape = (len(h), words)
-        out = _buffer(f"words_{salt}_{width}", shape, np.uint64) if scratch else np.empty(shape, np.uint64)
-        np.add(h[:, None], np.arange(1, words + 1, dtype=np.uint64)[None, :] * np.uint64(_M2 | 1), out=out)
-    return torch.from_numpy(out.view(np.uint8)[:, :width])
+    return h
+
+
+def _word_sum(h: np.ndarray, words: int) -> np.ndarray:
+    """Per token, the sum (mod 2**64) of its first `words` words: words * h + _STEP * (1 + ... + words)."""
+    with np.errstate(over="ignore"):
+        return h * np.uint64(words) + _STEP * np.uint64(words * (words + 1) // 2)
 
 
 class SyntheticLayer:
@@ -122,13 +136,62 @@ class RequestContent:
     def mismatched_layers(self, pool: DSAKVPool, pages: torch.Tensor, layers: range | None = None) -> list[int]:
         """Layers of `pool`'s own buffers whose bytes in `pages` differ from this content.
 
-        Every byte of every token is compared. Pages are gathered whole (a page is
-        `page_size` consecutive token rows) and compared with memcmp: token by token,
-        this check cost more CPU than the transfer it checks.
+        Every byte of every token counts. On the host, with a layout of whole 64-bit words,
+        each full page is summed as 64-bit words, in place, and set against its expected sum,
+        which follows from the tokens' hashes without making their bytes; the last, partial
+        page is compared byte for byte. A page moved, swapped, stale or from another layer
+        or room changes its sum, as does any single changed byte; only corruptions that
+        cancel out in one page's 64-bit sum would pass. Elsewhere every byte is compared.
         """
         layers = pool.owned if layers is None else layers
         page_ids = pages.reshape(-1).long().cpu().numpy()
+        if _summable(pool):
+            return [layer for layer in layers if not self._layer_sums_match(pool, layer, page_ids)]
         return [layer for layer in layers if not self._layer_matches(pool, layer, page_ids)]
+
+    def _hashes(self, layer_id: int, salt: int, positions: np.ndarray) -> np.ndarray:
+        """Token hashes of `positions` (ascending), the shared prefix's seed below its end."""
+        cut = int(np.searchsorted(positions, self.prefix_tokens))
+        head = _token_hash(self.prefix_seed, layer_id, positions[:cut], salt)
+        return np.concatenate([head, _token_hash(self.seed, layer_id, positions[cut:], salt)])
+
+    def _layer_sums_match(self, pool: DSAKVPool, layer: int, page_ids: np.ndarray) -> bool:
+        layout, ps = pool.layout, pool.layout.page_size
+        full = self.num_tokens // ps
+        if len(page_ids) * ps < self.num_tokens:
+            return False
+        local = layer - layout.start_layer
+        kv_pages = pool.kv_buffer[local].view(torch.uint8).reshape(-1, layout.kv_page_bytes)
+        index_pages = pool.index_buffer[local].view(torch.uint8).reshape(-1, layout.index_page_bytes)
+        if full:
+            pos = np.arange(full * ps)
+            hk, hi = self._hashes(layer, 1, pos), self._hashes(layer, 2, pos)
+            with np.errstate(over="ignore"):
+                want_kv = _word_sum(hk, layout.kv_token_bytes // 8).reshape(full, ps).sum(axis=1)
+                keys = _word_sum(hi, layout.index_head_dim // 8).reshape(full, ps).sum(axis=1)
+                # A token's 4 scale bytes are the low half of its word after the key's;
+                # a page keeps them after its keys, two tokens to a 64-bit word.
+                scale = (hi + _STEP * np.uint64(layout.index_head_dim // 8 + 1)) & np.uint64(0xFFFFFFFF)
+                pairs = scale.reshape(full, ps // 2, 2)
+                want_index = keys + (pairs[:, :, 0] + (pairs[:, :, 1] << np.uint64(32))).sum(axis=1)
+            if not np.array_equal(_page_sums(kv_pages, page_ids[:full]), want_kv):
+                return False
+            if not np.array_equal(_page_sums(index_pages, page_ids[:full]), want_index):
+                return False
+        if self.num_tokens == full * ps:
+            return True
+        return self._last_page_matches(pool, layer, int(page_ids[full]), full * ps)
+
+    def _last_page_matches(self, pool: DSAKVPool, layer: int, page: int, start: int) -> bool:
+        """The partial last page, byte for byte (its unused rows hold anything)."""
+        layout = pool.layout
+        want = self.layer(layout, layer, start=start)
+        local, n = layer - layout.start_layer, self.num_tokens - start
+        kv = byte_rows(pool.kv_buffer[local])[page * layout.page_size : page * layout.page_size + n]
+        if not _same_bytes(np.ascontiguousarray(kv.numpy()), want.kv):
+            return False
+        got = pool.index_buffer[local].view(torch.uint8).reshape(-1, layout.index_page_bytes)[page].numpy()
+        return _index_pages_match(got[None, :], want.index.numpy(), layout)
 
     def _layer_matches(self, pool: DSAKVPool, layer: int, page_ids: np.ndarray) -> bool:
         layout, n, ps = pool.layout, self.num_tokens, pool.layout.page_size
@@ -166,6 +229,33 @@ def _index_pages_match(got: np.ndarray, want: np.ndarray, layout: KVLayout) -> b
     return np.array_equal(last[: len(tail) * hd], tail[:, :hd].reshape(-1)) and np.array_equal(
         last[kb : kb + tail[:, hd:].size], tail[:, hd:].reshape(-1)
     )
+
+
+def _summable(pool: DSAKVPool) -> bool:
+    """Whether pages can be checked by their 64-bit word sums: host memory, tokens and
+    indexer keys of whole words, 4 scale bytes a token, pages of an even token count."""
+    layout = pool.layout
+    return (
+        pool.device.type == "cpu"
+        and layout.kv_token_bytes % 8 == 0
+        and layout.index_head_dim % 8 == 0
+        and layout.index_token_bytes - layout.index_head_dim == 4
+        and layout.page_size % 2 == 0
+    )
+
+
+def _page_sums(pages_view: torch.Tensor, page_ids: np.ndarray) -> np.ndarray:
+    """The 64-bit word sum (mod 2**64) of each of `page_ids`'s pages, in place: one numpy
+    sum per run of consecutive page ids (no gathered copy)."""
+    words = pages_view.numpy().view(np.uint64)
+    out = np.empty(len(page_ids), dtype=np.uint64)
+    breaks = np.flatnonzero(np.diff(page_ids) != 1) + 1
+    starts = np.concatenate([[0], breaks]).tolist()
+    ends = np.concatenate([breaks, [len(page_ids)]]).tolist()
+    for a, b in zip(starts, ends):
+        first = int(page_ids[a])
+        words[first : first + b - a].sum(axis=1, out=out[a:b])
+    return out
 
 
 def _pages_equal(pages_view: torch.Tensor, page_ids: np.ndarray, want: np.ndarray) -> bool:
