@@ -2,7 +2,7 @@
 # The README's test command: set up .venv, check lint and format, then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup_env.sh
+scripts/setup_env.sh sglang
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
