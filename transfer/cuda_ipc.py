@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 0x1
+_POINTER_MEMORY_TYPE = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+_MEMORY_DEVICE, _MEMORY_ARRAY, _MEMORY_UNIFIED = 2, 3, 4  # CUmemorytype (host is 1)
 
 
 class _Handle(ctypes.Structure):
@@ -126,6 +128,12 @@ class CudaDriver:
 
     def close(self, device: int, ptr: int) -> None:
         self._on(device, lambda: self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+
+    def is_device_memory(self, ptr: int) -> bool:
+        """Whether `ptr` is GPU memory (device or managed); plain or pinned host memory is not."""
+        kind = ctypes.c_uint(0)
+        rc = self._lib.cuPointerGetAttribute(ctypes.byref(kind), _POINTER_MEMORY_TYPE, ctypes.c_uint64(ptr))
+        return rc == 0 and kind.value in (_MEMORY_DEVICE, _MEMORY_ARRAY, _MEMORY_UNIFIED)  # unknown to CUDA: host
 
 
 @dataclass

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -75,6 +76,12 @@ class AuxRows:
     def __init__(self, ptrs: list[int], lens: list[int], items: list[int]) -> None:
         self.buffers = list(zip(map(int, ptrs), map(int, lens), map(int, items)))
         self.row_bytes = sum(item for _, _, item in self.buffers)
+        if self.buffers and torch.cuda.is_available():  # rows are copied with the CPU: no GPU pointers
+            from transfer.cuda_ipc import CudaDriver
+
+            driver = CudaDriver.get()
+            if any(driver.is_device_memory(ptr) for ptr, _, _ in self.buffers):
+                raise LayoutError("pdkv moves SGLang's aux rows from host memory; these aux buffers are on a GPU")
 
     def _at(self, index: int) -> list[tuple[int, int]]:
         spots = [(ptr + index * item, item) for ptr, n, item in self.buffers]
