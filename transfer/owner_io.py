@@ -45,7 +45,7 @@ from transfer.metadata import (
 )
 from transfer.metrics import READ_SECONDS
 from transfer.pin_table import MappedPins
-from transfer.plan import BufferPair, build_read_plan
+from transfer.plan import BufferPair, ReadTable, read_plan, read_table
 from transfer.readiness import ReadinessFeed
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
@@ -68,6 +68,14 @@ class Owner:
     pairs: dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), UCX addresses
     ipc: IpcPeer | None = None  # set when the same-host GPU lane reads this owner
     pins: MappedPins | None = None  # its pin table, mapped when it runs on this host
+    tables: dict[tuple[int, int], ReadTable] = field(default_factory=dict)  # by layer range
+
+    def read_table(self, layers: range) -> ReadTable:
+        """The READ table of `layers` (built once: a fetch then only lays its pages over it)."""
+        key = (layers.start, layers.stop)
+        if key not in self.tables:
+            self.tables[key] = read_table([p for layer in layers for p in self.pairs[layer]])
+        return self.tables[key]
 
 
 @dataclass
@@ -445,8 +453,7 @@ class OwnerIO:
             READ_SECONDS.labels(lane="cuda_ipc").observe(xfer.seconds)
             return xfer
         assert self.transport is not None
-        pairs = [p for layer in layers for p in owner.pairs[layer]]
-        plan = build_read_plan(pairs, src, dst, merge=self.merge_runs)
+        plan = read_plan(owner.read_table(layers), src, dst, merge=self.merge_runs)
         xfer = await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
         READ_SECONDS.labels(lane="ucx").observe(xfer.seconds)
         return xfer

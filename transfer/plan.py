@@ -24,6 +24,9 @@ __all__ = [
     "page_runs",
     "BufferPair",
     "ReadPlan",
+    "ReadTable",
+    "read_table",
+    "read_plan",
     "build_read_plan",
     "GatherTable",
     "GatherPlan",
@@ -106,6 +109,39 @@ def _check_pages(pages: np.ndarray, limit: int, side: str) -> None:
         raise PageRangeError(f"{side} pages [{pages.min()}, {pages.max()}] outside [0, {limit})")
 
 
+@dataclass(frozen=True)
+class ReadTable:
+    """The static half of a READ plan, built once per owner and layer range: per buffer
+    (a column each) its bases, item length and devices, and the fewest items of a side."""
+
+    lbase: np.ndarray  # int64 (buffers, 1)
+    rbase: np.ndarray
+    item: np.ndarray
+    ldev: np.ndarray
+    rdev: np.ndarray
+    local_items: int
+    remote_items: int
+
+    @property
+    def buffers(self) -> int:
+        return len(self.item)
+
+
+def read_table(buffers: list[BufferPair]) -> ReadTable:
+    def column(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64).reshape(-1, 1)
+
+    return ReadTable(
+        column([b.local_addr for b in buffers]),
+        column([b.remote_addr for b in buffers]),
+        column([b.item_len for b in buffers]),
+        column([b.local_dev for b in buffers]),
+        column([b.remote_dev for b in buffers]),
+        min((b.local_items for b in buffers), default=0),
+        min((b.remote_items for b in buffers), default=0),
+    )
+
+
 def build_read_plan(
     buffers: list[BufferPair],
     src_pages: np.ndarray,
@@ -113,18 +149,19 @@ def build_read_plan(
     merge: bool = True,
 ) -> ReadPlan:
     """Descriptors reading `src_pages` of every buffer into `dst_pages` of its local twin."""
+    return read_plan(read_table(buffers), src_pages, dst_pages, merge)
+
+
+def read_plan(table: ReadTable, src_pages: np.ndarray, dst_pages: np.ndarray, merge: bool = True) -> ReadPlan:
+    """`table`'s descriptors for these pages; page ids checked against both sides."""
     runs = page_runs(src_pages, dst_pages, merge)
     src, dst = np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64)
-    if not buffers or len(runs) == 0:
+    if not table.buffers or len(runs) == 0:
         empty = np.zeros((0, 3), dtype=np.int64)
         return ReadPlan(empty, empty, 0)
-    _check_pages(src, min(b.remote_items for b in buffers), "source")
-    _check_pages(dst, min(b.local_items for b in buffers), "destination")
-    item = np.array([b.item_len for b in buffers], dtype=np.int64)[:, None]
-    lbase = np.array([b.local_addr for b in buffers], dtype=np.int64)[:, None]
-    rbase = np.array([b.remote_addr for b in buffers], dtype=np.int64)[:, None]
-    ldev = np.array([b.local_dev for b in buffers], dtype=np.int64)[:, None]
-    rdev = np.array([b.remote_dev for b in buffers], dtype=np.int64)[:, None]
+    _check_pages(src, table.remote_items, "source")
+    _check_pages(dst, table.local_items, "destination")
+    item, lbase, rbase, ldev, rdev = table.item, table.lbase, table.rbase, table.ldev, table.rdev
     lengths = (runs.length[None, :] * item).reshape(-1)
     ones = np.ones((1, len(runs)), dtype=np.int64)
     local = np.stack([(lbase + runs.dst_start[None, :] * item).reshape(-1), lengths, (ldev * ones).reshape(-1)], axis=1)
