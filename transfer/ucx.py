@@ -327,8 +327,11 @@ class UcxTransport:
         return len(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
-    async def read(self, peer: str, plan: ReadPlan, deadline: Deadline, pieces: int = 1) -> XferStats:
-        """Execute `plan` as batched READs from `peer`, bounded by `deadline`.
+    async def read(
+        self, peer: str, plan: ReadPlan, deadline: Deadline, pieces: int = 1, mem: str | None = None
+    ) -> XferStats:
+        """Execute `plan` as batched READs from `peer`, bounded by `deadline`; `mem`: the
+        memory kind of its descriptors, by default the transport's.
 
         With `pieces` > 1 a large plan is cut into up to that many READs posted on as many
         lanes at once: posting costs about 8 us a descriptor on the posting thread over
@@ -348,9 +351,9 @@ class UcxTransport:
         if plan.descriptors == 0:
             return XferStats(0, 0, 0.0)
         deadline.left(what=f"READ from {peer}: deadline passed before it was posted")
-        loop = asyncio.get_running_loop()
+        loop, kind = asyncio.get_running_loop(), mem or self.mem_type
         futs = [
-            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, self.mem_type, deadline.at)
+            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, kind, deadline.at)
             for lane, (local, remote) in zip(self._pick_lanes(), _split(plan, min(pieces, len(self._lanes))))
         ]
         try:
@@ -376,30 +379,12 @@ class UcxTransport:
 
     async def read_host(self, peer: str, remote_addr: int, local: torch.Tensor, deadline: Deadline) -> None:
         """READ `local.nbytes` of `peer`'s host memory at `remote_addr` into `local` (a
-        registered, contiguous host tensor)."""
-        regions = self._peers.get(peer)
-        if regions is None:
-            raise PeerLostError(f"no connection to {peer}", peer)
-        remote = np.array([[remote_addr, local.nbytes, 0]], dtype=np.int64)
-        here = np.array([[local.data_ptr(), local.nbytes, 0]], dtype=np.int64)
-        if local.is_cuda or not local.is_contiguous() or not self.local_regions.contains(here):
+        registered, contiguous host tensor), whatever memory the transport's pool is in."""
+        if local.is_cuda or not local.is_contiguous():
             raise TransferError("a host READ needs a registered, contiguous host tensor")
-        if not regions.contains(remote):
-            raise TransferError(f"{local.nbytes} bytes at {remote_addr:#x} fall outside what {peer} exported")
-        deadline.left(what=f"host READ from {peer}: deadline passed before it was posted")
-        lane = self._pick_lanes()[0]
-        fut = asyncio.get_running_loop().run_in_executor(
-            lane.executor, lane.read_blocking, peer, here, remote, "DRAM", deadline.at
-        )
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
-        except (DeadlineExceeded, TransferError):
-            raise
-        except Exception as exc:
-            raise _translate(exc, f"host READ from {peer}", peer) from exc
+        here = np.array([[local.data_ptr(), local.nbytes, 0]], dtype=np.int64)
+        remote = np.array([[remote_addr, local.nbytes, 0]], dtype=np.int64)
+        await self.read(peer, ReadPlan(here, remote, local.nbytes), deadline, mem="DRAM")
 
     def notify(self, messages: list[tuple[str, bytes]]) -> None:
         """Send each (peer, message) as a NIXL notification: no reply, best effort.
