@@ -56,13 +56,9 @@ def _kv_args(layers: range, pages: int, conn) -> tuple[object, list[torch.Tensor
 
 
 def _env(registry: str, cp_rank: int, cp_size: int) -> None:
-    os.environ.update(
-        PDKV_SGLANG_REGISTRY=registry,
-        PDKV_SGLANG_CP_RANK=str(cp_rank),
-        PDKV_SGLANG_CP_SIZE=str(cp_size),
-        PDKV_SGLANG_LAYERS=str(LAYERS),
-        PDKV_SGLANG_DEVICE="cpu",
-    )
+    from transfer.sglang.topology import environment
+
+    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu"))
 
 
 def _timed(holds: list[float], fn, *args):  # type: ignore[no-untyped-def]

@@ -69,13 +69,9 @@ def _kv_args(layers: range, fill: bool) -> tuple[object, list[torch.Tensor]]:
 
 
 def _env(registry: str, cp_rank: int, cp_size: int) -> None:
-    os.environ.update(
-        PDKV_SGLANG_REGISTRY=registry,
-        PDKV_SGLANG_CP_RANK=str(cp_rank),
-        PDKV_SGLANG_CP_SIZE=str(cp_size),
-        PDKV_SGLANG_LAYERS=str(LAYERS),
-        PDKV_SGLANG_DEVICE="cpu",
-    )
+    from transfer.sglang.topology import environment
+
+    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu"))
 
 
 def _prefill_rank(registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from pdkv.errors import LayoutError
 
-__all__ = ["Topology", "topology"]
+__all__ = ["Topology", "topology", "environment"]
 
 
 def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
@@ -48,6 +48,17 @@ class Topology:
     cp_size: int
     layer_num: int
     device: torch.device
+
+
+def environment(registry: str, cp_rank: int, cp_size: int, layers: int, device: str) -> dict[str, str]:
+    """The variables above, as a launcher (or a test) sets them for one rank."""
+    return {
+        "PDKV_SGLANG_REGISTRY": registry,
+        "PDKV_SGLANG_CP_RANK": str(cp_rank),
+        "PDKV_SGLANG_CP_SIZE": str(cp_size),
+        "PDKV_SGLANG_LAYERS": str(layers),
+        "PDKV_SGLANG_DEVICE": device,
+    }
 
 
 def _env_int(name: str) -> int | None:
