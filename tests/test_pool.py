@@ -124,20 +124,28 @@ class _NoBroadcast:
         raise AssertionError("no broadcast expected in this test")
 
 
+def _written(pool: DSAKVPool, content, pages: torch.Tensor) -> DSAKVPool:
+    """`pool` with `content` written in `pages` of every layer, as the stand-in prefill writes it."""
+    from transfer.app.synthetic import token_locations
+
+    loc = token_locations(pool.layout, pages, content.num_tokens)
+    for layer in range(pool.layout.layer_num):
+        d = content.layer(pool.layout, layer)
+        pool.set_kv_buffer(layer, loc, d.kv_rows(pool.layout))
+        pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
+    return pool
+
+
 @pytest.mark.parametrize("token", [7, 9])  # in a full page; in the last, partial page
 @pytest.mark.parametrize("where", ["kv", "index_k", "index_scale"])
 def test_verification_catches_a_single_flipped_byte(where, token, device):
     from transfer.app.synthetic import RequestContent, token_locations
 
-    pool = DSAKVPool(tiny(device=device, layer_num=3))
     pages = torch.tensor([6, 2, 9])
     content = RequestContent(11, 10, prefix_seed=5, prefix_tokens=4)
-    loc = token_locations(pool.layout, pages, 10)
-    for layer in range(3):
-        d = content.layer(pool.layout, layer)
-        pool.set_kv_buffer(layer, loc, d.kv_rows(pool.layout))
-        pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
+    pool = _written(DSAKVPool(tiny(device=device, layer_num=3)), content, pages)
     assert content.mismatched_layers(pool, pages) == []
+    loc = token_locations(pool.layout, pages, 10)
     if where == "kv":
         pool.kv_buffer[1].view(torch.uint8)[loc[token], 0, 3] ^= 1  # bytes: a bf16 NaN + 1 may not change
     else:
@@ -150,16 +158,11 @@ def test_verification_catches_a_single_flipped_byte(where, token, device):
 def test_verification_catches_swapped_pages_and_another_rooms_content():
     """The page sums: two full pages swapped, or a room's pages holding another room's
     (or another layer's) content, are caught as surely as a flipped byte."""
-    from transfer.app.synthetic import RequestContent, token_locations
+    from transfer.app.synthetic import RequestContent
 
-    pool = DSAKVPool(tiny(layer_num=3))
     pages = torch.tensor([6, 2, 9, 4])
     content = RequestContent(11, 14, prefix_seed=5, prefix_tokens=4)  # 3 full pages, a partial one
-    loc = token_locations(pool.layout, pages, 14)
-    for layer in range(3):
-        d = content.layer(pool.layout, layer)
-        pool.set_kv_buffer(layer, loc, d.kv_rows(pool.layout))
-        pool.set_index_k_and_scale(layer, loc, d.index_k, d.index_scale)
+    pool = _written(DSAKVPool(tiny(layer_num=3)), content, pages)
     assert content.mismatched_layers(pool, pages) == []
     assert content.mismatched_layers(pool, pages[[1, 0, 2, 3]]) == [0, 1, 2]  # two pages swapped
     other = RequestContent(12, 14, prefix_seed=5, prefix_tokens=4)  # same prefix, another room
