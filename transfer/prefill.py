@@ -143,7 +143,7 @@ class PrefillExporter:
         self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._written: asyncio.Queue[tuple[torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
+        self._written: asyncio.Queue[tuple[int, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -226,7 +226,7 @@ class PrefillExporter:
         On a GPU the writes were only queued: the layers become readable for decodes once
         `written` (by default an event recorded now on the current stream) has completed.
         """
-        self._after_writes(lambda: self.rooms.mark_ready(room, upto_layer), written)
+        self._after_writes(room, lambda: self.rooms.mark_ready(room, upto_layer), written)
 
     def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> None:
         """`room` arrives in chunks of pages (a chunked prefill), `total_pages` in all."""
@@ -240,9 +240,9 @@ class PrefillExporter:
         auxiliary bytes (an engine's first output token and the like), with the last chunk;
         decodes get them with the room (`FetchResult.aux`)."""
         chunk = np.array(pages, copy=True)
-        self._after_writes(lambda: self.rooms.add_chunk(room, chunk, aux), written)
+        self._after_writes(room, lambda: self.rooms.add_chunk(room, chunk, aux), written)
 
-    def _after_writes(self, publish: Callable[[], None], written: torch.cuda.Event | None) -> None:
+    def _after_writes(self, room: int, publish: Callable[[], None], written: torch.cuda.Event | None) -> None:
         """`publish` now on the host; on a GPU once the writes queued before have landed."""
         if self.pool.device.type != "cuda":
             publish()  # refusals (a bad chunk) reach the caller
@@ -250,18 +250,19 @@ class PrefillExporter:
         if written is None:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.pool.device))
-        self._written.put_nowait((written, publish))
+        self._written.put_nowait((room, written, publish))
 
     async def _ready_after_writes(self) -> None:
         """Publish GPU layers as their writes complete, in the order they were queued."""
         while True:
-            written, publish = await self._written.get()
+            room, written, publish = await self._written.get()
             if not written.query():
                 await asyncio.to_thread(written.synchronize)
             try:
                 publish()
-            except PdkvError as exc:  # a chunk refused: its room's decodes time out or see the abort
-                logger.error("readiness after writes: %s", exc)
+            except PdkvError as exc:  # refused after the caller returned: its decodes see the room aborted
+                logger.error("room %d aborted: readiness after its writes refused: %s", room, exc)
+                self.rooms.abort(room)
 
     def abort_room(self, room: int) -> bool:
         return self.rooms.abort(room)
