@@ -121,6 +121,7 @@ class OwnerBroadcaster:
         self.rank = dist.get_rank(self.group)
         self.size = len(world)
         self._nccl = cuda and self.backend == "nccl"
+        self._options = [self._broadcast_options(src) for src in range(self.size)]  # built once: per-layer path
         logger.info("owner broadcast group: %s, rank %d of %d", self.backend, self.rank, self.size)
 
     def start(
@@ -132,8 +133,7 @@ class OwnerBroadcaster:
         instead of one each.
         """
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor, opts.asyncOp = src, 0, True
+        opts = self._options[src]
         try:
             if self._nccl:
                 return CollectiveHandle([self._nccl_broadcast(tensors, opts)], what, on_gpu=True)
@@ -142,6 +142,12 @@ class OwnerBroadcaster:
             return CollectiveHandle([self.group.broadcast([t], opts) for t in tensors], what)
         except RuntimeError as exc:
             raise _translate(exc, what) from exc
+
+    @staticmethod
+    def _broadcast_options(src: int) -> dist.BroadcastOptions:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.asyncOp = src, 0, True
+        return opts
 
     def _nccl_broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> Any:
         if len(tensors) == 1:

@@ -93,7 +93,10 @@ class RemoteLayerCache:
         return sum(s.scratch.nbytes for s in self._slots if s.scratch is not None)
 
     def _slot_of(self, layer_id: int) -> _Slot | None:
-        return next((s for s in self._slots if s.layer_id == layer_id), None)
+        for slot in self._slots:
+            if slot.layer_id == layer_id:
+                return slot
+        return None
 
     def _touch(self, slot: _Slot) -> None:
         self._clock += 1
@@ -159,11 +162,13 @@ class RemoteLayerCache:
         """
         if self._broadcaster is None:
             return self._owned[layer_id - self._plan.start_layer]
-        if self._slot_of(layer_id) is None:
-            self.prefetch(layer_id)
         slot = self._slot_of(layer_id)
-        assert slot is not None
-        self._settle(slot)
+        if slot is None:
+            self.prefetch(layer_id)
+            slot = self._slot_of(layer_id)
+            assert slot is not None
+        if slot.flight is not None:
+            self._settle(slot)
         self._touch(slot)
         return self._target(slot, layer_id)
 

@@ -7,6 +7,7 @@ owns the same layers an SGLang one would.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from pdkv.errors import LayoutError, PageRangeError
 
@@ -57,12 +58,21 @@ class ShardPlan:
         start, end = get_layer_shard_range(rank, self.size, self.layer_num)
         return self.start_layer + start, self.start_layer + end
 
-    @property
+    # Cached: the layer-split pool asks these several times a layer on the prefill's
+    # critical path.
+    @cached_property
     def owned(self) -> range:
         return range(*self.range_of(self.rank))
 
+    @cached_property
+    def _owners(self) -> tuple[int, ...]:
+        return tuple(get_layer_owner(i, self.size, self.layer_num) for i in range(self.layer_num))
+
     def owner_of(self, layer_id: int) -> int:
-        return get_layer_owner(layer_id - self.start_layer, self.size, self.layer_num)
+        local = layer_id - self.start_layer
+        if not 0 <= local < self.layer_num:
+            raise PageRangeError(f"layer {local} outside [0, {self.layer_num})")
+        return self._owners[local]
 
     def owns(self, layer_id: int) -> bool:
         return layer_id in self.owned
