@@ -106,9 +106,14 @@ class OwnerBroadcaster:
         device: str = "cpu",
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         backend: str | None = None,
+        max_ctas: int | None = None,
     ) -> None:
         """`backend` defaults to NCCL on CUDA and gloo on the host. gloo also moves CUDA
-        tensors, for CP ranks that share one GPU (NCCL wants one rank per device)."""
+        tensors, for CP ranks that share one GPU (NCCL wants one rank per device).
+
+        `max_ctas` caps the SMs NCCL's kernels take (NCCL's `maxCTAs`): a prefetch runs
+        beside the model's compute, and every SM it holds is one the compute lacks.
+        """
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self.backend = backend or ("nccl" if cuda else "gloo")
@@ -117,12 +122,20 @@ class OwnerBroadcaster:
         if self.backend == "nccl":  # its kernels get SMs ahead of queued compute: prefetches hide better
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = True
+            if max_ctas is not None:
+                options.config.max_ctas = max_ctas
         self.group = dist.new_group(world, backend=self.backend, timeout=timeout, pg_options=options)
         self.rank = dist.get_rank(self.group)
         self.size = len(world)
         self._nccl = cuda and self.backend == "nccl"
         self._options = [self._broadcast_options(src) for src in range(self.size)]  # built once: per-layer path
-        logger.info("owner broadcast group: %s, rank %d of %d", self.backend, self.rank, self.size)
+        logger.info(
+            "owner broadcast group: %s, rank %d of %d, max CTAs %s",
+            self.backend,
+            self.rank,
+            self.size,
+            max_ctas or "auto",
+        )
 
     def start(
         self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int, what: str = "broadcast"

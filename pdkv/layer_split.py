@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 SCRATCH_SLOTS = 2  # per kind: layer l+1 lands while layer l is read
 
 
+def _nothing() -> None:
+    """What a whole-layer broadcast needs once it landed."""
+
+
 @dataclass
 class _Flight:
     """A broadcast on its way: what it carries and what to do once it landed."""
@@ -98,6 +102,16 @@ class RemoteLayerCache:
                 return slot
         return None
 
+    def _least_recent(self) -> _Slot:
+        """The slot to reuse: an empty one, else the one used longest ago."""
+        best = self._slots[0]
+        for slot in self._slots:
+            if slot.layer_id is None:
+                return slot
+            if slot.used < best.used:
+                best = slot
+        return best
+
     def _touch(self, slot: _Slot) -> None:
         self._clock += 1
         slot.used = self._clock
@@ -114,9 +128,9 @@ class RemoteLayerCache:
         """What travels for `layer_id` into `slot`, and what to do once it landed."""
         target = self._target(slot, layer_id)
         if pages is None:
-            return target, (lambda: None)
+            return target, _nothing
         if self._plan.owns(layer_id):
-            return take(self._page_rows(target), pages), (lambda: None)
+            return take(self._page_rows(target), pages), _nothing
         rows = self._page_rows(target)
         payload = torch.empty((pages.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
         return payload, (lambda: put(rows, (pages,), payload))
@@ -144,7 +158,7 @@ class RemoteLayerCache:
         slot = self._slot_of(layer_id)
         if slot is not None and slot.holds(layer_id, pages):
             return None
-        victim = slot or min(self._slots, key=lambda s: (s.layer_id is not None, s.used))
+        victim = slot or self._least_recent()
         self._settle(victim)  # a broadcast into it must land before it is reused
         victim.layer_id, victim.pages = layer_id, pages
         idx = None if pages is None else pages.reshape(-1).long()
@@ -205,20 +219,24 @@ def prefetch_together(caches: list[RemoteLayerCache], layer_id: int, pages: torc
     One call per layer instead of one per kind halves the per-layer launches, events and
     Python on the prefill's critical path. The caches must share one broadcaster.
     """
-    staged = [(cache, s) for cache in caches if (s := cache._stage(layer_id, pages)) is not None]
+    staged, kinds = [], []
+    for cache in caches:
+        stage = cache._stage(layer_id, pages)
+        if stage is not None:
+            staged.append(stage)
+            kinds.append(cache.kind)
     if not staged:
         return
-    broadcaster = staged[0][0]._broadcaster
-    assert broadcaster is not None and all(cache._broadcaster is broadcaster for cache, _ in staged)
-    kinds = "+".join(cache.kind for cache, _ in staged)
-    owner = staged[0][0]._plan.owner_of(layer_id)
+    broadcaster = caches[0]._broadcaster
+    assert broadcaster is not None
+    owner = caches[0]._plan.owner_of(layer_id)
     try:
-        handle = broadcaster.start([payload for _, (_, payload, _) in staged], owner, f"{kinds} layer {layer_id}")
+        handle = broadcaster.start([payload for _, payload, _ in staged], owner, f"{'+'.join(kinds)} layer {layer_id}")
     except BaseException:
-        for _, (slot, _, _) in staged:  # nothing is on its way into them
+        for slot, _, _ in staged:  # nothing is on its way into them
             slot.layer_id = None
         raise
-    for _, (slot, _, finish) in staged:
+    for slot, _, finish in staged:
         slot.flight = _Flight(handle, finish)
 
 

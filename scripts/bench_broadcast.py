@@ -6,6 +6,7 @@ non-owner rank and the overlap prefetch achieved.
 
     .venv/bin/python scripts/bench_broadcast.py [--tokens 8192] [--world 4] [--runs 3]
     python3 scripts/bench_broadcast.py --device cuda --world 2   # one GPU per rank, NCCL
+    python3 scripts/bench_broadcast.py --device cuda --world 2 --nccl-ctas 4   # NCCL on at most 4 SMs
 """
 
 from __future__ import annotations
@@ -74,13 +75,17 @@ def _nccl_limit(pool: LayerSplitDSAKVPool, runs: int) -> float:
     return statistics.median(samples[1:])
 
 
-def _rank(rank: int, world: int, tokens: int, runs: int, reps: int, device: str = "cpu") -> dict[str, float]:
+def _rank(
+    rank: int, world: int, tokens: int, runs: int, reps: int, device: str = "cpu", ctas: int | None = None
+) -> dict[str, float]:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     layout = dsa_v32(size=tokens, device=device)
-    pool = LayerSplitDSAKVPool(layout, ShardPlan(rank, world, layout.layer_num), OwnerBroadcaster(device=device))
+    pool = LayerSplitDSAKVPool(
+        layout, ShardPlan(rank, world, layout.layer_num), OwnerBroadcaster(device=device, max_ctas=ctas)
+    )
     compute = torch.randn(256, 256) if device == "cpu" else torch.randn(4096, 4096, device=device)
     _pass(pool, False, compute, reps, read=False)  # warm-up
     rows = {"compute_ms": statistics.median(_pass(pool, False, compute, reps, read=False) for _ in range(runs))}
@@ -106,14 +111,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compute-reps", type=int, default=8)
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank, NCCL)")
+    ap.add_argument("--nccl-ctas", type=int, default=None, help="cap NCCL's CTAs (SMs) for the broadcast group")
     args = ap.parse_args()
-    out = run_group(_rank, args.world, args.tokens, args.runs, args.compute_reps, args.device)
+    out = run_group(_rank, args.world, args.tokens, args.runs, args.compute_reps, args.device, args.nccl_ctas)
     r = out[args.world - 1]  # the last rank owns none of the first layers
     layout = dsa_v32(size=args.tokens)
     mib = (layout.kv_rows * layout.kv_token_bytes + layout.index_num_pages * layout.index_page_bytes) / 2**20
     hidden = (r["no_prefetch"] - r["prefetch"]) / min(r["broadcast_only"], r["compute_ms"])
     exposed = r["no_prefetch"] - r["compute_ms"]  # what reading costs the step without prefetch
     backend = "NCCL, one GPU per rank" if args.device == "cuda" else "gloo"
+    if args.nccl_ctas:
+        backend += f", at most {args.nccl_ctas} CTAs"
     print(f"DSA layout, {args.tokens} tokens/pool, {mib:.1f} MiB per layer broadcast, {backend}, CP={args.world}")
     print(f"{'case (on the last rank)':<28}{'ms/layer':>10}")
     print(f"{'broadcast only':<28}{r['broadcast_only']:>10.2f}")
