@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from pdkv import PRESETS
 from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
+from transfer.app.supervisor import Host
 
 __all__ = ["main", "Summary"]
 
@@ -148,6 +149,9 @@ async def run(args: argparse.Namespace) -> int:
         decode_pool_tokens=args.decode_pool_tokens,
         device=args.device,
         log_level=args.log_level,
+        registry_host=args.registry_host,
+        prefill_host=args.prefill_host,
+        decode_host=args.decode_host,
     )
     print(f"starting: prefill CP {args.engines} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)
     async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
@@ -182,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", help="where children's logs go (default: a temp dir)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--log-level", default="WARNING")
+    where = "ADDRESS to bind, or NETNS@ADDRESS to run in that network namespace (a stand-in host; needs root)"
+    ap.add_argument("--registry-host", type=Host.parse, default=Host(), help=where)
+    ap.add_argument("--prefill-host", type=Host.parse, default=Host(), help=where)
+    ap.add_argument("--decode-host", type=Host.parse, default=Host(), help=where)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

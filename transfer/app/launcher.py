@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +56,14 @@ class Launcher:
         self.env = {**os.environ, **(env or {})}
         self.children: list[Child] = []
 
-    def spawn(self, name: str, module: str, args: list[str]) -> Child:
+    def spawn(self, name: str, module: str, args: list[str], prefix: Sequence[str] = ()) -> Child:
+        """Start `python -m module args`; `prefix` goes before it (`ip netns exec NS`: on another host)."""
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args, "--ready-file", str(ready), "--die-with-parent"],
+                [*prefix, sys.executable, "-m", module, *args, "--ready-file", str(ready), "--die-with-parent"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -18,9 +18,30 @@ from pdkv.errors import PeerLostError
 from transfer.app.launcher import Child, Launcher
 from transfer.timeouts import Timeouts
 
-__all__ = ["DeploymentSpec", "EngineEndpoints", "DecoderEndpoint", "Supervisor"]
+__all__ = ["DeploymentSpec", "EngineEndpoints", "DecoderEndpoint", "Host", "Supervisor"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a service runs: a network namespace (None: this one) and the address it binds.
+
+    Namespaces stand in for separate machines (tests and benchmarks of the path between
+    hosts); entering one needs root.
+    """
+
+    netns: str | None = None
+    address: str = "127.0.0.1"
+
+    @classmethod
+    def parse(cls, text: str) -> Host:
+        """`ADDRESS` or `NETNS@ADDRESS`."""
+        netns, _, address = text.rpartition("@")
+        return cls(netns or None, address)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns] if self.netns else []
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,9 @@ class DeploymentSpec:
     secret: str | None = None
     start_timeout: float = 120.0
     log_level: str = "WARNING"
+    registry_host: Host = Host()
+    prefill_host: Host = Host()
+    decode_host: Host = Host()
 
 
 @dataclass
@@ -82,10 +106,12 @@ class Supervisor:
     def _common(self) -> list[str]:
         return ["--log-level", self.spec.log_level]
 
+    def _spawn(self, name: str, module: str, args: list[str], host: Host) -> Child:
+        return self.launcher.spawn(name, module, [*args, "--host", host.address, *self._common()], host.prefix())
+
     async def _start_registry(self, port: int = 0) -> None:
-        registry = self.launcher.spawn(
-            "registry", "transfer.app.registry", ["--lease", str(self.spec.lease), "--port", str(port), *self._common()]
-        )
+        args = ["--lease", str(self.spec.lease), "--port", str(port)]
+        registry = self._spawn("registry", "transfer.app.registry", args, self.spec.registry_host)
         self.registry_url = await self.launcher.wait_ready(registry, self.spec.start_timeout)
 
     def _spawn_engine(self, engine_id: str, cp: int) -> list[tuple[str, Child]]:
@@ -117,9 +143,9 @@ class Supervisor:
                 str(s.pin),
                 "--lease",
                 str(s.lease),
-                *self._common(),
             ]
-            out.append((engine_id, self.launcher.spawn(f"{engine_id}-cp{r}", "transfer.app.prefill_worker", args)))
+            worker = self._spawn(f"{engine_id}-cp{r}", "transfer.app.prefill_worker", args, s.prefill_host)
+            out.append((engine_id, worker))
         return out
 
     async def start(self) -> None:
@@ -144,9 +170,8 @@ class Supervisor:
                 str(s.decode_lanes),
                 "--seed",
                 str(d + 1),
-                *self._common(),
             ]
-            pending.append((f"decode{d}", launch.spawn(f"decode{d}", "transfer.app.decode_worker", args)))
+            pending.append((f"decode{d}", self._spawn(f"decode{d}", "transfer.app.decode_worker", args, s.decode_host)))
         ready = await asyncio.gather(*(launch.wait_ready(c, s.start_timeout) for _, c in pending))
         by_engine: dict[str, list[dict[str, str]]] = {}
         for (engine_id, _), text in zip(pending, ready):
