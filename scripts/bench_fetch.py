@@ -32,6 +32,7 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
+from transfer.app.supervisor import Host  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState  # noqa: E402
@@ -121,6 +122,8 @@ async def bench(args: argparse.Namespace) -> None:
         preset="dsa_v32",
         prefill_pool_tokens=pool_tokens,
         device=args.prefill_device or args.device,
+        registry_host=args.prefill_host,
+        prefill_host=args.prefill_host,
     )
     layout = dsa_v32(size=pool_tokens, device=args.decode_device or args.device)
     # The limit's source sits where the owners are when they share one GPU (a peer copy across GPUs).
@@ -324,6 +327,12 @@ def main() -> None:
     )
     ap.add_argument("--prefill-device", default="", help="the owners' device: cuda (one GPU a rank), cuda:N")
     ap.add_argument("--decode-device", default="", help="the decode pool's device (default --device)")
+    ap.add_argument(
+        "--prefill-host",
+        type=Host.parse,
+        default=Host(),
+        help="where the registry and owners run: ADDRESS or NETNS@ADDRESS (see scripts/bench_hosts.py)",
+    )
     asyncio.run(bench(ap.parse_args()))
 
 
