@@ -87,3 +87,40 @@ def test_main_job_across_hosts_reads_over_tcp(hosts: HostNet, tmp_path: Path) ->
     # The decode's READs went over the bridge, not through a same-host copy.
     transports = _read_transports((tmp_path / "decode0.log").read_text(errors="replace"))
     assert transports == {"tcp"}, transports
+
+
+def test_link_cut_mid_fetch_fails_fast_and_lands_nothing_later(hosts: HostNet, tmp_path: Path) -> None:
+    hosts.limit("prefill", 200)  # 25 MB/s: a 2k-token room takes seconds, so the cut falls mid-READ
+    run = subprocess.run(
+        [
+            *hosts.exec_prefix("decode"),
+            sys.executable,
+            "-m",
+            "tests.link_cut",
+            hosts.netns("prefill"),
+            hosts.address("prefill"),
+            "--trials",
+            "2",
+            "--tokens",
+            "2048",
+            "--out",
+            str(tmp_path / "cuts.json"),
+        ],
+        env={**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "cuts.json").read_text())
+    assert report["first_fetch_ok"] and report["cuts"], report
+    for cut in report["cuts"]:
+        assert cut["error"] == "PeerLostError", cut  # typed, and not the READ's one-minute deadline
+        assert cut["seconds"] < 10, cut
+        assert not cut["landed_late"], cut  # nothing landed in the pages once the link was back
+    crashed = [name for name in report["dead"] if "(exit -11)" in name]
+    if crashed:  # reproduced with bare NIXL: scripts/repro_ucx_tcp_crash.py
+        pytest.xfail(f"owner segfaulted in UCX's TCP pending purge (upstream UCX 1.23 bug): {crashed}")
+    assert "failed" not in report and not report["dead"], report
+    assert all(cut["then_clean_fetch_ok"] for cut in report["cuts"]), report  # reconnected, byte for byte

@@ -330,7 +330,11 @@ class DecodeFetcher(OwnerIO):
         if ticket is not None:
             ticket_owners = await self._ticket_owners(engine_id, owners, ticket, budget)
             if ticket_owners is not None:
-                return await self._fetch_ticket(ticket_owners, engine_id, ticket, dst, budget)
+                try:
+                    return await self._fetch_ticket(ticket_owners, engine_id, ticket, dst, budget)
+                except PeerLostError:
+                    await self.forget(engine_id)  # a failed connection serves no later fetch
+                    raise
             owners = await self._lookup(engine_id, budget)
         try:
             return await self._fetch_from(owners, engine_id, Claim(room), dst, budget)

@@ -63,11 +63,22 @@ def configure_ucx_environment() -> None:
     (seen with nixl-cu12 1.5.1); excluding the ib module avoids that and costs nothing
     where no IB exists. On one GPU without NVLink, UCX disables cuda_ipc zero-copy GET
     and falls back to a slow emulation; turn it on explicitly.
+
+    Between hosts over TCP, a cut link stalls a READ with no error at all (TCP retransmits
+    quietly) until the READ's own deadline, a minute later; and a READ abandoned then still
+    landed its bytes once the link came back (seen between network namespaces). With TCP
+    keepalive probes after 1 s of silence, given up after two unanswered ones, UCX fails the
+    endpoint about 3 s after the cut (measured: 3.1 s), the READ ends `PeerLostError`, and
+    a failed endpoint lands nothing later. The probes are answered by the peer's kernel, so a
+    busy owner is not taken for a dead one.
     """
     ib = Path("/sys/class/infiniband")
     if "UCX_MODULES" not in os.environ and not (ib.exists() and any(ib.iterdir())):
         os.environ["UCX_MODULES"] = "^ib"
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    os.environ.setdefault("UCX_TCP_KEEPIDLE", "1s")
+    os.environ.setdefault("UCX_TCP_KEEPINTVL", "1s")
+    os.environ.setdefault("UCX_TCP_KEEPCNT", "2")
 
 
 def default_lanes(mem_type: str = "DRAM") -> int:

@@ -1,0 +1,124 @@
+"""Bare-NIXL reproduction of an owner crash in UCX's TCP transport (no pdkv code involved).
+
+An owner agent exports 256 MiB; a reader on another stand-in host (network namespace,
+UCX_TLS=tcp) READs it as DSA-sized descriptors (41,984 bytes) and, half a second in, either
+dies (`--mode kill`) or has the link cut under it (`--mode cut`, with the TCP keepalive pdkv
+sets). When the owner's endpoint then fails with READ replies still queued, UCX 1.23.0 (the
+one bundled with nixl 1.5.1) crashed in `uct_tcp_ep_pending_purge -> ucp_request_send_state_ff
+-> ucp_request_memory_dereg`: 1 of 10 cuts and 3 of 10 kills here (2026-11-30). Prints the owner's
+exit code per trial (-11: the crash). Needs root.
+
+    sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py [--trials 8] [--mode kill|cut]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZE = 256 << 20
+ITEM = 41_984  # DSA's latent KV bytes per page and layer
+
+
+def _agent(name: str):  # type: ignore[no-untyped-def]
+    from transfer.ucx import load_nixl
+
+    nixl = load_nixl()
+    return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+def owner(workdir: Path, seconds: float) -> None:
+    import torch
+
+    agent, buf = _agent("owner"), torch.ones(SIZE, dtype=torch.uint8)
+    agent.register_memory([buf])
+    (workdir / "meta.tmp").write_bytes(agent.get_agent_metadata())
+    (workdir / "addr").write_text(str(buf.data_ptr()))
+    (workdir / "meta.tmp").rename(workdir / "meta")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # progress as an exporter does
+        agent.get_new_notifs()
+        time.sleep(0.001)
+
+
+def reader(workdir: Path, cut_netns: str | None) -> None:
+    import torch
+
+    agent, buf = _agent("reader"), torch.zeros(SIZE, dtype=torch.uint8)
+    agent.register_memory([buf])
+    end = time.monotonic() + 30
+    while not (workdir / "meta").exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    peer = agent.add_remote_agent((workdir / "meta").read_bytes())
+    base, count = int((workdir / "addr").read_text()), SIZE // ITEM
+    local = agent.get_xfer_descs([(buf.data_ptr() + i * ITEM, ITEM, 0) for i in range(count)], "DRAM")
+    remote = agent.get_xfer_descs([(base + i * ITEM, ITEM, 0) for i in range(count)], "DRAM")
+    handle = agent.initialize_xfer("READ", local, remote, peer)
+    agent.transfer(handle)
+    _progress(agent, handle, 0.5)  # the READ's requests go out as the reader progresses
+    if cut_netns is None:
+        os._exit(0)  # dies mid-READ
+    subprocess.run(["ip", "-n", cut_netns, "link", "set", "eth0", "down"], check=True, timeout=10)
+    _progress(agent, handle, 5)  # the keepalive fails the endpoints on both sides
+    subprocess.run(["ip", "-n", cut_netns, "link", "set", "eth0", "up"], check=True, timeout=10)
+    agent.remove_remote_agent(peer)
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        agent.get_new_notifs()
+        time.sleep(0.001)
+    os._exit(0)
+
+
+def _progress(agent, handle, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if agent.check_xfer_state(handle) != "PROC":
+                return
+        except Exception:  # the endpoint failed: what the cut is for
+            return
+        time.sleep(0.001)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=8)
+    ap.add_argument("--mode", choices=("kill", "cut"), default="kill")
+    ap.add_argument("--role", choices=("owner", "reader"), help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--cut", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "owner":
+        return owner(args.workdir, 16)
+    if args.role == "reader":
+        return reader(args.workdir, args.cut)
+    from tests.netns import HostNet, unavailable
+
+    if why := unavailable():
+        sys.exit(f"repro: {why}")
+    codes = []
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    with HostNet(["owner", "reader"]) as net:
+        net.limit("owner", 400)  # the READ must still be running when the reader goes
+        for _ in range(args.trials):
+            with tempfile.TemporaryDirectory() as tmp:
+                me = [sys.executable, __file__, "--workdir", tmp, "--role"]
+                own = subprocess.Popen([*net.exec_prefix("owner"), *me, "owner"], env=env, stdout=subprocess.DEVNULL)
+                cut = ["--cut", net.netns("owner")] if args.mode == "cut" else []
+                run = [*net.exec_prefix("reader"), *me, "reader", *cut]
+                subprocess.run(run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+                codes.append(own.wait(timeout=60))
+    print(f"owner exit codes ({args.mode}, {ITEM}-byte descriptors, UCX over TCP): {codes}")
+    print(f"crashed (SIGSEGV): {sum(c == -11 for c in codes)} of {len(codes)}")
+
+
+if __name__ == "__main__":
+    main()
