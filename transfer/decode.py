@@ -43,11 +43,9 @@ from pdkv.errors import (
     ClosedError,
     DeadlineExceeded,
     IncompatibleLayoutError,
-    NotReadyError,
     PdkvError,
     PeerLostError,
     TransferError,
-    UnknownEngineError,
     UnknownRoomError,
 )
 from pdkv.pages import PageIds, page_ids
@@ -61,6 +59,7 @@ from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.pin_table import map_pins
 from transfer.plan import buffer_pairs, check_owners, mem_type
 from transfer.readiness import ReadinessFeed
+from transfer.registry_client import registry_client
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport, default_lanes
@@ -113,6 +112,7 @@ class DecodeFetcher(OwnerIO):
             raise IncompatibleLayoutError("a decode pool must hold every layer")
         self.pool = pool
         self.registry_url = registry_url.rstrip("/")
+        self._registry = registry_client(self.registry_url, timeouts, secret)
         self.consumer_id = consumer_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.timeouts = timeouts
         self.merge_runs = merge_runs
@@ -156,6 +156,7 @@ class DecodeFetcher(OwnerIO):
         except asyncio.TimeoutError:
             logger.warning("closing with %d fetches still in flight", self._active)
         await self._feed.aclose()
+        await self._registry.aclose()
         await self._client.aclose()
         if self._gpu is not None:
             await self._gpu.aclose()
@@ -213,22 +214,7 @@ class DecodeFetcher(OwnerIO):
     async def _describe(self, engine_id: str, within: Deadline | None = None) -> dict[int, Owner]:
         """Ask the registry for the engine's owners (waiting until all are in) and check them."""
         deadline = Deadline.after(self.timeouts.lookup) if within is None else within.within(self.timeouts.lookup)
-        url = f"{self.registry_url}/v1/engines/{engine_id}"
-        delay = 0.05
-        while True:
-            try:
-                desc = await self._client.request(
-                    "GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request)
-                )
-                break
-            except (NotReadyError, UnknownEngineError) as exc:
-                if deadline.remaining() < delay:
-                    raise
-                logger.debug("engine %s not ready: %s", engine_id, exc)
-                await asyncio.sleep(deadline.left(delay))
-                delay = min(delay * 2, 0.5)
-        assert desc is not None
-        return self._check_engine(desc)
+        return self._check_engine(await self._registry.lookup(engine_id, deadline))
 
     def _check_engine(self, desc: EngineDescriptor) -> dict[int, Owner]:
         check_owners(desc, self.pool)

@@ -54,6 +54,7 @@ from transfer.metrics import track_exporter, untrack_exporter
 from transfer.pin_table import PinWords
 from transfer.plan import device_id, mem_type
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
+from transfer.registry_client import register_until, registry_client
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport
@@ -122,6 +123,7 @@ class PrefillExporter:
         self.pool = pool
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self.registry_url = registry_url.rstrip("/")
+        self._registry = registry_client(self.registry_url, timeouts, secret)
         self.timeouts = timeouts
         self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
         # Host memory whatever the pool's device: decodes check a word of it after their data.
@@ -178,7 +180,7 @@ class PrefillExporter:
             ipc=_ipc_export(self.pool),
             pins=self._pins.wire(),
         )
-        await self._register(deadline=time.monotonic() + self.timeouts.lookup)
+        await register_until(self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup)
         self._tasks = [
             asyncio.create_task(self._renew_forever()),
             asyncio.create_task(self._progress_forever()),
@@ -196,7 +198,8 @@ class PrefillExporter:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         with contextlib.suppress(PdkvError):
-            await self._client.request("DELETE", self._rank_url())
+            await self._registry.leave(self.engine_id, self.cp_rank)
+        await self._registry.aclose()
         await self._client.aclose()
         await self._http.aclose()
         if self.transport is not None:
@@ -279,30 +282,12 @@ class PrefillExporter:
         return OwnerPin(cp_rank=self.cp_rank, incarnation=self.incarnation, slot=slot, nonce=nonce)
 
     # ---- registry ----------------------------------------------------------------------------
-    def _rank_url(self) -> str:
-        return f"{self.registry_url}/v1/engines/{self.engine_id}/ranks/{self.cp_rank}"
-
-    async def _register(self, deadline: float) -> None:
-        assert self.descriptor is not None
-        delay = 0.05
-        while True:
-            try:
-                await self._client.request(
-                    "PUT", self._rank_url(), body=self.descriptor, fingerprint=self.descriptor.fingerprint
-                )
-                return
-            except PdkvError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                logger.info("registry not reachable yet (%s); retrying", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(self.timeouts.renew_interval)
             try:
-                await self._register(deadline=time.monotonic() + self.timeouts.renew_interval)
+                assert self.descriptor is not None
+                await register_until(self._registry, self.descriptor, time.monotonic() + self.timeouts.renew_interval)
             except PdkvError as exc:  # the registry may be restarting: keep trying
                 logger.warning("lease renewal failed: %s", exc)
 

@@ -150,6 +150,7 @@ async def run(args: argparse.Namespace) -> int:
         device=args.device,
         log_level=args.log_level,
         registry_host=args.registry_host,
+        registry=args.registry,
         prefill_host=args.prefill_host,
         decode_host=args.decode_host,
     )
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--log-level", default="WARNING")
     where = "ADDRESS to bind, or NETNS@ADDRESS to run in that network namespace (a stand-in host; needs root)"
+    ap.add_argument(
+        "--registry", help="use this registry (etcd://HOST:PORT/PREFIX or http://...) instead of starting one"
+    )
     ap.add_argument("--registry-host", type=Host.parse, default=Host(), help=where)
     ap.add_argument("--prefill-host", type=Host.parse, default=Host(), help=where)
     ap.add_argument("--decode-host", type=Host.parse, default=Host(), help=where)

@@ -64,6 +64,9 @@ class DeploymentSpec:
     start_timeout: float = 120.0
     log_level: str = "WARNING"
     registry_host: Host = Host()
+    # An existing registry to use (`http://...` or `etcd://HOST:PORT/PREFIX`) instead of
+    # starting the built-in one.
+    registry: str | None = None
     prefill_host: Host = Host()
     decode_host: Host = Host()
 
@@ -110,6 +113,9 @@ class Supervisor:
         return self.launcher.spawn(name, module, [*args, "--host", host.address, *self._common()], host.prefix())
 
     async def _start_registry(self, port: int = 0) -> None:
+        if self.spec.registry is not None:
+            self.registry_url = self.spec.registry
+            return
         args = ["--lease", str(self.spec.lease), "--port", str(port)]
         registry = self._spawn("registry", "transfer.app.registry", args, self.spec.registry_host)
         self.registry_url = await self.launcher.wait_ready(registry, self.spec.start_timeout)
@@ -200,6 +206,8 @@ class Supervisor:
 
     async def restart_registry(self) -> None:
         """Stop the registry and start a new, empty one on the same address."""
+        if self.spec.registry is not None:
+            raise RuntimeError("the deployment uses an external registry: restart it where it runs")
         old = next(c for c in self.launcher.children if c.name == "registry")
         await self.launcher.stop(old, grace=5.0)
         self.launcher.children.remove(old)

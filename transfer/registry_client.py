@@ -1,0 +1,127 @@
+"""The bootstrap registry as prefill ranks and decodes see it: HTTP (built-in) or etcd.
+
+A registry URL picks the backend: `http://HOST:PORT` is pdkv's own registry
+(`transfer.bootstrap`), `etcd://[USER:PASSWORD@]HOST:PORT[/PREFIX]` an etcd v3 cluster,
+the store NIXL and Dynamo keep this kind of metadata in. Both keep a rank's descriptor
+under a lease (a rank that dies drops out by itself) and answer a lookup only once every
+CP rank of the engine is in. On etcd a decode waits for the missing ranks by watching the
+engine's keys instead of polling, and etcd's own users and passwords guard the keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+from pdkv.errors import NotReadyError, PdkvError, UnknownEngineError
+from transfer.deadline import Deadline
+from transfer.http import ControlClient
+from transfer.metadata import EngineDescriptor, RankDescriptor
+from transfer.timeouts import Timeouts
+
+__all__ = ["RegistryClient", "HttpRegistry", "registry_client"]
+
+logger = logging.getLogger(__name__)
+
+
+class RegistryClient(Protocol):
+    """What an exporter and a fetcher need of a registry."""
+
+    async def register(self, descriptor: RankDescriptor) -> None:
+        """Put (or renew) this rank's descriptor under its lease; one attempt."""
+
+    async def leave(self, engine_id: str, cp_rank: int) -> None:
+        """Take the rank's descriptor out at once."""
+
+    async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
+        """The engine once every CP rank is in, waiting for the rest until `deadline`."""
+
+    async def aclose(self) -> None: ...
+
+
+def registry_client(url: str, timeouts: Timeouts, secret: str | None = None) -> RegistryClient:
+    """The client for `url`'s scheme (`http`, `https` or `etcd`)."""
+    scheme = urlsplit(url).scheme
+    if scheme in ("http", "https"):
+        return HttpRegistry(url, timeouts, secret)
+    if scheme == "etcd":
+        from transfer.etcd_registry import EtcdRegistry
+
+        return EtcdRegistry.from_url(url, timeouts)
+    raise ValueError(f"registry URL {url!r}: the scheme must be http, https or etcd")
+
+
+def assemble(engine_id: str, ranks: list[RankDescriptor]) -> EngineDescriptor:
+    """An engine from its ranks' descriptors, oldest first: typed errors while incomplete."""
+    if not ranks:
+        raise UnknownEngineError(f"engine {engine_id!r} is not registered")
+    size = ranks[-1].cp_size  # the newest decides: a restart with a new shape wins
+    by_rank = {r.cp_rank: r for r in ranks if r.cp_size == size}
+    missing = sorted(set(range(size)) - set(by_rank))
+    if missing:
+        raise NotReadyError(f"engine {engine_id!r}: ranks {missing} of {size} not registered")
+    return EngineDescriptor(engine_id, size, [by_rank[r] for r in range(size)])
+
+
+class HttpRegistry:
+    """pdkv's built-in registry (`transfer.bootstrap.RegistryServer`) over HTTP."""
+
+    def __init__(self, url: str, timeouts: Timeouts, secret: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeouts = timeouts
+        self._client = ControlClient(timeouts, secret)
+
+    def _rank_url(self, engine_id: str, cp_rank: int) -> str:
+        return f"{self.url}/v1/engines/{engine_id}/ranks/{cp_rank}"
+
+    async def register(self, descriptor: RankDescriptor) -> None:
+        url = self._rank_url(descriptor.engine_id, descriptor.cp_rank)
+        await self._client.request("PUT", url, body=descriptor, fingerprint=descriptor.fingerprint)
+
+    async def leave(self, engine_id: str, cp_rank: int) -> None:
+        await self._client.request("DELETE", self._rank_url(engine_id, cp_rank))
+
+    async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
+        url, delay = f"{self.url}/v1/engines/{engine_id}", 0.05
+        while True:
+            try:
+                return await self._client.request(
+                    "GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request)
+                )
+            except (NotReadyError, UnknownEngineError) as exc:
+                if deadline.remaining() < delay:
+                    raise
+                logger.debug("engine %s not ready: %s", engine_id, exc)
+                await asyncio.sleep(deadline.left(delay))
+                delay = min(delay * 2, 0.5)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float) -> None:
+    """Register, retrying with backoff while the registry is not reachable, until `deadline`."""
+    delay = 0.05
+    while True:
+        try:
+            return await registry.register(descriptor)
+        except PdkvError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.info("registry not reachable yet (%s); retrying", exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def etcd_target(url: str) -> tuple[str, int, str, str | None, str | None]:
+    """(host, port, key prefix, user, password) of an `etcd://` URL."""
+    parts = urlsplit(url)
+    if parts.hostname is None:
+        raise ValueError(f"registry URL {url!r} names no host")
+    prefix = parts.path.strip("/") or "pdkv"
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password else None
+    return parts.hostname, parts.port or 2379, prefix, user, password
