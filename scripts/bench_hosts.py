@@ -4,17 +4,21 @@ Makes two network namespaces joined by a bridge (198.18.0.0/24, removed at the e
 the registry and the CP=4 prefill in one and `scripts/bench_fetch.py` (the decode, pdkv and
 raw NIXL on the same descriptors) in the other, with UCX held to the transports a host
 pair without RDMA has (`--tls`, default tcp). `--mbit` caps each host's sending rate (a
-token bucket) to stand in for a slower NIC. Needs root.
+token bucket) to stand in for a slower NIC. `--cuts N` then cuts the link under N fetches
+(`tests/link_cut.py`) and prints how long each took to fail, and what followed. Needs root.
 
     sudo .venv/bin/python scripts/bench_hosts.py [--sizes 1024,8192,32768] [--runs 3] [--mbit 10000]
+    sudo .venv/bin/python scripts/bench_hosts.py --sizes 1024 --runs 1 --cuts 10
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +33,8 @@ def main() -> None:
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for every process (tcp: what a host pair without RDMA has)")
     ap.add_argument("--mbit", type=float, default=None, help="cap each host's sending rate (megabits a second)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
+    ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
     args = ap.parse_args()
     why = unavailable()
     if why:
@@ -45,7 +51,36 @@ def main() -> None:
         sys.stdout.flush()
         run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout, stdout=subprocess.PIPE, text=True)
         print("\n".join(line for line in run.stdout.splitlines() if "NIXL INFO" not in line))
-        sys.exit(run.returncode)
+        if run.returncode or not args.cuts:
+            sys.exit(run.returncode)
+        sys.exit(_cuts(net, env, args))
+
+
+def _cuts(net: HostNet, env: dict[str, str], args: argparse.Namespace) -> int:
+    net.limit("prefill", args.cut_mbit)
+    out = Path(tempfile.mkdtemp()) / "cuts.json"
+    cmd = [*net.exec_prefix("decode"), sys.executable, "-m", "tests.link_cut", net.netns("prefill")]
+    cmd += [net.address("prefill"), "--trials", str(args.cuts), "--tokens", "8192", "--out", str(out)]
+    cmd += ["--restart-crashed"]  # an owner UCX crashes (upstream, see README) is restarted and counted
+    run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout, capture_output=True, text=True)
+    if not out.exists():
+        print(run.stderr[-3000:])
+        return run.returncode or 1
+    report = json.loads(out.read_text())
+    cuts = report["cuts"]
+    seconds = sorted(c["seconds"] for c in cuts if c["seconds"] is not None)
+    kinds = sorted({str(c["error"]) for c in cuts})
+    print(f"link cut 0.5 s into an 8k-token fetch, {args.cut_mbit:g} Mbit/s cap: {len(cuts)} cuts, errors {kinds}")
+    if seconds:
+        p99 = seconds[min(len(seconds) - 1, round(0.99 * (len(seconds) - 1)))]
+        print(f"cut to error, s: p50 {seconds[len(seconds) // 2]:.2f}, p99 {p99:.2f}, max {seconds[-1]:.2f}")
+    print(f"bytes landed after the link was back: {sum(bool(c['landed_late']) for c in cuts)} of {len(cuts)}")
+    recovered = sum(bool(c.get("then_clean_fetch_ok")) for c in cuts)
+    print(f"byte-exact fetch after reconnecting: {recovered} of {len(cuts)}")
+    print(f"owner processes that crashed (SIGSEGV in UCX, restarted): {len(report['crashed'])}: {report['crashed']}")
+    if report.get("failed") or report["dead"]:
+        print(f"stopped early: {report.get('failed', '')}; services that died: {report['dead']}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -93,16 +93,30 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     pool = DSAKVPool(dsa_v32(size=args.tokens * 2))
     async with Deployment(spec, args.workdir) as d, DecodeFetcher(pool, d.registry_url) as fetcher:
         trials = Trials(d, fetcher, pool, args)
-        report: dict[str, object] = {"first_fetch_ok": await trials.clean_fetch(), "cuts": []}
-        try:
-            for _ in range(args.trials):
+        cuts: list[dict[str, object]] = []
+        report: dict[str, object] = {"first_fetch_ok": await trials.clean_fetch(), "cuts": cuts, "crashed": []}
+        while len(cuts) < args.trials:
+            try:
                 cut = await trials.cut()
-                report["cuts"].append(cut)  # type: ignore[attr-defined]
+                cuts.append(cut)
                 cut["then_clean_fetch_ok"] = await trials.clean_fetch()
-        except PdkvError as exc:
-            report["failed"] = f"{type(exc).__name__}: {exc}"
+            except PdkvError as exc:
+                dead = await _dead_soon(d)
+                if not (args.restart_crashed and dead):
+                    report["failed"] = f"{type(exc).__name__}: {exc}"
+                    break
+                report["crashed"].extend(dead)  # type: ignore[attr-defined]
+                await d.restart_engine("prefill0")  # as a deployment's supervisor would
         report["dead"] = d.dead_children()  # services that exited on their own
         return report
+
+
+async def _dead_soon(d: Deployment, within: float = 5.0) -> list[str]:
+    """Services that exited, waiting a little: a crashing process takes a while to go."""
+    end = time.monotonic() + within
+    while not (dead := d.dead_children()) and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+    return dead
 
 
 def main() -> None:
@@ -112,6 +126,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--cut-after", type=float, default=0.5, help="seconds into the fetch")
+    ap.add_argument("--restart-crashed", action="store_true", help="restart an engine that died, and go on")
     ap.add_argument("--workdir", type=Path, help="where the services' logs go (default: a temp dir)")
     ap.add_argument("--out", type=Path, required=True, help="write the JSON report here (UCX logs to stdout)")
     args = ap.parse_args()
