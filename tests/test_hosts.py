@@ -124,3 +124,22 @@ def test_link_cut_mid_fetch_fails_fast_and_lands_nothing_later(hosts: HostNet, t
         pytest.xfail(f"owner segfaulted in UCX's TCP pending purge (upstream UCX 1.23 bug): {crashed}")
     assert "failed" not in report and not report["dead"], report
     assert all(cut["then_clean_fetch_ok"] for cut in report["cuts"]), report  # reconnected, byte for byte
+
+
+def test_an_engine_restarted_on_another_host_is_found_there(tmp_path: Path) -> None:
+    with HostNet(["registry", "prefill-a", "prefill-b", "decode"]) as net:
+        where = [f"{net.netns(h)}@{net.address(h)}" for h in ("registry", "prefill-a", "prefill-b", "decode")]
+        run = subprocess.run(
+            [*net.exec_prefix("decode"), sys.executable, "-m", "tests.host_move", *where, "--out", str(tmp_path / "r")],
+            env={**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "r").read_text())
+    assert report["before"] == [True, True] and report["after"] == [True, True], report["errors"]
+    assert all(net.address("prefill-a") in url for url in report["controls_before"])
+    assert all(net.address("prefill-b") in url for url in report["controls_after"])  # found at its new address
+    assert not report["dead"]
