@@ -48,8 +48,10 @@ def registry_client(url: str, timeouts: Timeouts, secret: str | None = None) -> 
     if scheme in ("http", "https"):
         return HttpRegistry(url, timeouts, secret)
     if scheme == "etcd":
-        from transfer.etcd_registry import EtcdRegistry
-
+        try:
+            from transfer.etcd_registry import EtcdRegistry
+        except ImportError as exc:
+            raise ImportError(f"registry URL {url!r} needs the etcd client: pip install 'pdkv[etcd]' ({exc})") from exc
         return EtcdRegistry.from_url(url, timeouts)
     raise ValueError(f"registry URL {url!r}: the scheme must be http, https or etcd")
 
