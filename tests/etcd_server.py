@@ -36,6 +36,7 @@ class EtcdServer:
         self.binary, self.data_dir = binary, data_dir
         self.port, self.peer_port = _free_port(), _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.root_password: str | None = None
 
     @property
     def url(self) -> str:
@@ -65,6 +66,22 @@ class EtcdServer:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd did not listen on {self.port} within {timeout}s")
+
+    def ctl(self, *args: str) -> None:
+        """Run `etcdctl` against this server (as root once auth is on: `root_password`)."""
+        ctl = self.binary.with_name("etcdctl")
+        auth = [f"--user=root:{self.root_password}"] if self.root_password else []
+        subprocess.run([str(ctl), f"--endpoints=127.0.0.1:{self.port}", *auth, *args], check=True, capture_output=True)
+
+    def enable_auth(self, user: str, password: str, prefix: str) -> None:
+        """Turn on etcd's auth with `user` allowed to read and write under `prefix` only."""
+        self.ctl("user", "add", "root:rootpw")
+        self.ctl("user", "add", f"{user}:{password}")
+        self.ctl("role", "add", user)
+        self.ctl("role", "grant-permission", user, "--prefix=true", "readwrite", prefix)
+        self.ctl("user", "grant-role", user, user)
+        self.ctl("auth", "enable")
+        self.root_password = "rootpw"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

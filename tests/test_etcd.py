@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdkv import DeadlineExceeded, MetadataError, NotReadyError, PeerLostError, UnknownEngineError
+from pdkv import AuthError, DeadlineExceeded, MetadataError, NotReadyError, PeerLostError, UnknownEngineError
 from tests.etcd_server import EtcdServer, etcd_binary
 from tests.wire_helpers import rank_descriptor
 from transfer.deadline import Deadline
@@ -136,3 +136,25 @@ async def test_a_deployment_on_etcd_moves_kv_and_keeps_fetching_while_etcd_is_do
         later = [await d.submit(n) for n in (300, 1000)]
         assert all(o.ok for o in later), [o.error for o in later]
         assert not d.dead_children()
+
+
+async def test_etcd_users_guard_the_keys(etcd: EtcdServer) -> None:
+    etcd.enable_auth("pdkv", "pw", "/pdkv-test/")
+    where = etcd.url.removeprefix("etcd://")
+    allowed = registry_client(f"etcd://pdkv:pw@{where}", Timeouts())
+    try:
+        await allowed.register(rank_descriptor(0))
+        with pytest.raises(NotReadyError):
+            await allowed.lookup("e0", Deadline.after(1))
+    finally:
+        await allowed.aclose()
+    other_prefix = where.replace("/pdkv-test", "/elsewhere")
+    for url in (f"etcd://pdkv:wrong@{where}", f"etcd://{where}", f"etcd://pdkv:pw@{other_prefix}"):
+        client = registry_client(url, Timeouts())
+        try:
+            with pytest.raises(AuthError):  # bad password, no user, no rights on that prefix
+                await client.register(rank_descriptor(0))
+            with pytest.raises(AuthError):
+                await client.lookup("e0", Deadline.after(1))
+        finally:
+            await client.aclose()

@@ -6,7 +6,8 @@ etcd lease of `Timeouts.lease` seconds that the rank refreshes: a dead rank's ke
 with its lease, and a member restart keeps whatever was written (etcd persists keys and
 leases). A lookup reads the engine's keys and, while ranks are missing, watches them from
 the revision it read rather than polling. Every call is bounded: an unreachable etcd is a
-`PeerLostError` (or `DeadlineExceeded`) within the call's timeout, never a hang.
+`PeerLostError` (or `DeadlineExceeded`) within the call's timeout, never a hang; bad
+credentials or a user without rights on the prefix are an `AuthError`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,23 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+from aetcd import rpc
 
-from pdkv.errors import DeadlineExceeded, NotReadyError, PeerLostError, UnknownEngineError
+from pdkv.errors import (
+    AuthError,
+    DeadlineExceeded,
+    NotReadyError,
+    PdkvError,
+    PeerLostError,
+    TransferError,
+    UnknownEngineError,
+)
 from transfer.deadline import Deadline
 from transfer.metadata import EngineDescriptor, RankDescriptor, decode, encode
 from transfer.registry_client import assemble, etcd_target
@@ -32,6 +43,8 @@ __all__ = ["EtcdRegistry"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_AUTH_FAILURE = re.compile(r"authentication failed|user name is empty|invalid auth token|permission denied")
 
 
 class EtcdRegistry:
@@ -70,8 +83,19 @@ class EtcdRegistry:
             return await asyncio.wait_for(call, limit)
         except asyncio.TimeoutError as exc:
             raise DeadlineExceeded(f"{what} on {self.where}: no answer in {limit:.1f}s") from exc
-        except aetcd.exceptions.ClientError as exc:
-            raise PeerLostError(f"{what} on {self.where}: {type(exc).__name__}: {exc}", self.where) from exc
+        except (aetcd.exceptions.ClientError, rpc.AioRpcError) as exc:
+            raise self._translate(exc, what) from exc
+
+    def _translate(self, exc: Exception, what: str) -> PdkvError:
+        """aetcd's (and gRPC's) failures into the pdkv tree. etcd answers bad credentials with
+        INVALID_ARGUMENT and a missing right with PERMISSION_DENIED, which aetcd passes raw."""
+        text = exc.details() if isinstance(exc, rpc.AioRpcError) else str(exc)
+        denied = isinstance(exc, rpc.AioRpcError) and exc.code() == rpc.StatusCode.PERMISSION_DENIED
+        if denied or isinstance(exc, aetcd.exceptions.UnauthenticatedError) or _AUTH_FAILURE.search(text):
+            return AuthError(f"{what} on {self.where}: {text}")
+        if isinstance(exc, rpc.AioRpcError):
+            return TransferError(f"{what} on {self.where}: {exc.code().name}: {text}")
+        return PeerLostError(f"{what} on {self.where}: {type(exc).__name__}: {text}", self.where)
 
     async def register(self, descriptor: RankDescriptor) -> None:
         """Refresh this rank's lease; grant a new one and write the key when it has lapsed."""
@@ -137,8 +161,8 @@ class EtcdRegistry:
             await asyncio.wait_for(first_event(), deadline.remaining())
         except asyncio.TimeoutError:
             raise type(pending)(f"{pending} (watched until the deadline)") from None
-        except aetcd.exceptions.ClientError as exc:
-            raise PeerLostError(f"watch on {self.where}: {exc}", self.where) from exc
+        except (aetcd.exceptions.ClientError, rpc.AioRpcError) as exc:
+            raise self._translate(exc, "watch") from exc
         finally:
             with contextlib.suppress(Exception):  # the stream may already be gone with etcd
                 await asyncio.wait_for(watch.cancel(), 1.0)
