@@ -38,8 +38,20 @@ def unavailable() -> str | None:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"ip netns add failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
+    try:  # what HostNet builds: a veth pair, and a token bucket on it
+        for step in (
+            ["-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+            ["-n", probe, "link", "set", "v0", "up"],
+        ):
+            if (done := _ip(*step, check=False)).returncode != 0:
+                return f"ip {' '.join(step[2:])} failed: {done.stderr.strip()}"
+        tbf = ["tc", "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "1mbit", "burst", "32kb", "latency", "50ms"]
+        done = _ip("netns", "exec", probe, *tbf, check=False)
+        if done.returncode != 0:
+            return f"tc tbf failed: {done.stderr.strip()}"
+        return None
+    finally:
+        _ip("netns", "del", probe, check=False)
 
 
 @dataclass

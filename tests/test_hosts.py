@@ -19,7 +19,8 @@ import pytest
 
 from tests.netns import HostNet, unavailable
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no stand-in hosts: {unavailable()}")
+_WHY_NOT = unavailable()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no stand-in hosts: {_WHY_NOT}")
 
 ROOT = Path(__file__).resolve().parents[1]
 
