@@ -42,7 +42,7 @@ def main() -> None:
     with HostNet(["prefill", "decode"]) as net:
         for host in ("prefill", "decode"):
             net.limit(host, args.mbit)
-        prefill = f"{net.netns('prefill')}@{net.address('prefill')}"
+        prefill = net.where("prefill")
         cmd = [*net.exec_prefix("decode"), sys.executable, str(ROOT / "scripts/bench_fetch.py")]
         cmd += ["--sizes", args.sizes, "--runs", str(args.runs), "--prefill-host", prefill]
         env = {**os.environ, "UCX_TLS": args.tls}

@@ -68,6 +68,10 @@ class HostNet:
     def address(self, host: str) -> str:
         return f"{SUBNET}.{list(self.hosts).index(host) + 1}"
 
+    def where(self, host: str) -> str:
+        """`host` as a deployment flag takes it: NETNS@ADDRESS."""
+        return f"{self.netns(host)}@{self.address(host)}"
+
     def exec_prefix(self, host: str) -> list[str]:
         """Put before a command line to run it on `host`."""
         return ["ip", "netns", "exec", self.netns(host)]

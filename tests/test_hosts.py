@@ -31,6 +31,18 @@ def hosts() -> HostNet:
         yield net
 
 
+def _run_on(net: HostNet, host: str, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -m argv...` on `host`, UCX held to TCP, bounded; its output captured."""
+    return subprocess.run(
+        [*net.exec_prefix(host), sys.executable, "-m", *argv],
+        env={**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT), **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def _read_transports(log: str) -> set[str]:
     """The transports UCX chose for remote-memory READs, from its protocol tables.
 
@@ -44,42 +56,16 @@ def _read_transports(log: str) -> set[str]:
 
 
 def test_main_job_across_hosts_reads_over_tcp(hosts: HostNet, tmp_path: Path) -> None:
-    prefill = f"{hosts.netns('prefill')}@{hosts.address('prefill')}"
-    decode = f"{hosts.netns('decode')}@{hosts.address('decode')}"
-    summary = tmp_path / "summary.json"
-    run = subprocess.run(
-        [
-            *hosts.exec_prefix("decode"),
-            sys.executable,
-            "-m",
-            "transfer.app",
-            "--preset",
-            "tiny",
-            "--requests",
-            "12",
-            "--mix",
-            "64:1,512:1,2048:1",
-            "--prefill-pool-tokens",
-            "16384",
-            "--decode-pool-tokens",
-            "16384",
-            "--registry-host",
-            prefill,
-            "--prefill-host",
-            prefill,
-            "--decode-host",
-            decode,
-            "--no-progress",
-            "--workdir",
-            str(tmp_path),
-            "--json",
-            str(summary),
-        ],
-        env={**os.environ, "UCX_TLS": "tcp", "UCX_PROTO_INFO": "y", "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    prefill, summary = hosts.where("prefill"), tmp_path / "summary.json"
+    pools = ["--prefill-pool-tokens", "16384", "--decode-pool-tokens", "16384"]
+    run = _run_on(
+        hosts,
+        "decode",
+        "transfer.app",
+        *("--preset", "tiny", "--requests", "12", "--mix", "64:1,512:1,2048:1", *pools),
+        *("--registry-host", prefill, "--prefill-host", prefill, "--decode-host", hosts.where("decode")),
+        *("--no-progress", "--workdir", str(tmp_path), "--json", str(summary)),
+        UCX_PROTO_INFO="y",
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     result = json.loads(summary.read_text())
@@ -92,26 +78,18 @@ def test_main_job_across_hosts_reads_over_tcp(hosts: HostNet, tmp_path: Path) ->
 
 def test_link_cut_mid_fetch_fails_fast_and_lands_nothing_later(hosts: HostNet, tmp_path: Path) -> None:
     hosts.limit("prefill", 200)  # 25 MB/s: a 2k-token room takes seconds, so the cut falls mid-READ
-    run = subprocess.run(
-        [
-            *hosts.exec_prefix("decode"),
-            sys.executable,
-            "-m",
-            "tests.link_cut",
-            hosts.netns("prefill"),
-            hosts.address("prefill"),
-            "--trials",
-            "2",
-            "--tokens",
-            "2048",
-            "--out",
-            str(tmp_path / "cuts.json"),
-        ],
-        env={**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    prefill = (hosts.netns("prefill"), hosts.address("prefill"))
+    run = _run_on(
+        hosts,
+        "decode",
+        "tests.link_cut",
+        *prefill,
+        "--trials",
+        "2",
+        "--tokens",
+        "2048",
+        "--out",
+        str(tmp_path / "cuts.json"),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "cuts.json").read_text())
@@ -129,15 +107,8 @@ def test_link_cut_mid_fetch_fails_fast_and_lands_nothing_later(hosts: HostNet, t
 
 def test_an_engine_restarted_on_another_host_is_found_there(tmp_path: Path) -> None:
     with HostNet(["registry", "prefill-a", "prefill-b", "decode"]) as net:
-        where = [f"{net.netns(h)}@{net.address(h)}" for h in ("registry", "prefill-a", "prefill-b", "decode")]
-        run = subprocess.run(
-            [*net.exec_prefix("decode"), sys.executable, "-m", "tests.host_move", *where, "--out", str(tmp_path / "r")],
-            env={**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT)},
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        where = [net.where(h) for h in ("registry", "prefill-a", "prefill-b", "decode")]
+        run = _run_on(net, "decode", "tests.host_move", *where, "--out", str(tmp_path / "r"))
         assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "r").read_text())
     assert report["before"] == [True, True] and report["after"] == [True, True], report["errors"]

@@ -13,12 +13,12 @@ credentials or a user without rights on the prefix are an `AuthError`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import aetcd
 import aetcd.exceptions
@@ -35,7 +35,7 @@ from pdkv.errors import (
 )
 from transfer.deadline import Deadline
 from transfer.metadata import EngineDescriptor, RankDescriptor, decode, encode
-from transfer.registry_client import assemble, etcd_target
+from transfer.registry_client import assemble
 from transfer.timeouts import Timeouts
 
 __all__ = ["EtcdRegistry"]
@@ -45,6 +45,17 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _AUTH_FAILURE = re.compile(r"authentication failed|user name is empty|invalid auth token|permission denied")
+
+
+def etcd_target(url: str) -> tuple[str, int, str, str | None, str | None]:
+    """(host, port, key prefix, user, password) of an `etcd://` URL."""
+    parts = urlsplit(url)
+    if parts.hostname is None:
+        raise ValueError(f"registry URL {url!r} names no host")
+    prefix = parts.path.strip("/") or "pdkv"
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password else None
+    return parts.hostname, parts.port or 2379, prefix, user, password
 
 
 class EtcdRegistry:
@@ -164,9 +175,13 @@ class EtcdRegistry:
         except (aetcd.exceptions.ClientError, rpc.AioRpcError) as exc:
             raise self._translate(exc, "watch") from exc
         finally:
-            with contextlib.suppress(Exception):  # the stream may already be gone with etcd
+            try:
                 await asyncio.wait_for(watch.cancel(), 1.0)
+            except Exception as exc:  # the stream may already be gone with etcd
+                logger.debug("cancelling a watch on %s: %s", self.where, exc)
 
     async def aclose(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.wait_for(self._client.close(), 3.0)
+        except Exception as exc:  # closing must not fail a shutdown; etcd may be gone
+            logger.warning("closing the etcd client of %s: %s", self.where, exc)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from typing import Protocol
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from pdkv.errors import NotReadyError, PdkvError, UnknownEngineError
 from transfer.deadline import Deadline
@@ -116,14 +116,3 @@ async def register_until(registry: RegistryClient, descriptor: RankDescriptor, d
             logger.info("registry not reachable yet (%s); retrying", exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
-
-
-def etcd_target(url: str) -> tuple[str, int, str, str | None, str | None]:
-    """(host, port, key prefix, user, password) of an `etcd://` URL."""
-    parts = urlsplit(url)
-    if parts.hostname is None:
-        raise ValueError(f"registry URL {url!r} names no host")
-    prefix = parts.path.strip("/") or "pdkv"
-    user = unquote(parts.username) if parts.username else None
-    password = unquote(parts.password) if parts.password else None
-    return parts.hostname, parts.port or 2379, prefix, user, password
