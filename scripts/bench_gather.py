@@ -2,7 +2,7 @@
 
 DSA layout (61 layers, latent and indexer), fragmented source and destination pages as in
 bench_fetch; one gather plan over every layer, timed with CUDA events, for a few block
-sizes and warp counts. Needs a GPU.
+sizes and warp counts, with the host time of queueing a launch. Needs a GPU.
 
     python3 scripts/bench_gather.py [--tokens 1024,8192,32768] [--runs 20]
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,23 +35,33 @@ def pairs(dst: DSAKVPool, src: DSAKVPool) -> list[BufferPair]:
     return out
 
 
-def timed(fn, runs: int) -> float:
-    """Median seconds of `fn`, which queues work and returns (start, end) CUDA events."""
-    fn()[1].synchronize()
-    samples = []
+class _TorchCopy:
+    """A contiguous copy queued with torch, timed like a lane's `Launch`."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.a.record()
+        dst.copy_(src)
+        self.b.record()
+
+    def wait(self) -> None:
+        self.b.synchronize()
+
+    def seconds(self) -> float:
+        return self.a.elapsed_time(self.b) / 1e3
+
+
+def timed(fn, runs: int) -> tuple[float, float]:
+    """Median seconds on the GPU of what `fn` queues, and median host seconds of queueing it."""
+    fn().wait()
+    gpu, host = [], []
     for _ in range(runs):
-        a, b = fn()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(samples)
-
-
-def copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    dst.copy_(src)
-    b.record()
-    return a, b
+        t0 = time.perf_counter()
+        launch = fn()
+        host.append(time.perf_counter() - t0)
+        launch.wait()
+        gpu.append(launch.seconds())
+    return statistics.median(gpu), statistics.median(host)
 
 
 def main() -> None:
@@ -62,7 +73,8 @@ def main() -> None:
     dst, src = DSAKVPool(layout), DSAKVPool(layout)
     rng = np.random.default_rng(7)
     bufs = pairs(dst, src)
-    print(f"{'tokens':>8}{'MB':>8}{'block':>8}{'warps':>8}{'kernel GB/s':>14}{'contig GB/s':>14}{'ratio':>8}")
+    head = ("tokens", "MB", "block", "warps", "kernel GB/s", "contig GB/s", "ratio", "launch us")
+    print("".join(f"{h:>12}" for h in head))
     for n in args.tokens:
         k = n // layout.page_size
         s_pages = fragmented_page_order(np.arange(1, layout.num_pages), rng)[:k]
@@ -70,14 +82,14 @@ def main() -> None:
         plan = build_gather_plan(bufs, s_pages, d_pages)
         flat_d, flat_s = dst.kv_slab.view(torch.uint8).view(-1), src.kv_slab.view(torch.uint8).view(-1)
         n_bytes = plan.nbytes
-        contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: copy(d, s), args.runs) / 1e9
+        contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: _TorchCopy(d, s), args.runs)[0] / 1e9
         for block in (2048, 4096, 8192):  # the lane picks 4096 x 4 warps, or 8192 x 8 from 1 GiB
             for warps in (4, 8):
                 lane = GatherLane(torch.device("cuda:0"), (block, warps))
-                t = timed(lambda lane=lane, plan=plan: lane.launch(plan), args.runs)
+                t, host = timed(lambda lane=lane, plan=plan: lane.launch(plan), args.runs)
                 gbps = plan.nbytes / t / 1e9
-                row = (f"{n:>8}{plan.nbytes / 1e6:>8.0f}{block:>8}{warps:>8}", f"{gbps:>14.0f}{contig:>14.0f}")
-                print("".join(row) + f"{gbps / contig:>8.2f}")
+                cells = (n, plan.nbytes / 1e6, block, warps, gbps, contig)
+                print("".join(f"{c:>12.0f}" for c in cells) + f"{gbps / contig:>12.2f}{host * 1e6:>12.1f}")
 
 
 if __name__ == "__main__":

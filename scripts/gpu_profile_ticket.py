@@ -1,9 +1,10 @@
 """Where the time of a same-host GPU lane fetch with a ticket goes (one GPU, CP=4 owners).
 
-Wraps the fetch's steps with timers and prints, per fetch: the whole fetch, each owner's
-time and GPU copy time, the pin READs and the kernel launch wait. Needs a GPU.
+Stamps the fetch's steps and prints medians: the whole fetch, the kernel's GPU time, and
+the host time between steps (entering the ticket path, the lane's read, the launch call,
+the kernel and the wake-up, the pins' proof, the fetch's return). Needs a GPU.
 
-    python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6] [--cprofile 25]
+    python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6] [--b2b] [--cprofile 25]
 
 `--cprofile N` also prints the N functions with the most own time over the measured fetches.
 """
@@ -28,56 +29,95 @@ from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
 
 
-def timed(store: list[float], fn):  # type: ignore[no-untyped-def]
-    async def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
-        try:
-            return await fn(*args, **kwargs)
-        finally:
-            store.append(time.perf_counter() - t0)
+class Stamps:
+    """Host times at which wrapped methods were entered and left, by name, for one fetch."""
 
-    return wrapper
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    def wrap(self, obj, name: str) -> None:  # type: ignore[no-untyped-def]
+        fn = getattr(obj, name)
+        at = self.at
+        if asyncio.iscoroutinefunction(fn):
+
+            async def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+                at[f"{name} in"] = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    at[f"{name} out"] = time.perf_counter()
+        else:
+
+            def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+                at[f"{name} in"] = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    at[f"{name} out"] = time.perf_counter()
+
+        setattr(obj, name, timed)
+
+
+# The steps of a lane fetch with a ticket, in the order they happen.
+STEPS = (
+    "fetch in",
+    "_fetch_ticket in",
+    "read_all in",
+    "launch in",
+    "launch out",
+    "run out",
+    "read_all out",
+    "fetch out",
+)
 
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--b2b", action="store_true", help="prefill every room first, then fetch back to back")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = ap.parse_args()
-    size = max(3 * args.tokens, 16384)
+    size = max((args.runs + 2) * args.tokens if args.b2b else 3 * args.tokens, 16384)
     spec = DeploymentSpec(engines=(4,), decoders=0, device="cuda", prefill_pool_tokens=size, decode_pool_tokens=size)
     async with Deployment(spec) as d:
         pool = DSAKVPool(dsa_v32(size=size, device="cuda:0"))
         alloc = fragmented_allocator(pool.layout.num_pages, 1)
         async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
-            pins: list[float] = []
-            launches: list[float] = []
-            fetcher.transport.read_host = timed(pins, fetcher.transport.read_host)
-            fetcher._gpu.run = timed(launches, fetcher._gpu.run)
+            stamps = Stamps()
+            stamps.wrap(fetcher, "_fetch_ticket")
+            stamps.wrap(fetcher._gpu, "read_all")
+            stamps.wrap(fetcher._gpu._gather, "launch")
+            stamps.wrap(fetcher._gpu._gather, "run")
             rows = []
             prof = cProfile.Profile()
-            for i in range(args.runs + 1):
-                room = 9_000 + i
+
+            async def prefill(room: int) -> PrefillReply:
                 ask = PrefillRequest(room=room, num_tokens=args.tokens)
-                reply = await d.client.request("POST", f"{d.engines[0].intake}/v1/prefill", PrefillReply, ask)
+                return await d.client.request("POST", f"{d.engines[0].intake}/v1/prefill", PrefillReply, ask)
+
+            ready = [await prefill(9_000 + i) for i in range(args.runs + 1)] if args.b2b else []
+            for i in range(args.runs + 1):
+                reply = ready[i] if args.b2b else await prefill(9_000 + i)
                 dst = alloc.alloc(len(reply.ticket.src_pages))
-                pins.clear()
-                launches.clear()
                 if i and args.cprofile:
                     prof.enable()
-                t0 = time.perf_counter()
-                result = await fetcher.fetch("prefill0", room, dst, ticket=reply.ticket)
-                total = time.perf_counter() - t0
+                stamps.at["fetch in"] = time.perf_counter()
+                result = await fetcher.fetch("prefill0", reply.ticket.room, dst, ticket=reply.ticket)
+                stamps.at["fetch out"] = time.perf_counter()
                 prof.disable()
                 alloc.free(dst)
                 if i:
-                    gpu = max(o.read_seconds for o in result.owners)
-                    rows.append((total, gpu, max(launches, default=0), max(pins, default=0), sum(pins)))
-    print(f"{args.tokens} tokens, CP=4 owners and the decode on one GPU, ticket fetch through the lane; ms, medians")
-    names = ("fetch", "kernel (GPU)", "launch+wait", "slowest pin READ", "pin READs summed")
+                    gpu = sum(o.read_seconds for o in result.owners)
+                    at = stamps.at
+                    steps = [at[b] - at[a] for a, b in zip(STEPS, STEPS[1:])]
+                    rows.append((at["fetch out"] - at["fetch in"], gpu, *steps))
+    mode = "back to back, rooms prefilled first" if args.b2b else "each right after its prefill"
+    print(f"{args.tokens} tokens, CP=4 owners and the decode on one GPU, ticket fetches through the lane ({mode})")
+    print("ms, medians")
+    names = ["fetch", "kernel (GPU)"] + [f"{a} -> {b}" for a, b in zip(STEPS, STEPS[1:])]
     for k, name in enumerate(names):
-        print(f"{name:<20}{1e3 * statistics.median(r[k] for r in rows):>10.3f}")
+        print(f"{name:<36}{1e3 * statistics.median(r[k] for r in rows):>10.3f}")
     if args.cprofile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.cprofile)

@@ -9,6 +9,7 @@ import signal
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -92,6 +93,76 @@ def test_decode_assembles_from_owners_on_other_gpus():
 # ---- the same-host GPU lane (CUDA IPC + one gather kernel) -------------------------------------
 def _lane_spec(engines, **over):
     return _gpu_spec(engines, decoders=0, **over)
+
+
+def _gather_case(word: int, pages: int, seed: int):
+    """Two buffers (items of two lengths whose widest load is `word` bytes), random source
+    bytes, poisoned destination, and a plan of `pages` random distinct pages each side."""
+    from transfer.plan import BufferPair, build_gather_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    base = 16 * 261 + (word % 16)  # 4176 + word: `word` divides it, no wider load does
+    items = 64
+    bufs = []
+    for item in (base, 2 * base):
+        src = torch.randint(0, 256, (items, item), dtype=torch.uint8, generator=gen).cuda()
+        dst = torch.full((items, item), 0xAB, dtype=torch.uint8, device="cuda")
+        bufs.append((src, dst))
+    src_pages = torch.randperm(items, generator=gen)[:pages].numpy()
+    dst_pages = torch.randperm(items, generator=gen)[:pages].numpy()
+    pairs = [BufferPair(d.data_ptr(), s.data_ptr(), d.shape[1], items, items) for s, d in bufs]
+    return bufs, build_gather_plan(pairs, src_pages, dst_pages)
+
+
+def _expected(bufs, plans):
+    """The destination buffers after `plans` ran in order, computed with torch."""
+    out = [d.clone() for _, d in bufs]
+    for plan in plans:
+        for (s, _), o in zip(bufs, out):
+            o[torch.from_numpy(plan.dst_pages).cuda()] = s[torch.from_numpy(plan.src_pages[0]).cuda()]
+    return out
+
+
+@pytest.mark.parametrize("word", [16, 8, 4, 2, 1])
+def test_gather_kernel_copies_exactly_the_planned_pages_at_each_load_width(word):
+    from transfer.gather import GatherLane
+
+    bufs, plan = _gather_case(word, pages=23, seed=word)
+    assert plan.word == word
+    want = _expected(bufs, [plan])
+    lane = GatherLane(torch.device("cuda:0"))
+    try:
+        seconds = asyncio.run(lane.run(plan))
+    finally:
+        lane.close()
+    assert seconds > 0
+    for (_, d), w in zip(bufs, want):
+        assert torch.equal(d, w)  # the planned pages copied, every other page still poison
+
+
+def test_gather_launches_queued_back_to_back_each_carry_their_own_page_ids():
+    """Page ids go up through pinned buffers asynchronously: a buffer reused before its
+    copy ran would send one launch another's pages. Queue many launches behind a slow one
+    without waiting, then compare with the same plans applied in order."""
+    from transfer.gather import GatherLane
+    from transfer.plan import gather_plan
+
+    bufs, first = _gather_case(16, pages=64, seed=1)
+    gen = np.random.default_rng(2)
+    plans = [first] + [
+        gather_plan(first.table, [gen.permutation(64)[:k]], gen.permutation(64)[:k]) for k in range(1, 40)
+    ]
+    want = _expected(bufs, plans)
+    lane = GatherLane(torch.device("cuda:0"))
+    try:
+        with torch.cuda.stream(lane.stream):
+            torch.cuda._sleep(50_000_000)  # hold the lane's stream so that every copy queues behind it
+        launches = [lane.launch(p) for p in plans]
+        launches[-1].wait()
+    finally:
+        lane.close()
+    for (_, d), w in zip(bufs, want):
+        assert torch.equal(d, w)
 
 
 def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():

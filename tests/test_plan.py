@@ -125,7 +125,7 @@ def test_merged_plans_keep_each_owners_source_pages():
     b = build_gather_plan([_pair(8192, 16384, item=32), _pair(9000 * 8, 20000 * 8)], np.array([7, 3]), np.array([1, 2]))
     m = merge_gather_plans([a, b])
     assert m.src_pages.tolist() == [[5, 6], [7, 3]] and m.table.table[3].tolist() == [0, 1, 1]
-    assert m.nbytes == a.nbytes + b.nbytes and m.word == 8
+    assert m.nbytes == a.nbytes + b.nbytes and m.word == 16  # every address and length 16-aligned
     with pytest.raises(PageRangeError, match="destination"):
         merge_gather_plans([a, build_gather_plan([_pair(0, 0)], np.array([1, 2]), np.array([2, 1]))])
 
@@ -149,13 +149,14 @@ def test_the_kernels_task_table_covers_every_word_of_every_item_once():
     plan = build_gather_plan(
         [_pair(0, 0, item=41984), _pair(1 << 20, 1 << 21, item=8448)], np.array([2]), np.array([5])
     )
-    meta, n_tasks = _meta(plan.table, block_words=512)  # 4 KiB blocks of 8-byte words
+    assert plan.word == 16
+    meta, n_tasks = _meta(plan.table, block_words=256)  # 4 KiB blocks of 16-byte words
     tasks = meta[-2 * n_tasks :].reshape(2, n_tasks)
     assert meta.size == 4 * plan.buffers + 2 * n_tasks  # the page ids are not in it: uploaded per launch
-    assert meta[2 * plan.buffers : 3 * plan.buffers].tolist() == [41984 // 8, 8448 // 8]  # item words
-    for b, words in enumerate((41984 // 8, 8448 // 8)):
+    assert meta[2 * plan.buffers : 3 * plan.buffers].tolist() == [41984 // 16, 8448 // 16]  # item words
+    for b, words in enumerate((41984 // 16, 8448 // 16)):
         firsts = tasks[1][tasks[0] == b]
-        covered = np.concatenate([np.arange(f, min(f + 512, words)) for f in firsts])
+        covered = np.concatenate([np.arange(f, min(f + 256, words)) for f in firsts])
         assert sorted(covered.tolist()) == list(range(words))  # no word twice, none missed
     assert n_tasks == 11 + 3  # no task without a word to copy
 

@@ -58,13 +58,13 @@ class CudaDriver:
 
     def __init__(self) -> None:
         try:
-            self._lib = ctypes.CDLL("libcuda.so.1")
+            self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise TransferError(f"CUDA driver not available: {exc}") from exc
-        self._check(self._lib.cuInit(0), "cuInit")
-        self._open = getattr(self._lib, "cuIpcOpenMemHandle_v2", None) or self._lib.cuIpcOpenMemHandle
+        self.check(self.lib.cuInit(0), "cuInit")
+        self._open = getattr(self.lib, "cuIpcOpenMemHandle_v2", None) or self.lib.cuIpcOpenMemHandle
         self._open.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
-        self._range = getattr(self._lib, "cuMemGetAddressRange_v2", None) or self._lib.cuMemGetAddressRange
+        self._range = getattr(self.lib, "cuMemGetAddressRange_v2", None) or self.lib.cuMemGetAddressRange
 
     @classmethod
     def get(cls) -> CudaDriver:
@@ -73,10 +73,10 @@ class CudaDriver:
                 cls._instance = cls()
             return cls._instance
 
-    def _check(self, rc: int, what: str) -> None:
+    def check(self, rc: int, what: str) -> None:
         if rc != 0:
             name = ctypes.c_char_p()
-            self._lib.cuGetErrorName(rc, ctypes.byref(name))
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
             raise TransferError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
 
     def _on(self, device: int, fn, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -90,13 +90,13 @@ class CudaDriver:
         with torch.cuda.device(device):
             torch.cuda.init()
             ctx = ctypes.c_void_p()
-            self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
             current = ctypes.c_int(-1)
             if ctx.value:
-                self._check(self._lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
+                self.check(self.lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
             if current.value != device:
                 raise TransferError(f"no CUDA context of device {device} current (got {current.value})")
-            self._check(fn(), what)
+            self.check(fn(), what)
 
     def address_range(self, device: int, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation holding `ptr`."""
@@ -112,7 +112,7 @@ class CudaDriver:
         """An IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it."""
         handle = _Handle()
         self._on(
-            device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle"
+            device, lambda: self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle"
         )
         base, _ = self.address_range(device, ptr)
         return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base  # .reserved stops at a NUL
@@ -127,12 +127,12 @@ class CudaDriver:
         return ptr.value, self.address_range(device, ptr.value)[1]
 
     def close(self, device: int, ptr: int) -> None:
-        self._on(device, lambda: self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+        self._on(device, lambda: self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
 
     def is_device_memory(self, ptr: int) -> bool:
         """Whether `ptr` is GPU memory (device or managed); plain or pinned host memory is not."""
         kind = ctypes.c_uint(0)
-        rc = self._lib.cuPointerGetAttribute(ctypes.byref(kind), _POINTER_MEMORY_TYPE, ctypes.c_uint64(ptr))
+        rc = self.lib.cuPointerGetAttribute(ctypes.byref(kind), _POINTER_MEMORY_TYPE, ctypes.c_uint64(ptr))
         return rc == 0 and kind.value in (_MEMORY_DEVICE, _MEMORY_ARRAY, _MEMORY_UNIFIED)  # unknown to CUDA: host
 
 

@@ -121,24 +121,32 @@ class OwnerIO:
         lane = {r: o for r, o in owners.items() if o.ipc is not None}
         room = ticket.room
         reads = [self._read_with_pin(o, pins[r], room, src, dst, deadline) for r, o in owners.items() if r not in lane]
-        if lane:  # a room's owners on this host: one launch for all of them
-            reads.append(self._read_lane_with_pins(lane, pins, room, src, dst, deadline))
-        tasks = [asyncio.ensure_future(read) for read in reads]
-        self._owner_tasks.update(tasks)
         every = [(o, pins[r]) for r, o in owners.items()]
         try:
-            per_task = await _all_or_cancel(tasks)
+            if not reads:  # every owner on this host's GPUs: one launch, awaited in this task
+                per_task = [await self._read_lane_with_pins(lane, pins, room, src, dst, deadline)]
+            else:
+                if lane:
+                    reads.append(self._read_lane_with_pins(lane, pins, room, src, dst, deadline))
+                per_task = await self._each_read(reads)
         except BaseException:  # every READ has ended: release at once
             self._release_pins(every, ticket.room)
             raise
-        finally:
-            self._owner_tasks.difference_update(tasks)
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads (measured, 2 cores).
         asyncio.get_running_loop().call_soon(self._release_pins, every, ticket.room)
         stats = sorted((s for some in per_task for s in some), key=lambda s: s.cp_rank)
         nbytes = sum(s.nbytes for s in stats)
         return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - t0, tuple(stats), False, 0)
+
+    async def _each_read(self, reads: list[Awaitable[list[OwnerStats]]]) -> list[list[OwnerStats]]:
+        """Run owners' reads as tasks the fetcher can cancel at close; all, or the first error."""
+        tasks = [asyncio.ensure_future(read) for read in reads]
+        self._owner_tasks.update(tasks)
+        try:
+            return await _all_or_cancel(tasks)
+        finally:
+            self._owner_tasks.difference_update(tasks)
 
     async def _read_with_pin(
         self, owner: Owner, pin: OwnerPin, room: int, src: np.ndarray, dst: np.ndarray, deadline: Deadline
@@ -181,7 +189,7 @@ class OwnerIO:
         except PeerLostError as exc:
             lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
             raise (lost_peer(lost, exc) if lost is not None else exc) from exc
-        READ_SECONDS.labels(lane="cuda_ipc").observe(seconds)
+        asyncio.get_running_loop().call_soon(_observe_read, "cuda_ipc", seconds)  # after the fetch returns
         elapsed = time.perf_counter() - t0
         sizes = {r: peer.table(layers).page_bytes * src.size for r, (peer, layers) in parts.items()}
         total = max(1, sum(sizes.values()))
@@ -496,6 +504,10 @@ def lost_peer(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
     return PeerLostError(
         f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name
     )
+
+
+def _observe_read(lane: str, seconds: float) -> None:
+    READ_SECONDS.labels(lane=lane).observe(seconds)
 
 
 async def _all_or_cancel(tasks: list[asyncio.Future[T]]) -> list[T]:

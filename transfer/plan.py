@@ -8,6 +8,7 @@ descriptor: fewer, larger descriptors are what UCX is fast at.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +185,7 @@ class GatherTable:
     table: np.ndarray  # int64 (4, buffers)
     src_items: np.ndarray  # per source page list: its buffers' fewest items (page ids stay below)
     dst_items: int  # the destination buffers' fewest items
-    word: int  # bytes a load moves: the largest of 8, 4, 2, 1 that every address and length allows
+    word: int  # bytes a load moves: the largest of 16, 8, 4, 2, 1 that every address and length allows
     on_device: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)  # the lane's upload
 
     @property
@@ -195,7 +196,7 @@ class GatherTable:
     def lists(self) -> int:
         return len(self.src_items)
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         return int(self.table[2].sum())
 
@@ -227,7 +228,7 @@ class GatherPlan:
 
 def _word(*arrays: np.ndarray) -> int:
     every = np.concatenate(arrays)
-    return next(w for w in (8, 4, 2, 1) if not (every % w).any())
+    return next(w for w in (16, 8, 4, 2, 1) if not (every % w).any())
 
 
 def gather_table(buffers: list[BufferPair]) -> GatherTable:

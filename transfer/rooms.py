@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdkv.errors import ClaimLostError, ConflictError, InvalidPagesError, RoomClaimedError, UnknownRoomError
-from pdkv.pages import page_ids
+from pdkv.pages import has_repeats, page_ids
 from transfer.metadata import MAX_AUX_BYTES, ReleaseReply, RoomState, RoomStatus
 
 __all__ = ["RoomTable", "RoomCounters"]
@@ -130,7 +130,7 @@ class RoomTable:
             raise ConflictError(f"room {room} was not published by chunks")
         chunk = page_ids(pages, self.num_pages, f"room {room} chunk pages")
         joined = np.concatenate([r.src_pages, chunk])
-        if len(joined) > r.total_pages or len(np.unique(joined)) != len(joined):
+        if len(joined) > r.total_pages or has_repeats(joined):
             raise InvalidPagesError(f"room {room}: a chunk beyond its {r.total_pages} pages, or a page twice")
         if aux is not None and (len(joined) != r.total_pages or len(aux) > MAX_AUX_BYTES):
             raise InvalidPagesError(f"room {room}: auxiliary bytes come with the last chunk, {MAX_AUX_BYTES} at most")
