@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -172,3 +173,44 @@ def test_verification_catches_swapped_pages_and_another_rooms_content():
     assert content.mismatched_layers(pool, pages) == [2]
     pool.index_buffer[2][6] = saved
     assert content.mismatched_layers(pool, pages) == []
+
+
+@pytest.mark.parametrize("tokens", [8, 7])  # whole pages (summed); a partial last page (compared)
+def test_the_prefix_check_of_one_layers_latent_catches_a_flipped_byte_and_moved_pages(tokens, device):
+    """What the stand-in prefill checks of a shared prefix read through the owner broadcast."""
+    from transfer.app.synthetic import RequestContent, token_locations
+
+    pages = torch.tensor([6, 2])
+    content = RequestContent(5, tokens)
+    pool = _written(DSAKVPool(tiny(device=device, layer_num=3)), content, pages)
+    kv, ids = pool.get_key_buffer(1), pages.numpy()
+    assert content.latent_matches(pool.layout, kv, 1, ids)
+    assert not content.latent_matches(pool.layout, kv, 2, ids)  # another layer's content
+    assert not content.latent_matches(pool.layout, kv, 1, ids[::-1].copy())  # the pages swapped
+    assert not RequestContent(6, tokens).latent_matches(pool.layout, kv, 1, ids)  # another prefix
+    loc = token_locations(pool.layout, pages, tokens)
+    pool.kv_buffer[1].view(torch.uint8)[loc[5], 0, 7] ^= 1
+    assert not content.latent_matches(pool.layout, pool.get_key_buffer(1), 1, ids)
+
+
+def test_the_stand_in_writes_in_place_the_bytes_the_pools_write_methods_store():
+    """`RequestContent.write_layer` (the stand-in prefill's fast path) against
+    `set_kv_buffer` / `set_index_k_and_scale`, byte for byte over whole slabs: fragmented
+    pages, a partial last page, a shared prefix; bytes outside the request untouched."""
+    from transfer.app.synthetic import RequestContent, token_locations, writable_in_place
+
+    layout = tiny(size=256, layer_num=3)
+    pages = np.array([9, 10, 11, 3, 4, 20, 7])  # runs of 3, 2, 1, 1 pages; the last one partial
+    content = RequestContent(7, 27, prefix_seed=3, prefix_tokens=6)
+    by_methods, in_place = DSAKVPool(layout), DSAKVPool(layout)
+    for p in (by_methods, in_place):
+        p.kv_slab.view(torch.uint8).fill_(0x5A)
+        p.index_slab.view(torch.uint8).fill_(0x5A)
+    assert writable_in_place(in_place)
+    _written(by_methods, content, torch.from_numpy(pages))
+    for layer in range(layout.layer_num):
+        content.write_layer(in_place, layer, pages)
+    assert torch.equal(by_methods.kv_slab.view(torch.uint8), in_place.kv_slab.view(torch.uint8))
+    assert torch.equal(by_methods.index_slab.view(torch.uint8), in_place.index_slab.view(torch.uint8))
+    assert content.mismatched_layers(in_place, torch.from_numpy(pages)) == []
+    assert token_locations(layout, torch.from_numpy(pages), 27)[-1] == 7 * 4 + 2  # the partial page's last slot

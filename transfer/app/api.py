@@ -57,5 +57,7 @@ class DecodeReply(_Api):
     descriptors: Count
     fetch_seconds: float
     verified_bytes: int
-    read_seconds: float = 0.0  # inside UCX READs
+    read_seconds: float = 0.0  # inside UCX READs, summed over owners (lanes read several at once)
     reads: Count = 0  # batched READs; more than one per owner means it began before prefill ended
+    decoder: str = ""  # which decode worker fetched: `fetch_started` is on its clock
+    fetch_started: float = 0.0  # that worker's monotonic clock when the fetch began

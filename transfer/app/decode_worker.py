@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 
 import torch
@@ -68,6 +69,7 @@ class DecodeWorker:
         pages = self.allocator.alloc(-(-req.num_tokens // self.layout.page_size))
         try:
             deadline = None if req.budget_ms is None else Deadline.from_wire(req.budget_ms)
+            started = time.monotonic()
             result = await self.fetcher.fetch(req.engine_id, req.room, pages, deadline=deadline, ticket=req.ticket)
             content = RequestContent(
                 request_seed(req.engine_id, req.room),
@@ -89,6 +91,8 @@ class DecodeWorker:
                 verified_bytes=verified,
                 reads=sum(o.reads for o in result.owners),
                 read_seconds=result.read_seconds,
+                decoder=self.fetcher.consumer_id,
+                fetch_started=started,
             )
         finally:
             self.allocator.free(pages)

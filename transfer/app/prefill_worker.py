@@ -46,8 +46,8 @@ from transfer.app.synthetic import (
     fragmented_allocator,
     prefix_seed,
     request_seed,
-    token_bytes,
     token_locations,
+    writable_in_place,
 )
 from transfer.deadline import Deadline
 from transfer.http import HttpService, health, make_app, path_int, read_body, reply
@@ -211,28 +211,38 @@ class PrefillEngineRank:
     ) -> None:
         pool, layout = self.pool, self.layout
         loc = token_locations(layout, pages, content.num_tokens)
+        in_place = writable_in_place(pool)
         for layer in range(layout.start_layer, layout.end_layer):
             if prefix_pages is not None and prefix_tokens:
                 await self._check_prefix(layer, prefix_pages, prefix_tokens, content)
                 if layer + 1 < layout.end_layer:
                     pool.prefetch(layer + 1, prefix_pages)  # lands while this layer is written
             if pool.is_owned(layer):
-                data = content.layer(layout, layer, scratch=True)  # written at once
-                pool.set_kv_buffer(layer, loc, data.kv_rows(layout))
-                pool.set_index_k_and_scale(layer, loc, data.index_k, data.index_scale)
+                self._write_layer(layer, content, pages, loc, in_place)
                 if room is not None:
                     self.exporter.mark_ready(room, layer + 1)
             else:
                 pool.invalidate_layer(layer)
             await asyncio.sleep(self.args.layer_delay)  # also lets the control plane run
 
+    def _write_layer(
+        self, layer: int, content: RequestContent, pages: torch.Tensor, loc: torch.Tensor, in_place: bool
+    ) -> None:
+        """The stand-in's compute of an owned layer: its KV, stored."""
+        pool = self.pool
+        if in_place:  # page by page, no token rows: the stand-in must not hide the transfer it feeds
+            pool.invalidate_layer(layer)  # what the write methods do before the bytes change
+            content.write_layer(pool, layer, pages.numpy())
+            return
+        data = content.layer(self.layout, layer, scratch=True)  # written at once
+        pool.set_kv_buffer(layer, loc, data.kv_rows(self.layout))
+        pool.set_index_k_and_scale(layer, loc, data.index_k, data.index_scale)
+
     async def _check_prefix(self, layer: int, pages: torch.Tensor, tokens: int, content: RequestContent) -> None:
         """Read the prefix of `layer` as attention would: from the owner, by broadcast."""
         await self.pool.wait_layer(layer, pages)  # only the prefix's pages travel
-        loc = token_locations(self.layout, pages, tokens)
-        got = self.pool.get_key_buffer(layer)[loc].reshape(tokens, -1).contiguous().view(torch.uint8).cpu()
-        want = token_bytes(content.prefix_seed, layer, torch.arange(tokens), self.layout.kv_token_bytes, salt=1)
-        if not torch.equal(got, want):
+        prefix = RequestContent(content.prefix_seed, tokens)
+        if not prefix.latent_matches(self.layout, self.pool.get_key_buffer(layer), layer, pages.numpy()):
             raise PrefixMismatch(f"layer {layer}: shared prefix read through the owner broadcast differs")
 
     # ---- rank 0's request intake ---------------------------------------------------------------
