@@ -15,10 +15,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["HostNet", "unavailable"]
+from tests.bpf_loss import load_and_pin
+
+__all__ = ["HostNet", "loss_unavailable", "unavailable"]
 
 SUBNET = "198.18.0"
 _CMD_TIMEOUT_S = 10
@@ -54,6 +57,24 @@ def unavailable() -> str | None:
         _ip("netns", "del", probe, check=False)
 
 
+def loss_unavailable() -> str | None:
+    """Why `HostNet.lose` cannot work here (beyond `unavailable`), or None when it can."""
+    why = unavailable()
+    if why is not None:
+        return why
+    with tempfile.TemporaryDirectory() as fs:
+        mounted = subprocess.run(["mount", "-t", "bpf", "bpf", fs], capture_output=True, text=True, check=False)
+        if mounted.returncode != 0:
+            return f"no bpffs: {mounted.stderr.strip()}"
+        try:
+            load_and_pin(0.01, os.path.join(fs, "probe"))
+        except OSError as exc:
+            return f"a tc BPF program cannot be loaded: {exc}"
+        finally:
+            subprocess.run(["umount", fs], capture_output=True, check=False)
+    return None
+
+
 @dataclass
 class HostNet:
     """Namespaces `hosts`, each with `eth0` at 198.18.0.(i + 1) on one bridge."""
@@ -61,6 +82,7 @@ class HostNet:
     hosts: Sequence[str]
     prefix: str = field(default_factory=lambda: f"pdkv{os.getpid()}")
     _made: list[str] = field(default_factory=list, init=False)
+    _bpffs: str | None = field(default=None, init=False)  # where loss programs are pinned
 
     def netns(self, host: str) -> str:
         return f"{self.prefix}-{host}"
@@ -103,6 +125,10 @@ class HostNet:
         """Delete every namespace made (their veths go with them); safe to call twice."""
         while self._made:
             _ip("netns", "del", self._made.pop(), check=False)
+        if self._bpffs is not None:  # the programs go once no filter holds them
+            subprocess.run(["umount", self._bpffs], capture_output=True, check=False, timeout=_CMD_TIMEOUT_S)
+            os.rmdir(self._bpffs)
+            self._bpffs = None
 
     def link(self, host: str, up: bool) -> None:
         """Take `host`'s cable out (or put it back): its interface goes down."""
@@ -111,8 +137,9 @@ class HostNet:
     def limit(self, host: str, mbit: float | None) -> None:
         """Cap what `host` sends at `mbit` megabits a second (a token bucket); None lifts it.
 
-        Delay and loss would need netem, which the kernels here are built without
-        (`CONFIG_NET_SCH_NETEM` unset, no modules): only HTB and TBF shape traffic.
+        Delay would need netem, which the kernels here are built without
+        (`CONFIG_NET_SCH_NETEM` unset, no modules): only HTB and TBF shape traffic. Loss:
+        `lose`.
         """
         ns = self.netns(host)
         subprocess.run(
@@ -124,6 +151,29 @@ class HostNet:
             tbf = ["rate", f"{mbit}mbit", "burst", "64kb", "latency", "50ms"]
             cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", *tbf]
             subprocess.run(cmd, check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
+
+    def lose(self, host: str, percent: float | None) -> None:
+        """Drop `percent` of the packets `host` sends, at random (None: none); see `tests.bpf_loss`.
+
+        Offloads are turned down to one segment a packet, so the share counts wire packets,
+        not 64 KiB TCP super-packets.
+        """
+        ns = self.netns(host)
+        tc = [*self.exec_prefix(host), "tc"]
+        subprocess.run([*tc, "qdisc", "del", "dev", "eth0", "clsact"], capture_output=True, timeout=_CMD_TIMEOUT_S)
+        if percent is None:
+            _ip("-n", ns, "link", "set", "eth0", "gso_max_segs", "65535")
+            return
+        if self._bpffs is None:
+            self._bpffs = tempfile.mkdtemp(prefix="pdkv-bpffs-")
+            subprocess.run(["mount", "-t", "bpf", "bpf", self._bpffs], check=True, capture_output=True)
+        pinned = os.path.join(self._bpffs, f"loss{round(percent * 1000)}")  # bpffs refuses dots in names
+        if not os.path.exists(pinned):
+            load_and_pin(percent / 100, pinned)
+        _ip("-n", ns, "link", "set", "eth0", "gso_max_segs", "1")
+        subprocess.run([*tc, "qdisc", "add", "dev", "eth0", "clsact"], check=True, capture_output=True)
+        attach = ["filter", "add", "dev", "eth0", "egress", "bpf", "da", "object-pinned", pinned]
+        subprocess.run([*tc, *attach], check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
 
     def __enter__(self) -> HostNet:
         return self.up()

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns import HostNet, unavailable
+from tests.netns import HostNet, loss_unavailable, unavailable
 
 _WHY_NOT = unavailable()
+_NO_LOSS = loss_unavailable()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no stand-in hosts: {_WHY_NOT}")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,25 +56,56 @@ def _read_transports(log: str) -> set[str]:
     return found
 
 
-def test_main_job_across_hosts_reads_over_tcp(hosts: HostNet, tmp_path: Path) -> None:
+def _main_job_across(hosts: HostNet, tmp_path: Path, requests: int) -> dict:
+    """The main job (tiny preset) with registry and prefill on one host, decode and router
+    on the other; its summary, every request verified byte for byte by the decode."""
     prefill, summary = hosts.where("prefill"), tmp_path / "summary.json"
     pools = ["--prefill-pool-tokens", "16384", "--decode-pool-tokens", "16384"]
     run = _run_on(
         hosts,
         "decode",
         "transfer.app",
-        *("--preset", "tiny", "--requests", "12", "--mix", "64:1,512:1,2048:1", *pools),
+        *("--preset", "tiny", "--requests", str(requests), "--mix", "64:1,512:1,2048:1", *pools),
         *("--registry-host", prefill, "--prefill-host", prefill, "--decode-host", hosts.where("decode")),
         *("--no-progress", "--workdir", str(tmp_path), "--json", str(summary)),
         UCX_PROTO_INFO="y",
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    result = json.loads(summary.read_text())
-    assert result["requests"] == 12 and result["failures"] == 0
+    result: dict = json.loads(summary.read_text())
+    assert result["requests"] == requests and result["failures"] == 0
     assert result["verified_bytes"] > 0  # every byte of every request checked by the decode
+    return result
+
+
+def test_main_job_across_hosts_reads_over_tcp(hosts: HostNet, tmp_path: Path) -> None:
+    _main_job_across(hosts, tmp_path, 12)
     # The decode's READs went over the bridge, not through a same-host copy.
     transports = _read_transports((tmp_path / "decode0.log").read_text(errors="replace"))
     assert transports == {"tcp"}, transports
+
+
+@pytest.mark.skipif(_NO_LOSS is not None, reason=f"no packet loss here: {_NO_LOSS}")
+def test_main_job_across_hosts_with_one_percent_loss_each_way_is_byte_exact(hosts: HostNet, tmp_path: Path) -> None:
+    """TCP retransmits what the links drop (1% of packets each way, at random): every
+    request completes and its KV is verified byte for byte, just later."""
+    for host in ("prefill", "decode"):
+        hosts.lose(host, 1.0)
+    _main_job_across(hosts, tmp_path, 8)
+    dropped = subprocess.run(
+        [*hosts.exec_prefix("prefill"), "tc", "-s", "filter", "show", "dev", "eth0", "egress"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert "direct-action" in dropped.stdout  # the loss program was attached all along
+    retransmitted = _tcp_counter(hosts, "prefill", "RetransSegs")
+    assert retransmitted > 0  # packets were lost and sent again
+
+
+def _tcp_counter(net: HostNet, host: str, name: str) -> int:
+    snmp = subprocess.run([*net.exec_prefix(host), "cat", "/proc/net/snmp"], capture_output=True, text=True, timeout=10)
+    head, values = (line.split() for line in snmp.stdout.splitlines() if line.startswith("Tcp:"))
+    return int(dict(zip(head, values))[name])
 
 
 def test_link_cut_mid_fetch_fails_fast_and_lands_nothing_later(hosts: HostNet, tmp_path: Path) -> None:
