@@ -269,7 +269,8 @@ class PrefillEngineRank:
         timeout = datetime.timedelta(seconds=a.group_timeout)
         dist.init_process_group("gloo", init_method=a.dist_init, rank=self.rank, world_size=self.world, timeout=timeout)
         plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
-        broadcaster = OwnerBroadcaster(device=self.layout.device, timeout=timeout, backend=a.broadcast_backend)
+        backend = a.broadcast_backend or broadcast_backend(self.layout.device, self.world)
+        broadcaster = OwnerBroadcaster(device=self.layout.device, timeout=timeout, backend=backend)
         self.pool = LayerSplitDSAKVPool(self.layout, plan, broadcaster)
         self.allocator = fragmented_allocator(self.layout.num_pages, a.seed)
         secret = secret_from_env(a.secret_env)
@@ -326,6 +327,15 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{index}"
 
 
+def broadcast_backend(device: str | torch.device, world: int) -> str:
+    """NCCL where every CP rank has a GPU of its own; gloo on the host, and where ranks share
+    a GPU (NCCL refuses two ranks on one device: the main job on one GPU failed its first
+    shared-prefix read with an NCCL usage error)."""
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() >= world:
+        return "nccl"
+    return "gloo"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="one CP rank of a demo pdkv prefill engine")
     ap.add_argument("--engine-id", required=True)
@@ -342,7 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--broadcast-backend",
         choices=["nccl", "gloo"],
         default=None,
-        help="owner broadcast backend (default: nccl on CUDA, gloo on the host)",
+        help="owner broadcast backend (default: nccl with a GPU per rank, else gloo)",
     )
     ap.add_argument("--seed", type=int, default=0)
     add_service_flags(ap)
