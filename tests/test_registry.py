@@ -69,3 +69,16 @@ async def test_garbage_bodies_get_metadata_errors_and_the_server_keeps_serving()
     finally:
         await client.aclose()
         await server.aclose()
+
+
+def test_an_etcd_url_lists_a_clusters_members_with_credentials_and_a_prefix():
+    from transfer.etcd_registry import etcd_target
+
+    members, prefix, user, password = etcd_target("etcd://ann:p%40ss@10.0.0.1:2379,10.0.0.2,etcd-3:32379/kv/a")
+    assert members == [("10.0.0.1", 2379), ("10.0.0.2", 2379), ("etcd-3", 32379)]
+    assert (prefix, user, password) == ("kv/a", "ann", "p@ss")
+    assert etcd_target("etcd://localhost") == ([("localhost", 2379)], "pdkv", None, None)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        etcd_target("etcd://h1:2379,h2:port/x")
+    with pytest.raises(ValueError, match="no host"):
+        etcd_target("etcd:///x")

@@ -1,4 +1,5 @@
-"""The registry on etcd v3 (`etcd://HOST:PORT/PREFIX`), through the async `aetcd` client.
+"""The registry on etcd v3 (`etcd://HOST:PORT[,HOST:PORT...]/PREFIX`), through the async
+`aetcd` client.
 
 Keys: `/PREFIX/engines/ENGINE/ranks/RANK`, each holding one rank's `RankDescriptor` in the
 wire envelope (so a malformed or foreign value is refused as `MetadataError`), under an
@@ -8,6 +9,11 @@ leases). A lookup reads the engine's keys and, while ranks are missing, watches 
 the revision it read rather than polling. Every call is bounded: an unreachable etcd is a
 `PeerLostError` (or `DeadlineExceeded`) within the call's timeout, never a hang; bad
 credentials or a user without rights on the prefix are an `AuthError`.
+
+A cluster's members are listed in the URL. The client talks to one; when that one cannot
+be reached, a call moves on to the next (aetcd connects to a single endpoint), so a member
+that stops or restarts costs a failed connection, not the registry. Leases are the
+cluster's, so a rank keeps its lease across members.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
 import aetcd
@@ -47,15 +53,23 @@ T = TypeVar("T")
 _AUTH_FAILURE = re.compile(r"authentication failed|user name is empty|invalid auth token|permission denied")
 
 
-def etcd_target(url: str) -> tuple[str, int, str, str | None, str | None]:
-    """(host, port, key prefix, user, password) of an `etcd://` URL."""
+def etcd_target(url: str) -> tuple[list[tuple[str, int]], str, str | None, str | None]:
+    """(member endpoints, key prefix, user, password) of an `etcd://` URL."""
     parts = urlsplit(url)
-    if parts.hostname is None:
-        raise ValueError(f"registry URL {url!r} names no host")
+    hosts = parts.netloc.rpartition("@")[2]
+    endpoints = []
+    for member in hosts.split(","):
+        host, _, port = member.rpartition(":") if ":" in member else (member, "", "")
+        if not host:
+            raise ValueError(f"registry URL {url!r} names no host")
+        try:
+            endpoints.append((host, int(port) if port else 2379))
+        except ValueError as exc:
+            raise ValueError(f"registry URL {url!r}: {member!r} is not HOST:PORT") from exc
     prefix = parts.path.strip("/") or "pdkv"
     user = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password else None
-    return parts.hostname, parts.port or 2379, prefix, user, password
+    return endpoints, prefix, user, password
 
 
 class EtcdRegistry:
@@ -63,23 +77,46 @@ class EtcdRegistry:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        endpoints: list[tuple[str, int]],
         prefix: str,
         timeouts: Timeouts,
         user: str | None = None,
         password: str | None = None,
     ) -> None:
-        self.where = f"etcd://{host}:{port}/{prefix}"
+        if not endpoints:
+            raise ValueError("an etcd registry needs at least one member")
+        self.endpoints = endpoints
         self.prefix = prefix
         self.timeouts = timeouts
-        self._client = aetcd.Client(host, port, username=user, password=password, connect_wait_timeout=3)
-        self._lease: Any = None  # this rank's lease, once registered
+        self._credentials = (user, password)
+        self._at = 0  # the member talked to
+        self._client = self._connect()
+        self._lease_id: int | None = None  # this rank's lease, once registered
 
     @classmethod
     def from_url(cls, url: str, timeouts: Timeouts) -> EtcdRegistry:
-        host, port, prefix, user, password = etcd_target(url)
-        return cls(host, port, prefix, timeouts, user, password)
+        endpoints, prefix, user, password = etcd_target(url)
+        return cls(endpoints, prefix, timeouts, user, password)
+
+    @property
+    def where(self) -> str:
+        host, port = self.endpoints[self._at]
+        return f"etcd://{host}:{port}/{self.prefix}"
+
+    def _connect(self) -> aetcd.Client:
+        host, port = self.endpoints[self._at]
+        user, password = self._credentials
+        return aetcd.Client(host, port, username=user, password=password, connect_wait_timeout=3)
+
+    async def _next_member(self) -> None:
+        """Talk to the next member from now on (the current one could not be reached)."""
+        old, self._at = self._client, (self._at + 1) % len(self.endpoints)
+        self._client = self._connect()
+        logger.info("etcd: moving to member %s", self.where)
+        try:
+            await asyncio.wait_for(old.close(), 1.0)
+        except Exception as exc:  # it is the unreachable one
+            logger.debug("closing the client of an unreachable etcd member: %s", exc)
 
     def _engine_key(self, engine_id: str) -> bytes:
         return f"/{self.prefix}/engines/{engine_id}/ranks/".encode()
@@ -87,15 +124,26 @@ class EtcdRegistry:
     def _rank_key(self, engine_id: str, cp_rank: int) -> bytes:
         return self._engine_key(engine_id) + str(cp_rank).encode()
 
-    async def _call(self, what: str, call: Awaitable[T], timeout: float | None = None) -> T:
-        """One etcd call, bounded, its failures in the pdkv tree."""
+    async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[T]], timeout: float | None = None) -> T:
+        """One etcd call, bounded, its failures in the pdkv tree. A member that refuses or
+        does not answer hands the call to the next: each member left gets an equal share
+        of what remains of the bound, and the last one all of it."""
         limit = self.timeouts.request if timeout is None else timeout
-        try:
-            return await asyncio.wait_for(call, limit)
-        except asyncio.TimeoutError as exc:
-            raise DeadlineExceeded(f"{what} on {self.where}: no answer in {limit:.1f}s") from exc
-        except (aetcd.exceptions.ClientError, rpc.AioRpcError) as exc:
-            raise self._translate(exc, what) from exc
+        end = asyncio.get_running_loop().time() + limit
+        members = len(self.endpoints)
+        for tried in range(1, members + 1):
+            share = max(0.0, end - asyncio.get_running_loop().time()) / (members - tried + 1)
+            try:
+                return await asyncio.wait_for(call(self._client), share)
+            except asyncio.TimeoutError as exc:
+                if tried == members:
+                    raise DeadlineExceeded(f"{what} on {self.where}: no answer in {limit:.1f}s") from exc
+            except (aetcd.exceptions.ClientError, rpc.AioRpcError) as exc:
+                error = self._translate(exc, what)
+                if not isinstance(error, PeerLostError) or tried == members:
+                    raise error from exc
+            await self._next_member()
+        raise AssertionError("unreachable")  # the last member's outcome returned or raised
 
     def _translate(self, exc: Exception, what: str) -> PdkvError:
         """aetcd's (and gRPC's) failures into the pdkv tree. etcd answers bad credentials with
@@ -110,25 +158,28 @@ class EtcdRegistry:
 
     async def register(self, descriptor: RankDescriptor) -> None:
         """Refresh this rank's lease; grant a new one and write the key when it has lapsed."""
-        if self._lease is not None:
-            reply = await self._call("refresh lease", self._lease.refresh())
+        lease_id = self._lease_id
+        if lease_id is not None:
+            reply = await self._call("refresh lease", lambda c: c.refresh_lease(lease_id))
             if reply is not None and reply.TTL > 0:
                 return
             logger.warning("etcd lease of %s/%d lapsed: registering anew", descriptor.engine_id, descriptor.cp_rank)
-        lease = await self._call("grant lease", self._client.lease(math.ceil(self.timeouts.lease)))
+        lease = await self._call("grant lease", lambda c: c.lease(math.ceil(self.timeouts.lease)))
         key = self._rank_key(descriptor.engine_id, descriptor.cp_rank)
-        await self._call("put", self._client.put(key, encode(descriptor, descriptor.fingerprint), lease=lease))
-        self._lease = lease
+        value = encode(descriptor, descriptor.fingerprint)
+        await self._call("put", lambda c: c.put(key, value, lease=lease.id))
+        self._lease_id = lease.id
 
     async def leave(self, engine_id: str, cp_rank: int) -> None:
-        await self._call("delete", self._client.delete(self._rank_key(engine_id, cp_rank)))
-        if self._lease is not None:
-            lease, self._lease = self._lease, None
-            await self._call("revoke lease", lease.revoke())
+        await self._call("delete", lambda c: c.delete(self._rank_key(engine_id, cp_rank)))
+        if self._lease_id is not None:
+            lease_id, self._lease_id = self._lease_id, None
+            await self._call("revoke lease", lambda c: c.revoke_lease(lease_id))
 
     async def _read(self, engine_id: str, deadline: Deadline) -> tuple[list[RankDescriptor], int]:
         """The engine's descriptors, oldest write first, and the revision they were read at."""
-        got = await self._call("get", self._client.get_prefix(self._engine_key(engine_id)), deadline.left())
+        key = self._engine_key(engine_id)
+        got = await self._call("get", lambda c: c.get_prefix(key), deadline.left())
         kvs = sorted(got, key=lambda kv: kv.mod_revision)
         ranks = [decode(kv.value, RankDescriptor) for kv in kvs]
         return ranks, got.header.revision
@@ -156,13 +207,16 @@ class EtcdRegistry:
                 if deadline.remaining() <= 0:
                     raise
                 logger.debug("engine %s not complete (%s): watching its keys", engine_id, exc)
-                await self._next_change(engine_id, revision + 1, deadline, exc)
+                try:
+                    await self._next_change(engine_id, revision + 1, deadline, exc)
+                except PeerLostError as lost:  # the member went away under the watch: read again, elsewhere
+                    logger.info("etcd watch of %s lost: %s", engine_id, lost)
 
     async def _next_change(self, engine_id: str, revision: int, deadline: Deadline, pending: Exception) -> None:
         """Return at the first write to the engine's keys from `revision` on; at the deadline
         raise what kept the lookup waiting."""
         key = self._engine_key(engine_id)
-        watch = await self._call("watch", self._client.watch_prefix(key, start_revision=revision), deadline.left())
+        watch = await self._call("watch", lambda c: c.watch_prefix(key, start_revision=revision), deadline.left())
 
         async def first_event() -> None:
             async for _ in watch:
