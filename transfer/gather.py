@@ -198,8 +198,9 @@ class GatherLane:
             # Bytes must not land in pages that may be handed out again: wait for the kernel.
             await loop.run_in_executor(self._waiter, launch.wait)
             raise
-        if launch.staged is not None:
-            launch.staged.after = None  # its copy ran: rewritable without asking the driver
+        staged = launch.staged
+        if staged is not None and staged.after is launch.done:  # not taken by a later launch meanwhile
+            staged.after = None  # its copy ran: rewritable without asking the driver
         self._timing.append(launch)  # both events recorded and passed: free to record again
         return seconds
 
