@@ -122,11 +122,26 @@ def etcd_cluster(root: Path, members: int = 3) -> list[EtcdServer]:
     try:
         for server in servers:
             server.wait()
+        _wait_healthy(servers)
     except BaseException:
         for server in servers:
             server.stop()
         raise
     return servers
+
+
+def _wait_healthy(servers: list[EtcdServer], timeout: float = 20.0) -> None:
+    """Until every member answers a read through the cluster (a leader is elected)."""
+    ctl = servers[0].binary.with_name("etcdctl")
+    endpoints = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    end = time.monotonic() + timeout
+    while True:
+        probe = [str(ctl), f"--endpoints={endpoints}", "--command-timeout=2s", "endpoint", "health"]
+        if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"the etcd cluster was not healthy within {timeout}s")
+        time.sleep(0.2)
 
 
 def cluster_url(servers: list[EtcdServer]) -> str:

@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_MIN_ATTEMPT_S = 1.0  # the least a member gets to answer a call before the next is asked
+
 _AUTH_FAILURE = re.compile(r"authentication failed|user name is empty|invalid auth token|permission denied")
 
 
@@ -108,8 +110,11 @@ class EtcdRegistry:
         user, password = self._credentials
         return aetcd.Client(host, port, username=user, password=password, connect_wait_timeout=3)
 
-    async def _next_member(self) -> None:
-        """Talk to the next member from now on (the current one could not be reached)."""
+    async def _next_member(self, failed: aetcd.Client) -> None:
+        """Talk to the next member from now on, unless a concurrent call already moved on
+        from the `failed` client (two failing calls must not skip a healthy member)."""
+        if self._client is not failed:
+            return
         old, self._at = self._client, (self._at + 1) % len(self.endpoints)
         self._client = self._connect()
         logger.info("etcd: moving to member %s", self.where)
@@ -127,14 +132,17 @@ class EtcdRegistry:
     async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[T]], timeout: float | None = None) -> T:
         """One etcd call, bounded, its failures in the pdkv tree. A member that refuses or
         does not answer hands the call to the next: each member left gets an equal share
-        of what remains of the bound, and the last one all of it."""
+        of what remains of the bound (at least a second: a busy member is not a dead one),
+        and the last one all of it."""
         limit = self.timeouts.request if timeout is None else timeout
         end = asyncio.get_running_loop().time() + limit
         members = len(self.endpoints)
         for tried in range(1, members + 1):
-            share = max(0.0, end - asyncio.get_running_loop().time()) / (members - tried + 1)
+            remaining = max(0.0, end - asyncio.get_running_loop().time())
+            share = min(remaining, max(remaining / (members - tried + 1), _MIN_ATTEMPT_S))
+            client = self._client
             try:
-                return await asyncio.wait_for(call(self._client), share)
+                return await asyncio.wait_for(call(client), share)
             except asyncio.TimeoutError as exc:
                 if tried == members:
                     raise DeadlineExceeded(f"{what} on {self.where}: no answer in {limit:.1f}s") from exc
@@ -142,7 +150,7 @@ class EtcdRegistry:
                 error = self._translate(exc, what)
                 if not isinstance(error, PeerLostError) or tried == members:
                     raise error from exc
-            await self._next_member()
+            await self._next_member(client)
         raise AssertionError("unreachable")  # the last member's outcome returned or raised
 
     def _translate(self, exc: Exception, what: str) -> PdkvError:
