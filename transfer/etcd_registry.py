@@ -93,6 +93,7 @@ class EtcdRegistry:
         self._credentials = (user, password)
         self._at = 0  # the member talked to
         self._client = self._connect()
+        self._retired: list[aetcd.Client] = []  # clients of members moved away from
         self._lease_id: int | None = None  # this rank's lease, once registered
 
     @classmethod
@@ -115,13 +116,15 @@ class EtcdRegistry:
         from the `failed` client (two failing calls must not skip a healthy member)."""
         if self._client is not failed:
             return
-        old, self._at = self._client, (self._at + 1) % len(self.endpoints)
+        self._retired.append(self._client)
+        self._at = (self._at + 1) % len(self.endpoints)
         self._client = self._connect()
         logger.info("etcd: moving to member %s", self.where)
-        try:
-            await asyncio.wait_for(old.close(), 1.0)
-        except Exception as exc:  # it is the unreachable one
-            logger.debug("closing the client of an unreachable etcd member: %s", exc)
+        # A client left behind is closed only once as many moves have followed as there are
+        # members: closing it at once cancelled the calls and watches still waiting on it
+        # (gRPC ends them with CancelledError, which would read as the caller's own).
+        if len(self._retired) > len(self.endpoints):
+            await _close_quietly(self._retired.pop(0), "an etcd member left behind")
 
     def _engine_key(self, engine_id: str) -> bytes:
         return f"/{self.prefix}/engines/{engine_id}/ranks/".encode()
@@ -243,7 +246,14 @@ class EtcdRegistry:
                 logger.debug("cancelling a watch on %s: %s", self.where, exc)
 
     async def aclose(self) -> None:
-        try:
-            await asyncio.wait_for(self._client.close(), 3.0)
-        except Exception as exc:  # closing must not fail a shutdown; etcd may be gone
-            logger.warning("closing the etcd client of %s: %s", self.where, exc)
+        for client in [*self._retired, self._client]:
+            await _close_quietly(client, self.where)
+        self._retired.clear()
+
+
+async def _close_quietly(client: aetcd.Client, what: str) -> None:
+    """Close an etcd client, bounded; closing must not fail a shutdown, etcd may be gone."""
+    try:
+        await asyncio.wait_for(client.close(), 3.0)
+    except Exception as exc:
+        logger.warning("closing the etcd client of %s: %s", what, exc)
