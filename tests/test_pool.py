@@ -197,7 +197,7 @@ def test_the_stand_in_writes_in_place_the_bytes_the_pools_write_methods_store():
     """`RequestContent.write_layer` (the stand-in prefill's fast path) against
     `set_kv_buffer` / `set_index_k_and_scale`, byte for byte over whole slabs: fragmented
     pages, a partial last page, a shared prefix; bytes outside the request untouched."""
-    from transfer.app.synthetic import RequestContent, token_locations, writable_in_place
+    from transfer.app.synthetic import RequestContent, summable, token_locations
 
     layout = tiny(size=256, layer_num=3)
     pages = np.array([9, 10, 11, 3, 4, 20, 7])  # runs of 3, 2, 1, 1 pages; the last one partial
@@ -206,7 +206,7 @@ def test_the_stand_in_writes_in_place_the_bytes_the_pools_write_methods_store():
     for p in (by_methods, in_place):
         p.kv_slab.view(torch.uint8).fill_(0x5A)
         p.index_slab.view(torch.uint8).fill_(0x5A)
-    assert writable_in_place(in_place)
+    assert summable(in_place)
     _written(by_methods, content, torch.from_numpy(pages))
     for layer in range(layout.layer_num):
         content.write_layer(in_place, layer, pages)

@@ -10,12 +10,20 @@ arrival (`Deadline.from_wire`).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdkv.errors import DeadlineExceeded
 
-__all__ = ["Deadline"]
+__all__ = ["Deadline", "retry_until"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
@@ -51,3 +59,25 @@ class Deadline:
         if remaining <= 0:
             raise DeadlineExceeded(what)
         return remaining if cap is None else min(remaining, cap)
+
+
+async def retry_until(
+    attempt: Callable[[], Awaitable[T]],
+    deadline: Deadline,
+    retry_on: type[Exception] | tuple[type[Exception], ...],
+    what: str,
+    first: float = 0.05,
+    cap: float = 1.0,
+) -> T:
+    """`attempt()` until it returns, retrying on `retry_on` with a doubling pause (from
+    `first` up to `cap`) while the pause still fits before `deadline`; then the last error."""
+    delay = first
+    while True:
+        try:
+            return await attempt()
+        except retry_on as exc:
+            if deadline.remaining() < delay:
+                raise
+            logger.debug("%s: %s; retrying", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cap)

@@ -111,8 +111,7 @@ class DecodeFetcher(OwnerIO):
         if len(pool.owned) != pool.layout.layer_num:
             raise IncompatibleLayoutError("a decode pool must hold every layer")
         self.pool = pool
-        self.registry_url = registry_url.rstrip("/")
-        self._registry = registry_client(self.registry_url, timeouts, secret)
+        self._registry = registry_client(registry_url, timeouts, secret)
         self.consumer_id = consumer_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.timeouts = timeouts
         self.merge_runs = merge_runs

@@ -39,7 +39,7 @@ from pdkv.errors import (
     TransferError,
     UnknownEngineError,
 )
-from transfer.deadline import Deadline
+from transfer.deadline import Deadline, retry_until
 from transfer.metadata import EngineDescriptor, RankDescriptor, decode, encode
 from transfer.registry_client import assemble
 from transfer.timeouts import Timeouts
@@ -198,16 +198,9 @@ class EtcdRegistry:
     async def _read_retrying(self, engine_id: str, deadline: Deadline) -> tuple[list[RankDescriptor], int]:
         """`_read`, retried while etcd cannot be reached (restarting, or the client's channel
         still backing off after a refused connection) until the deadline."""
-        delay = 0.1
-        while True:
-            try:
-                return await self._read(engine_id, deadline)
-            except PeerLostError as exc:
-                if deadline.remaining() < delay:
-                    raise
-                logger.info("etcd not reachable (%s); retrying", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        return await retry_until(
+            lambda: self._read(engine_id, deadline), deadline, PeerLostError, "etcd not reachable", first=0.1
+        )
 
     async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
         while True:

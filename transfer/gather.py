@@ -71,12 +71,12 @@ class _Staging:
         for staged in self._buffers:
             if staged.view.size >= words and (staged.after is None or staged.after.query()):
                 return staged
+        if len(self._buffers) >= _STAGING_KEPT:  # launches queued at once came and went: drop a free one
+            free = next((b for b in self._buffers if b.after is None or b.after.query()), None)
+            if free is not None:
+                self._buffers.remove(free)
         staged = _Staged(words)
         self._buffers.append(staged)
-        if len(self._buffers) > _STAGING_KEPT:  # launches queued at once came and went: drop one whose copy ran
-            idle = next((b for b in self._buffers if b.after is not None and b.after.query()), None)
-            if idle is not None:
-                self._buffers.remove(idle)
         return staged
 
 

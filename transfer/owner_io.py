@@ -458,12 +458,12 @@ class OwnerIO:
         if owner.ipc is not None:
             assert self._gpu is not None
             xfer = await self._gpu.read(owner.ipc, layers, src, dst)
-            READ_SECONDS.labels(lane="cuda_ipc").observe(xfer.seconds)
+            _observe_read("cuda_ipc", xfer.seconds)
             return xfer
         assert self.transport is not None
         plan = read_plan(owner.read_table(layers), src, dst, merge=self.merge_runs)
         xfer = await self.transport.read(owner.rank.agent_name, plan, deadline.within(self.timeouts.transfer), pieces)
-        READ_SECONDS.labels(lane="ucx").observe(xfer.seconds)
+        _observe_read("ucx", xfer.seconds)
         return xfer
 
     async def _release(self, owner: Owner, claim: Claim, timeout: float) -> bool:

@@ -122,8 +122,7 @@ class PrefillExporter:
     ) -> None:
         self.pool = pool
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
-        self.registry_url = registry_url.rstrip("/")
-        self._registry = registry_client(self.registry_url, timeouts, secret)
+        self._registry = registry_client(registry_url, timeouts, secret)
         self.timeouts = timeouts
         self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
         # Host memory whatever the pool's device: decodes check a word of it after their data.

@@ -1,7 +1,8 @@
 """The bootstrap registry as prefill ranks and decodes see it: HTTP (built-in) or etcd.
 
 A registry URL picks the backend: `http://HOST:PORT` is pdkv's own registry
-(`transfer.bootstrap`), `etcd://[USER:PASSWORD@]HOST:PORT[/PREFIX]` an etcd v3 cluster,
+(`transfer.bootstrap`), `etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/PREFIX]` an etcd
+v3 cluster (its members listed),
 the store NIXL and Dynamo keep this kind of metadata in. Both keep a rank's descriptor
 under a lease (a rank that dies drops out by itself) and answer a lookup only once every
 CP rank of the engine is in. On etcd a decode waits for the missing ranks by watching the
@@ -10,21 +11,17 @@ engine's keys instead of polling, and etcd's own users and passwords guard the k
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
+from collections.abc import Awaitable
 from typing import Protocol
 from urllib.parse import urlsplit
 
 from pdkv.errors import NotReadyError, PdkvError, UnknownEngineError
-from transfer.deadline import Deadline
+from transfer.deadline import Deadline, retry_until
 from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
 
 __all__ = ["RegistryClient", "HttpRegistry", "registry_client"]
-
-logger = logging.getLogger(__name__)
 
 
 class RegistryClient(Protocol):
@@ -87,32 +84,18 @@ class HttpRegistry:
         await self._client.request("DELETE", self._rank_url(engine_id, cp_rank))
 
     async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
-        url, delay = f"{self.url}/v1/engines/{engine_id}", 0.05
-        while True:
-            try:
-                return await self._client.request(
-                    "GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request)
-                )
-            except (NotReadyError, UnknownEngineError) as exc:
-                if deadline.remaining() < delay:
-                    raise
-                logger.debug("engine %s not ready: %s", engine_id, exc)
-                await asyncio.sleep(deadline.left(delay))
-                delay = min(delay * 2, 0.5)
+        url = f"{self.url}/v1/engines/{engine_id}"
+
+        def get() -> Awaitable[EngineDescriptor]:
+            return self._client.request("GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request))
+
+        return await retry_until(get, deadline, (NotReadyError, UnknownEngineError), f"engine {engine_id}", cap=0.5)
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
 async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float) -> None:
-    """Register, retrying with backoff while the registry is not reachable, until `deadline`."""
-    delay = 0.05
-    while True:
-        try:
-            return await registry.register(descriptor)
-        except PdkvError as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            logger.info("registry not reachable yet (%s); retrying", exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+    """Register, retrying with backoff while the registry is not reachable, until `deadline`
+    (a `time.monotonic()` instant)."""
+    await retry_until(lambda: registry.register(descriptor), Deadline(deadline), PdkvError, "registering")

@@ -46,8 +46,8 @@ from transfer.app.synthetic import (
     fragmented_allocator,
     prefix_seed,
     request_seed,
+    summable,
     token_locations,
-    writable_in_place,
 )
 from transfer.deadline import Deadline
 from transfer.http import HttpService, health, make_app, path_int, read_body, reply
@@ -211,7 +211,7 @@ class PrefillEngineRank:
     ) -> None:
         pool, layout = self.pool, self.layout
         loc = token_locations(layout, pages, content.num_tokens)
-        in_place = writable_in_place(pool)
+        in_place = summable(pool)  # host memory, whole words: written in place
         for layer in range(layout.start_layer, layout.end_layer):
             if prefix_pages is not None and prefix_tokens:
                 await self._check_prefix(layer, prefix_pages, prefix_tokens, content)

@@ -138,7 +138,7 @@ class RequestContent:
         buffers: what `set_kv_buffer` and `set_index_k_and_scale` would store, written in
         place a run of consecutive pages at a time (no token rows built, no scatter: 2.5x
         the one-core rate on the 2-core machine). Host pools of a summable layout (see
-        `_summable`) only; the caller notes the write (`invalidate_layer`)."""
+        `summable`) only; the caller notes the write (`invalidate_layer`)."""
         layout, ps, n = pool.layout, pool.layout.page_size, self.num_tokens
         local = layer - layout.start_layer
         kv = byte_rows(pool.kv_buffer[local]).numpy().view(np.uint64)  # (rows, token words)
@@ -151,8 +151,7 @@ class RequestContent:
         with np.errstate(over="ignore"):
             scale = (hi + _STEP * np.uint64(keys.shape[2] + 1)).astype(np.uint32)  # the low half of the next word
         used = pages[: -(-n // ps)]
-        breaks = (np.flatnonzero(np.diff(used) != 1) + 1).tolist()
-        for i0, i1 in zip([0, *breaks], [*breaks, len(used)]):
+        for i0, i1 in _runs(used):
             p0, t0, t1 = int(used[i0]), i0 * ps, min(i1 * ps, n)  # pages p0.. hold tokens t0..t1
             np.add(hk[t0:t1, None], kv_steps, out=kv[p0 * ps : p0 * ps + t1 - t0])
             full = (t1 - t0) // ps
@@ -176,7 +175,7 @@ class RequestContent:
         """
         layers = pool.owned if layers is None else layers
         page_ids = pages.reshape(-1).long().cpu().numpy()
-        if _summable(pool):
+        if summable(pool):
             return [layer for layer in layers if not self._layer_sums_match(pool, layer, page_ids)]
         return [layer for layer in layers if not self._layer_matches(pool, layer, page_ids)]
 
@@ -281,12 +280,7 @@ def _index_pages_match(got: np.ndarray, want: np.ndarray, layout: KVLayout) -> b
     )
 
 
-def writable_in_place(pool: DSAKVPool) -> bool:
-    """Whether `RequestContent.write_layer` can fill `pool` (the layouts it sums, too)."""
-    return _summable(pool)
-
-
-def _summable(pool: DSAKVPool) -> bool:
+def summable(pool: DSAKVPool) -> bool:
     """Whether pages can be checked by their 64-bit word sums: host memory, tokens and
     indexer keys of whole words, 4 scale bytes a token, pages of an even token count."""
     layout = pool.layout
@@ -299,15 +293,18 @@ def _summable(pool: DSAKVPool) -> bool:
     )
 
 
+def _runs(page_ids: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) index spans of `page_ids` whose ids are consecutive: one numpy call each."""
+    breaks = (np.flatnonzero(np.diff(page_ids) != 1) + 1).tolist()
+    return list(zip([0, *breaks], [*breaks, len(page_ids)]))
+
+
 def _page_sums(pages_view: torch.Tensor, page_ids: np.ndarray) -> np.ndarray:
     """The 64-bit word sum (mod 2**64) of each of `page_ids`'s pages, in place: one numpy
     sum per run of consecutive page ids (no gathered copy)."""
     words = pages_view.numpy().view(np.uint64)
     out = np.empty(len(page_ids), dtype=np.uint64)
-    breaks = np.flatnonzero(np.diff(page_ids) != 1) + 1
-    starts = np.concatenate([[0], breaks]).tolist()
-    ends = np.concatenate([breaks, [len(page_ids)]]).tolist()
-    for a, b in zip(starts, ends):
+    for a, b in _runs(page_ids):
         first = int(page_ids[a])
         words[first : first + b - a].sum(axis=1, out=out[a:b])
     return out
