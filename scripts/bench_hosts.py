@@ -5,10 +5,13 @@ the registry and the CP=4 prefill in one and `scripts/bench_fetch.py` (the decod
 raw NIXL on the same descriptors) in the other, with UCX held to the transports a host
 pair without RDMA has (`--tls`, default tcp). `--mbit` caps each host's sending rate (a
 token bucket) to stand in for a slower NIC; `--loss P` drops P% of each host's packets at
-random (a tc BPF program: the kernel here has no netem). `--cuts N` then cuts the link under N fetches
+random (a tc BPF program: the kernel here has no netem); `--delay MS` holds every packet MS
+milliseconds each way (a user-space link, `tests/delay_link.py`, for the same reason; with
+it, `--loss` is that link's) and prints what packets were actually held. `--cuts N` then cuts the link under N fetches
 (`tests/link_cut.py`) and prints how long each took to fail, and what followed. Needs root.
 
     sudo .venv/bin/python scripts/bench_hosts.py [--sizes 1024,8192,32768] [--runs 3] [--mbit 10000] [--loss 1]
+    sudo .venv/bin/python scripts/bench_hosts.py --delay 1
     sudo .venv/bin/python scripts/bench_hosts.py --sizes 1024 --runs 1 --cuts 10
 """
 
@@ -24,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.netns import HostNet, loss_unavailable, unavailable  # noqa: E402
+from tests.netns import HostNet, delay_unavailable, loss_unavailable, unavailable  # noqa: E402
 
 
 def main() -> None:
@@ -34,27 +37,38 @@ def main() -> None:
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for every process (tcp: what a host pair without RDMA has)")
     ap.add_argument("--mbit", type=float, default=None, help="cap each host's sending rate (megabits a second)")
     ap.add_argument("--loss", type=float, default=None, help="drop this percent of each host's packets, at random")
+    ap.add_argument("--delay", type=float, default=None, help="hold every packet this many ms each way")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
     ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
     ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
     args = ap.parse_args()
-    why = unavailable() if args.loss is None else loss_unavailable()
+    why = delay_unavailable() if args.delay is not None else unavailable() if args.loss is None else loss_unavailable()
     if why:
         sys.exit(f"bench_hosts: {why}")
     with HostNet(["prefill", "decode"]) as net:
+        if args.delay is not None:  # the link drops packets itself
+            net.delay(args.delay, loss=args.loss or 0.0)
         for host in ("prefill", "decode"):
             net.limit(host, args.mbit)
-            net.lose(host, args.loss)
+            if args.delay is None:
+                net.lose(host, args.loss)
         prefill = net.where("prefill")
         cmd = [*net.exec_prefix("decode"), sys.executable, str(ROOT / "scripts/bench_fetch.py")]
         cmd += ["--sizes", args.sizes, "--runs", str(args.runs), "--prefill-host", prefill]
         env = {**os.environ, "UCX_TLS": args.tls}
         cap = f"{args.mbit:g} Mbit/s a host" if args.mbit else "no rate cap"
         cap += f", {args.loss:g}% of packets lost each way" if args.loss else ""
+        cap += f", {args.delay:g} ms added each way" if args.delay else ""
         print(f"prefill host {net.address('prefill')}, decode host {net.address('decode')}, UCX_TLS={args.tls}, {cap}")
         sys.stdout.flush()
         run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout, stdout=subprocess.PIPE, text=True)
         print("\n".join(line for line in run.stdout.splitlines() if "NIXL INFO" not in line))
+        if (held := net.delay(None)) is not None:
+            print(
+                f"delayed link: {held['packets']} packets ({held['lost']} lost), {held['bytes'] / 1e9:.2f} GB, "
+                f"held ms: "
+                f"min {held['held_min_ms']:.3f}, p50 {held['held_p50_ms']:.3f}, p99 {held['held_p99_ms']:.3f}"
+            )
         if run.returncode or not args.cuts:
             sys.exit(run.returncode)
         sys.exit(_cuts(net, env, args))

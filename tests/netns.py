@@ -12,19 +12,25 @@ Needs root and iproute2 (`ip`, `tc`); `unavailable()` says why not, for a skip.
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from tests import delay_link
 from tests.bpf_loss import load_and_pin
 
-__all__ = ["HostNet", "loss_unavailable", "unavailable"]
+__all__ = ["HostNet", "delay_unavailable", "loss_unavailable", "unavailable"]
 
 SUBNET = "198.18.0"
 _CMD_TIMEOUT_S = 10
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -75,6 +81,18 @@ def loss_unavailable() -> str | None:
     return None
 
 
+def delay_unavailable() -> str | None:
+    """Why `HostNet.delay` cannot work here (beyond `unavailable`), or None when it can."""
+    why = unavailable()
+    if why is not None:
+        return why
+    try:
+        os.close(os.open("/dev/net/tun", os.O_RDWR))
+    except OSError as exc:
+        return f"no TUN devices: {exc}"
+    return None
+
+
 @dataclass
 class HostNet:
     """Namespaces `hosts`, each with `eth0` at 198.18.0.(i + 1) on one bridge."""
@@ -83,6 +101,9 @@ class HostNet:
     prefix: str = field(default_factory=lambda: f"pdkv{os.getpid()}")
     _made: list[str] = field(default_factory=list, init=False)
     _bpffs: str | None = field(default=None, init=False)  # where loss programs are pinned
+    _delayer: subprocess.Popen[str] | None = field(default=None, init=False)
+    _delay_stats: str | None = field(default=None, init=False)
+    _shaped: bool = field(default=False, init=False)  # a rate cap or loss was put on a wire
 
     def netns(self, host: str) -> str:
         return f"{self.prefix}-{host}"
@@ -123,6 +144,7 @@ class HostNet:
 
     def down(self) -> None:
         """Delete every namespace made (their veths go with them); safe to call twice."""
+        self.delay(None)
         while self._made:
             _ip("netns", "del", self._made.pop(), check=False)
         if self._bpffs is not None:  # the programs go once no filter holds them
@@ -130,26 +152,80 @@ class HostNet:
             os.rmdir(self._bpffs)
             self._bpffs = None
 
+    def wire(self) -> str:
+        """The interface that carries traffic between hosts: the delayed link once there is one."""
+        return delay_link.DEVICE if self._delayer is not None else "eth0"
+
     def link(self, host: str, up: bool) -> None:
-        """Take `host`'s cable out (or put it back): its interface goes down."""
-        _ip("-n", self.netns(host), "link", "set", "eth0", "up" if up else "down")
+        """Take `host`'s cable out (or put it back): its interfaces go down."""
+        for dev in {"eth0", self.wire()}:
+            _ip("-n", self.netns(host), "link", "set", dev, "up" if up else "down")
+
+    def delay(self, ms: float | None, loss: float = 0.0) -> dict[str, float] | None:
+        """Hold every packet between hosts `ms` milliseconds each way and drop `loss` percent
+        of them at random (`tests.delay_link`); None takes the link away and returns what
+        packets were actually held and lost.
+
+        Set it before `limit`: that acts on the interface that carries the traffic. `lose`
+        does not apply to this link; its own `loss` does.
+        """
+        if ms is None:
+            return self._undelay()
+        self._start_delay(ms, loss)
+        return None
+
+    def _start_delay(self, ms: float, loss: float) -> None:
+        if self._delayer is not None or self._shaped:
+            raise ValueError("set the delay once, before any rate cap or loss")
+        fd, self._delay_stats = tempfile.mkstemp(prefix="pdkv-delay-", suffix=".json")
+        os.close(fd)
+        for host in self.hosts:  # the delayed link takes each host's address off its cable
+            _ip("-n", self.netns(host), "addr", "del", f"{self.address(host)}/24", "dev", "eth0")
+        hosts = [f"{self.netns(h)}={self.address(h)}" for h in self.hosts]
+        cmd = [sys.executable, "-m", "tests.delay_link", "--delay-ms", str(ms), "--loss", str(loss)]
+        cmd += ["--stats", self._delay_stats]
+        self._delayer = subprocess.Popen([*cmd, *hosts], cwd=_ROOT, stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self._delayer.stdout], [], [], _CMD_TIMEOUT_S)
+        if not ready or self._delayer.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            self._undelay()
+            raise RuntimeError("the delayed link did not come up")
+
+    def _undelay(self) -> dict[str, float] | None:
+        if self._delayer is None:
+            return None
+        delayer, self._delayer = self._delayer, None
+        delayer.terminate()
+        try:
+            delayer.wait(timeout=_CMD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            delayer.kill()
+            delayer.wait(timeout=_CMD_TIMEOUT_S)
+        for host in self.hosts:  # its devices went with it: the cables carry the hosts again
+            _ip("-n", self.netns(host), "addr", "replace", f"{self.address(host)}/24", "dev", "eth0", check=False)
+        stats_path, self._delay_stats = self._delay_stats, None
+        assert stats_path is not None
+        try:
+            text = Path(stats_path).read_text()
+            return json.loads(text) if text else None
+        finally:
+            os.unlink(stats_path)
 
     def limit(self, host: str, mbit: float | None) -> None:
         """Cap what `host` sends at `mbit` megabits a second (a token bucket); None lifts it.
 
-        Delay would need netem, which the kernels here are built without
-        (`CONFIG_NET_SCH_NETEM` unset, no modules): only HTB and TBF shape traffic. Loss:
-        `lose`.
+        The kernels here are built without netem (`CONFIG_NET_SCH_NETEM` unset, no
+        modules): only HTB and TBF shape traffic. Delay: `delay`; loss: `lose`.
         """
-        ns = self.netns(host)
+        ns, wire = self.netns(host), self.wire()
         subprocess.run(
-            [*self.exec_prefix(host), "tc", "qdisc", "del", "dev", "eth0", "root"],
+            [*self.exec_prefix(host), "tc", "qdisc", "del", "dev", wire, "root"],
             capture_output=True,
             timeout=_CMD_TIMEOUT_S,
         )
         if mbit is not None:
+            self._shaped = True
             tbf = ["rate", f"{mbit}mbit", "burst", "64kb", "latency", "50ms"]
-            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", *tbf]
+            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", wire, "root", "tbf", *tbf]
             subprocess.run(cmd, check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
 
     def lose(self, host: str, percent: float | None) -> None:
@@ -158,21 +234,24 @@ class HostNet:
         Offloads are turned down to one segment a packet, so the share counts wire packets,
         not 64 KiB TCP super-packets.
         """
-        ns = self.netns(host)
+        if self._delayer is not None:
+            raise ValueError("the delayed link drops packets itself: delay(ms, loss=...)")
+        ns, wire = self.netns(host), "eth0"
         tc = [*self.exec_prefix(host), "tc"]
-        subprocess.run([*tc, "qdisc", "del", "dev", "eth0", "clsact"], capture_output=True, timeout=_CMD_TIMEOUT_S)
+        subprocess.run([*tc, "qdisc", "del", "dev", wire, "clsact"], capture_output=True, timeout=_CMD_TIMEOUT_S)
         if percent is None:
-            _ip("-n", ns, "link", "set", "eth0", "gso_max_segs", "65535")
+            _ip("-n", ns, "link", "set", wire, "gso_max_segs", "65535")
             return
+        self._shaped = True
         if self._bpffs is None:
             self._bpffs = tempfile.mkdtemp(prefix="pdkv-bpffs-")
             subprocess.run(["mount", "-t", "bpf", "bpf", self._bpffs], check=True, capture_output=True)
         pinned = os.path.join(self._bpffs, f"loss{round(percent * 1000)}")  # bpffs refuses dots in names
         if not os.path.exists(pinned):
             load_and_pin(percent / 100, pinned)
-        _ip("-n", ns, "link", "set", "eth0", "gso_max_segs", "1")
-        subprocess.run([*tc, "qdisc", "add", "dev", "eth0", "clsact"], check=True, capture_output=True)
-        attach = ["filter", "add", "dev", "eth0", "egress", "bpf", "da", "object-pinned", pinned]
+        _ip("-n", ns, "link", "set", wire, "gso_max_segs", "1")
+        subprocess.run([*tc, "qdisc", "add", "dev", wire, "clsact"], check=True, capture_output=True)
+        attach = ["filter", "add", "dev", wire, "egress", "bpf", "da", "object-pinned", pinned]
         subprocess.run([*tc, *attach], check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
 
     def __enter__(self) -> HostNet:
