@@ -2,7 +2,9 @@
 
 A read of a layer this rank does not own is served by the owner's broadcast into a
 per-rank scratch buffer (two slots each for latent KV and the indexer). A prefetch starts
-that broadcast early; a write to the layer invalidates the copy.
+that broadcast early; a write to the layer invalidates the copy. A whole layer travels as
+one broadcast of its [latent | indexer] region when both kinds land in slots of the same
+number, whose scratch lies side by side as the owner's layer does.
 
 Reads, prefetches and writes are collective: every rank of the CP group issues them in
 the same order, as the ranks of one model forward do. The owner takes part too; it sends
@@ -20,12 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from pdkv.broadcast import CollectiveHandle, OwnerBroadcaster
-from pdkv.buffers import alloc_zeros, byte_rows, check_locations, put, take
+from pdkv.buffers import alloc_layers, byte_rows, check_locations, put, take
 from pdkv.layout import BufferKind, KVLayout
 from pdkv.pool import DSAKVPool
 from pdkv.sharding import ShardPlan
 
 __all__ = ["LayerSplitDSAKVPool", "RemoteLayerCache"]
+
+_Staged = tuple["_Slot", torch.Tensor, Callable[[], None]]  # a claimed slot, its payload, its finish
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ class _Flight:
     finish: Callable[[], None]
 
 
-@dataclass
+@dataclass(eq=False)  # slots are told apart by identity
 class _Slot:
     """One scratch buffer and the layer it holds (or is receiving)."""
 
@@ -147,11 +151,13 @@ class RemoteLayerCache:
 
         A slot holding other pages of the layer is refilled with the ones asked for.
         """
-        prefetch_together([self], layer_id, pages)
+        if (stage := self._stage(layer_id, pages)) is not None:
+            _start(self, [stage], [stage[1]], layer_id)
 
-    def _stage(
-        self, layer_id: int, pages: torch.Tensor | None
-    ) -> tuple[_Slot, torch.Tensor, Callable[[], None]] | None:
+    def slot_number(self, slot: _Slot) -> int:
+        return self._slots.index(slot)
+
+    def _stage(self, layer_id: int, pages: torch.Tensor | None) -> _Staged | None:
         """Claim a slot for `layer_id` and say what must travel into it; None: held already."""
         if self._broadcaster is None:
             return None
@@ -213,25 +219,12 @@ class RemoteLayerCache:
             slot.layer_id = None
 
 
-def prefetch_together(caches: list[RemoteLayerCache], layer_id: int, pages: torch.Tensor | None) -> None:
-    """Start the broadcasts of `layer_id` into each of `caches` as one collective.
-
-    One call per layer instead of one per kind halves the per-layer launches, events and
-    Python on the prefill's critical path. The caches must share one broadcaster.
-    """
-    staged, kinds = [], []
-    for cache in caches:
-        stage = cache._stage(layer_id, pages)
-        if stage is not None:
-            staged.append(stage)
-            kinds.append(cache.kind)
-    if not staged:
-        return
-    broadcaster = caches[0]._broadcaster
+def _start(cache: RemoteLayerCache, staged: list[_Staged], payloads: list[torch.Tensor], layer_id: int) -> None:
+    """Broadcast `payloads` from the owner of `layer_id` as one collective into the staged slots."""
+    broadcaster = cache._broadcaster
     assert broadcaster is not None
-    owner = caches[0]._plan.owner_of(layer_id)
     try:
-        handle = broadcaster.start([payload for _, payload, _ in staged], owner, f"{'+'.join(kinds)} layer {layer_id}")
+        handle = broadcaster.start(payloads, cache._plan.owner_of(layer_id), f"layer {layer_id}")
     except BaseException:
         for slot, _, _ in staged:  # nothing is on its way into them
             slot.layer_id = None
@@ -251,21 +244,18 @@ class LayerSplitDSAKVPool(DSAKVPool):
         super().__init__(layout, plan.owned)
         self.plan = plan
         logger.info("layer-split pool: %s", plan.describe())
-        slots = SCRATCH_SLOTS if len(plan.owned) < layout.layer_num else 0
-        kv_scratch = [
-            alloc_zeros((layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device)
-            for _ in range(slots)
-        ]
-        index_scratch = [
-            alloc_zeros((layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device)
-            for _ in range(slots)
-        ]
+        # Slot i of both kinds side by side, as in an owned layer's region.
+        self._scratch = alloc_layers(layout, SCRATCH_SLOTS if len(plan.owned) < layout.layer_num else 0)
+        slots = range(self._scratch.slab.shape[0])
         bc = broadcaster if plan.size > 1 else None
         pages = layout.num_pages
         self.remote_kv = RemoteLayerCache(
-            "kv", plan, self.kv_buffer, kv_scratch, bc, lambda t: byte_rows(t).view(pages, -1)
+            "kv", plan, self.kv_buffer, [self._scratch.kv[i] for i in slots], bc, lambda t: byte_rows(t).view(pages, -1)
         )
-        self.remote_index = RemoteLayerCache("index", plan, self.index_buffer, index_scratch, bc, byte_rows)
+        self.remote_index = RemoteLayerCache(
+            "index", plan, self.index_buffer, [self._scratch.index[i] for i in slots], bc, byte_rows
+        )
+        self.whole_layer_broadcasts = 0  # layers that went as one buffer, both kinds
 
     def _remote(self, kind: BufferKind) -> RemoteLayerCache:
         return self.remote_kv if kind is BufferKind.LATENT else self.remote_index
@@ -298,7 +288,31 @@ class LayerSplitDSAKVPool(DSAKVPool):
         """
         self._local(layer_id)
         self._check_pages(pages)
-        prefetch_together([self.remote_kv, self.remote_index], layer_id, pages)
+        self._prefetch_both(layer_id, pages)
+
+    def _prefetch_both(self, layer_id: int, pages: torch.Tensor | None) -> None:
+        """Start the broadcasts of both kinds of `layer_id` as one collective (one launch,
+        one event, half the Python of one each on the prefill's critical path); a whole
+        layer as one buffer where it can."""
+        kv, index = self.remote_kv._stage(layer_id, pages), self.remote_index._stage(layer_id, pages)
+        staged = [s for s in (kv, index) if s is not None]
+        if not staged:
+            return
+        payloads = [payload for _, payload, _ in staged]
+        if pages is None and kv is not None and index is not None:
+            # Every rank takes the same slots (the same calls leave the same state), so all
+            # of them choose one buffer or two alike, as the collective needs.
+            slot = self.remote_kv.slot_number(kv[0])
+            if slot == self.remote_index.slot_number(index[0]):
+                payloads = [self._region(layer_id, slot)]
+                self.whole_layer_broadcasts += 1
+        _start(self.remote_kv, staged, payloads, layer_id)
+
+    def _region(self, layer_id: int, slot: int) -> torch.Tensor:
+        """Where a whole `layer_id` travels from (its owner) or into (scratch slot `slot`)."""
+        if self.plan.owns(layer_id):
+            return self.regions.region(layer_id - self.owned.start)
+        return self._scratch.region(slot)
 
     async def wait_layer(self, layer_id: int, pages: torch.Tensor | None = None) -> None:
         """Make `layer_id` (or its `pages`) readable without blocking: await its broadcasts.
@@ -307,7 +321,7 @@ class LayerSplitDSAKVPool(DSAKVPool):
         """
         self._local(layer_id)
         self._check_pages(pages)
-        prefetch_together([self.remote_kv, self.remote_index], layer_id, pages)
+        self._prefetch_both(layer_id, pages)
         await self.remote_kv.read_async(layer_id, pages)
         await self.remote_index.read_async(layer_id, pages)
 

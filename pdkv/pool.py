@@ -5,8 +5,10 @@ the layers its CP rank owns and serves reads of the others through an owner broa
 Both keep `kv_buffer[i]` / `index_buffer[i]` indexed by local layer, so a non-owned
 layer is a 0-row placeholder rather than a gap.
 
-Owned layers of one kind live in one contiguous slab: a transfer engine registers that
-slab once, and pages of adjacent layers can never alias.
+Owned layers live in one contiguous slab, each layer one region holding its latent KV and
+then its indexer (`pdkv.buffers.LayerRegions`): a transfer engine registers that slab once,
+pages of different layers or kinds can never alias, and a whole layer can travel as one
+broadcast.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdkv.buffers import (
-    alloc_zeros,
+    alloc_layers,
     as_store_rows,
     byte_rows,
     check_locations,
@@ -76,8 +78,9 @@ class DSAKVPool:
             raise PageRangeError(f"owned layers {self.owned} outside the layout's layers")
         self.device = torch.device(layout.device)
         n = len(self.owned)
-        self.kv_slab = alloc_zeros((n, layout.kv_rows, 1, layout.kv_cache_dim), layout.torch_store_dtype, layout.device)
-        self.index_slab = alloc_zeros((n, layout.index_num_pages, layout.index_page_bytes), torch.uint8, layout.device)
+        self.regions = alloc_layers(layout, n)
+        self.slab = self.regions.slab
+        self.kv_slab, self.index_slab = self.regions.kv, self.regions.index  # (owned layer, ...) views
         self.kv_buffer = [self._layer_view(self.kv_slab, i) for i in self._layer_range()]
         self.index_buffer = [self._layer_view(self.index_slab, i) for i in self._layer_range()]
         logger.debug("pool %s owns layers [%d, %d)", layout.fingerprint, self.owned.start, self.owned.stop)
@@ -252,14 +255,15 @@ class DSAKVPool:
         return self._infos(self.index_buffer, self.layout.index_page_bytes)
 
     def registered_buffers(self) -> list[torch.Tensor]:
-        """What a transfer layer registers: the two slabs of owned layers."""
-        return [self.kv_slab, self.index_slab]
+        """What a transfer layer registers: the slab of owned layers."""
+        return [self.slab]
 
     def ipc_slabs(self) -> dict[BufferKind, torch.Tensor] | None:
-        """The slabs a same-host decode may map by CUDA IPC; None off the GPU or owning nothing."""
-        if self.device.type != "cuda" or self.kv_slab.numel() == 0:
+        """Where each kind's buffers lie, for a same-host decode to map by CUDA IPC (one slab
+        holds both); None off the GPU or owning nothing."""
+        if self.device.type != "cuda" or self.slab.numel() == 0:
             return None
-        return {BufferKind.LATENT: self.kv_slab, BufferKind.INDEX: self.index_slab}
+        return {BufferKind.LATENT: self.slab, BufferKind.INDEX: self.slab}
 
     def get_kv_size_bytes(self) -> int:
-        return self.kv_slab.nbytes + self.index_slab.nbytes
+        return self.slab.nbytes

@@ -47,7 +47,7 @@ class RawNixl:
         nixl = load_nixl()
         self.mem = mem_type(pool.device)
         self.agent = nixl.nixl_agent("raw-bench", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.agent.register_memory([pool.kv_slab, pool.index_slab])
+        self.agent.register_memory(pool.registered_buffers())
         self.names = [self.agent.add_remote_agent(r.agent_metadata) for r in engine.ranks]
 
     def read(self, plans: list) -> float:
@@ -130,8 +130,7 @@ async def bench(args: argparse.Namespace) -> None:
     source_device = args.prefill_device if (args.prefill_device or "").startswith("cuda:") else layout.device
     decode_pool, source_copy = DSAKVPool(layout), DSAKVPool(layout.replace(device=source_device))
     for p in (decode_pool, source_copy):  # touch every page once: first-touch faults are not transfer cost
-        p.kv_slab.fill_(1)
-        p.index_slab.fill_(1)
+        p.slab.fill_(1)
     alloc = fragmented_allocator(layout.num_pages, 7)
     async with Deployment(spec) as d:
         engine_url = d.engines[0]
@@ -154,7 +153,7 @@ async def bench(args: argparse.Namespace) -> None:
             args.lanes = fetcher.transport.lanes
             rows = []
             for n in args.sizes:
-                slabs = (decode_pool.kv_slab, source_copy.kv_slab)
+                slabs = (decode_pool.slab, source_copy.slab)
                 pools = (decode_pool, source_copy)
                 rows.append(
                     await bench_size(

@@ -80,7 +80,7 @@ def main() -> None:
         s_pages = fragmented_page_order(np.arange(1, layout.num_pages), rng)[:k]
         d_pages = fragmented_page_order(np.arange(1, layout.num_pages), rng)[:k]
         plan = build_gather_plan(bufs, s_pages, d_pages)
-        flat_d, flat_s = dst.kv_slab.view(torch.uint8).view(-1), src.kv_slab.view(torch.uint8).view(-1)
+        flat_d, flat_s = dst.slab.view(-1), src.slab.view(-1)
         n_bytes = plan.nbytes
         contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: _TorchCopy(d, s), args.runs)[0] / 1e9
         for block in (2048, 4096, 8192):  # the lane picks 4096 x 4 warps, or 8192 x 8 from 1 GiB

@@ -130,4 +130,24 @@ def owner_broadcast_reads(
     asyncio.run(other_pages())
     if len(plan.owned) < layers:
         assert pool.remote_kv.broadcasts - before == 3 * layers
+    if layers >= 3 and len(plan.owned) < layers:
+        slots_part_ways(pool, seed=3)
     return {"kv_broadcasts": pool.remote_kv.broadcasts, "owned": len(plan.owned)}
+
+
+def slots_part_ways(pool: LayerSplitDSAKVPool, seed: int) -> None:
+    """A whole layer goes as one buffer when both kinds land in slots of the same number,
+    else as two: after a write of one kind only, the kinds' slots part ways, and the reads
+    are still byte-exact on every rank."""
+    pool.remote_kv.clear()
+    pool.remote_index.clear()
+    whole = pool.whole_layer_broadcasts
+    pool.prefetch(0)
+    pool.prefetch(1)
+    assert pool.whole_layer_broadcasts - whole == 2
+    loc = _tokens(pool.layout)
+    pool.set_kv_buffer(1, loc, SyntheticLayer(pool.layout, seed, 1, loc).kv_rows(pool.layout))  # kv of 1 dropped
+    pool.prefetch(2)  # the latent into the slot layer 1's left, the indexer into layer 0's
+    assert pool.whole_layer_broadcasts - whole == 2
+    for layer in (2, 1, 0):
+        check_layer(pool, layer, seed)

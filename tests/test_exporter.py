@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdkv import DSAKVPool, TransferError, tiny
+from pdkv.buffers import LAYER_ALIGN
 from pdkv.layout import BufferKind
 from transfer.bootstrap import RegistryServer
 from transfer.deadline import Deadline
@@ -29,8 +30,11 @@ async def test_only_owned_layer_buffers_are_registered_and_described():
                 (t.data_ptr(), t.nbytes) for layer in (3, 4) for t in (pool.kv_buffer[layer], pool.index_buffer[layer])
             )
             assert described == owned
-            # and nothing else but the pin table, whose words decodes READ after their data
-            assert exporter.transport.local_regions.total == sum(n for _, n in owned) + d.pins.nbytes + 8  # + its tag
+            # and nothing else but the alignment padding between them (under LAYER_ALIGN after
+            # each buffer) and the pin table, whose words decodes READ after their data
+            padding = pool.slab.nbytes - sum(n for _, n in owned)
+            assert 0 <= padding < len(owned) * LAYER_ALIGN
+            assert exporter.transport.local_regions.total == pool.slab.nbytes + d.pins.nbytes + 8  # + its tag
             for b in d.buffers:
                 want = layout.kv_page_bytes if b.kind is BufferKind.LATENT else layout.index_page_bytes
                 assert b.item_len == want and b.num_items == layout.num_pages
@@ -43,36 +47,32 @@ async def test_only_owned_layer_buffers_are_registered_and_described():
 async def test_reads_outside_registered_regions_are_refused_before_any_read():
     layout = tiny(layer_num=3)
     src_pool, dst_pool = DSAKVPool(layout), DSAKVPool(layout)
-    src_bytes = src_pool.kv_slab.view(torch.uint8).view(-1)
+    src_bytes = src_pool.slab.view(-1)
     src_bytes.copy_(torch.arange(src_bytes.numel()) % 251)
     registry = RegistryServer()
     url = await registry.start()
     reader = UcxTransport("reader-test", lanes=1)
     try:
-        reader.register([dst_pool.kv_slab])
+        reader.register([dst_pool.slab])
         async with PrefillExporter(src_pool, "e1", 0, 1, url) as exporter:
             d = exporter.descriptor
             await reader.add_peer(d.agent_name, d.agent_metadata, [(b.addr, b.length) for b in d.buffers])
-            base, n = src_pool.kv_slab.data_ptr(), 4096
-            ok = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([[base, n, 0]]), n)
+            base, n = src_pool.slab.data_ptr(), 4096
+            ok = ReadPlan(np.array([[dst_pool.slab.data_ptr(), n, 0]]), np.array([[base, n, 0]]), n)
             stats = await reader.read(d.agent_name, ok, Deadline.after(10))
             assert stats.nbytes == n
-            assert torch.equal(
-                dst_pool.kv_slab.view(torch.uint8).view(-1)[:n], src_pool.kv_slab.view(torch.uint8).view(-1)[:n]
-            )
-            dst_pool.kv_slab.zero_()
-            # Outside both exported slabs, wherever the allocator put them: below the lower,
-            # above the higher, and straddling the end of the higher.
-            slabs = sorted((t.data_ptr(), t.nbytes) for t in (src_pool.kv_slab, src_pool.index_slab))
-            low, (top, top_len) = slabs[0][0], slabs[-1]
-            for remote in ([top + top_len, n, 0], [low - n, n, 0], [top + top_len - 8, 64, 0]):
-                bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr(), n, 0]]), np.array([remote]), n)
+            assert torch.equal(dst_pool.slab.view(-1)[:n], src_pool.slab.view(-1)[:n])
+            dst_pool.slab.zero_()
+            # Outside the exported slab: below it, above it, and straddling its end.
+            low, top_len = src_pool.slab.data_ptr(), src_pool.slab.nbytes
+            for remote in ([low + top_len, n, 0], [low - n, n, 0], [low + top_len - 8, 64, 0]):
+                bad = ReadPlan(np.array([[dst_pool.slab.data_ptr(), n, 0]]), np.array([remote]), n)
                 with pytest.raises(TransferError, match="outside"):
                     await reader.read(d.agent_name, bad, Deadline.after(10))
-            local_bad = ReadPlan(np.array([[dst_pool.kv_slab.data_ptr() - n, n, 0]]), np.array([[base, n, 0]]), n)
+            local_bad = ReadPlan(np.array([[dst_pool.slab.data_ptr() - n, n, 0]]), np.array([[base, n, 0]]), n)
             with pytest.raises(TransferError, match="outside"):
                 await reader.read(d.agent_name, local_bad, Deadline.after(10))
-            assert int(dst_pool.kv_slab.view(torch.uint8).sum()) == 0  # nothing was read
+            assert int(dst_pool.slab.sum()) == 0  # nothing was read
     finally:
         await reader.aclose()
         await registry.aclose()
@@ -112,7 +112,7 @@ async def test_readiness_is_pushed_on_a_stream_not_polled():
 
     layout = tiny(layer_num=4)
     src = DSAKVPool(layout)
-    src.kv_slab.view(torch.uint8).view(-1).copy_(torch.arange(src.kv_slab.nbytes) % 253)
+    src.slab.view(-1).copy_(torch.arange(src.slab.nbytes) % 253)
     registry = RegistryServer()
     url = await registry.start()
     try:
@@ -144,8 +144,7 @@ async def test_a_room_sent_by_chunks_is_read_chunk_by_chunk_as_they_come():
 
     layout = tiny(layer_num=3)
     src = DSAKVPool(layout)
-    for t in (src.kv_slab, src.index_slab):
-        t.view(torch.uint8).view(-1).copy_(torch.arange(t.nbytes) % 239)
+    src.slab.view(-1).copy_(torch.arange(src.slab.nbytes) % 239)
     registry = RegistryServer()
     url = await registry.start()
     chunks = [np.array([5, 6]), np.array([11]), np.array([2, 30, 8])]

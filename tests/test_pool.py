@@ -51,8 +51,13 @@ def test_layer_split_buffer_infos_cover_owned_layers_only(device):
         assert idx.data_ptrs[i] == pool.index_buffer[layer].data_ptr()
         assert idx.data_lens[i] == layout.index_num_pages * layout.index_page_bytes
         assert idx.item_lens[i] == layout.index_page_bytes == 4 * 132
-    # Owned layers are one contiguous slab, layer after layer.
-    assert kv.data_ptrs[1] - kv.data_ptrs[0] == kv.data_lens[0]
+    # Owned layers are one slab, layer after layer, each its latent then its indexer.
+    slab = pool.registered_buffers()
+    assert len(slab) == 1 and slab[0].is_contiguous()
+    start, end = slab[0].data_ptr(), slab[0].data_ptr() + slab[0].nbytes
+    for i in range(3):
+        assert start <= kv.data_ptrs[i] < kv.data_ptrs[i] + kv.data_lens[i] <= idx.data_ptrs[i]
+        assert idx.data_ptrs[i] + idx.data_lens[i] <= (kv.data_ptrs[i + 1] if i < 2 else end)
     assert all(pool.kv_buffer[layer].shape[0] == 0 for layer in (0, 3, 7, 9))
 
 

@@ -36,9 +36,7 @@ def registry_url():
 def test_a_scheduler_loop_exports_and_fetches_without_blocking(registry_url):
     layout = tiny(layer_num=5)
     src = DSAKVPool(layout)
-    for t in (src.kv_slab, src.index_slab):
-        flat = t.view(torch.uint8).view(-1)
-        flat.copy_(torch.arange(flat.numel()) % 241)
+    src.slab.view(-1).copy_(torch.arange(src.slab.nbytes) % 241)
     exporter = SyncExporter(src, "sync0", 0, 1, registry_url)
     fetcher = SyncFetcher(DSAKVPool(layout), registry_url, lanes=1)
     try:

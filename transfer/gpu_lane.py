@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,11 +105,13 @@ class GpuLane:
         """Map `rank`'s slabs and translate its UCX buffer pairs into mapped addresses."""
         assert rank.ipc is not None
         mappings: dict[BufferKind, IpcMapping] = {}
+        opened: dict[bytes, tuple[int, int]] = {}  # one allocation may hold both kinds: map it once
         try:
             for slab in rank.ipc.slabs:
-                mapped, size = self._driver.open(self.index, slab.handle)
-                m = IpcMapping(self.index, slab.addr, slab.length, mapped, slab.alloc_offset)
-                mappings[slab.kind] = m
+                if slab.handle not in opened:
+                    opened[slab.handle] = self._driver.open(self.index, slab.handle)
+                mapped, size = opened[slab.handle]
+                mappings[slab.kind] = IpcMapping(self.index, slab.addr, slab.length, mapped, slab.alloc_offset)
                 if slab.alloc_offset + slab.length > size:  # a forged length must not reach a kernel
                     raise TransferError(
                         f"cp rank {rank.cp_rank}: {slab.kind.value} slab of {slab.length} bytes at "
@@ -122,8 +125,7 @@ class GpuLane:
                 for layer, (lat, idx) in local.items()
             }
         except BaseException:
-            for m in mappings.values():
-                m.close(self._driver)
+            self._unmap(mappings.values())
             raise
         peer = IpcPeer(rank.agent_name, mappings, pairs)
         self._peers.add(peer)
@@ -182,8 +184,15 @@ class GpuLane:
         dropped = set(peer.tables.values())
         self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
         await asyncio.to_thread(self._gather.stream.synchronize)
-        for m in peer.mappings.values():
-            m.close(self._driver)
+        self._unmap(peer.mappings.values())
+
+    def _unmap(self, mappings: Iterable[IpcMapping]) -> None:
+        """Close each mapped allocation once, however many slabs lie in it."""
+        closed: set[int] = set()
+        for m in mappings:
+            if m.mapped not in closed:
+                closed.add(m.mapped)
+                m.close(self._driver)
 
     async def aclose(self) -> None:
         for peer in list(self._peers):

@@ -159,7 +159,8 @@ class PrefillExporter:
         self.transport = UcxTransport(
             name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )
-        # The owned slabs are exactly the owned layers' buffers: nothing else is exposed.
+        # The owned slab is the owned layers' buffers and the alignment padding between them
+        # (never written): nothing else is exposed.
         self.transport.register([*self.pool.registered_buffers(), self._pins.tensor])
         url = await self._http.start()
         layout = self.pool.layout
