@@ -79,11 +79,24 @@ class DSAKVPool:
         self.device = torch.device(layout.device)
         n = len(self.owned)
         self.regions = alloc_layers(layout, n)
-        self.slab = self.regions.slab
-        self.kv_slab, self.index_slab = self.regions.kv, self.regions.index  # (owned layer, ...) views
         self.kv_buffer = [self._layer_view(self.kv_slab, i) for i in self._layer_range()]
         self.index_buffer = [self._layer_view(self.index_slab, i) for i in self._layer_range()]
         logger.debug("pool %s owns layers [%d, %d)", layout.fingerprint, self.owned.start, self.owned.stop)
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """Every owned layer's bytes, as registered: (owned layer, region bytes) uint8."""
+        return self.regions.slab
+
+    @property
+    def kv_slab(self) -> torch.Tensor:
+        """The owned layers' latent buffers, (owned layer, ...) in the store dtype (strided)."""
+        return self.regions.kv
+
+    @property
+    def index_slab(self) -> torch.Tensor:
+        """The owned layers' indexer buffers, (owned layer, pages, page bytes) uint8 (strided)."""
+        return self.regions.index
 
     # ---- layer bookkeeping ----------------------------------------------------------------
     def _layer_range(self) -> range:

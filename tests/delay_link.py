@@ -91,7 +91,7 @@ class _Link:
         self.held_s: list[float] = []
         self.packets = 0
         self.bytes = 0
-        self.unroutable = 0  # not IPv4 to a known host (IPv6 router solicitations, say)
+        self.dropped = 0  # not IPv4 to a known host (IPv6 router solicitations, say), or no room to write
 
     def take(self, fd: int) -> None:
         for _ in range(_READS_PER_WAKE):
@@ -101,7 +101,7 @@ class _Link:
                 return
             out = self.by_address.get(packet[16:20]) if packet[:1] and packet[0] >> 4 == 4 else None
             if out is None:
-                self.unroutable += 1
+                self.dropped += 1
                 continue
             if self.loss and random.random() < self.loss:
                 self.lost += 1
@@ -115,7 +115,7 @@ class _Link:
             try:
                 os.write(out, packet)
             except (BlockingIOError, OSError):  # the device's queue is full: a loss, as on a wire
-                self.unroutable += 1
+                self.dropped += 1
                 continue
             self.packets += 1
             self.bytes += len(packet)
@@ -132,7 +132,7 @@ class _Link:
             "packets": self.packets,
             "bytes": self.bytes,
             "lost": self.lost,
-            "dropped": self.unroutable,
+            "dropped": self.dropped,
             "held_min_ms": held[0] * 1e3,
             "held_p50_ms": statistics.median(held) * 1e3,
             "held_p99_ms": held[min(len(held) - 1, round(0.99 * (len(held) - 1)))] * 1e3,

@@ -91,9 +91,11 @@ def _ipc_export(pool: KVBuffers) -> IpcExport | None:
     dev = device_id(pool.device)
     try:
         driver = CudaDriver.get()
-        slabs = []
+        slabs, exported = [], {}
         for kind, slab in owned.items():
-            handle, offset = driver.export(dev, slab.data_ptr())
+            if slab.data_ptr() not in exported:  # both kinds lie in one slab: export it once
+                exported[slab.data_ptr()] = driver.export(dev, slab.data_ptr())
+            handle, offset = exported[slab.data_ptr()]
             slabs.append(
                 IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle)
             )
