@@ -137,6 +137,7 @@ class DecodeFetcher(OwnerIO):
             lanes=lanes,
             mem_type=mem,
             connect_timeout=self.timeouts.connect,
+            notifies=True,  # ticket releases
         )
         self.transport.register([*self.pool.registered_buffers(), self._pin_windows])
         if self.pool.device.type == "cuda" and self.path != "ucx":

@@ -236,12 +236,18 @@ def _split(plan: ReadPlan, pieces: int) -> list[tuple[np.ndarray, np.ndarray]]:
 class UcxTransport:
     """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
 
-    def __init__(self, name: str, lanes: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, name: str, lanes: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0, notifies: bool = False
+    ) -> None:
+        """`notifies`: this transport sends notifications (`notify`), from an agent of their
+        own: a notification sent on a READ lane's connection made that lane's next READs
+        from the peer wait for the peer's progress (4-10 ms each on loopback, measured)."""
         self._nixl = _nixl()
         self.name = name
         self.connect_timeout = connect_timeout
         self.mem_type = mem_type
         self._lanes = [_Lane(self._nixl, f"{name}.{i}" if lanes > 1 else name) for i in range(lanes)]
+        self._notifier = _Lane(self._nixl, f"{name}.notify") if notifies else None
         self._next_lane = itertools.cycle(range(lanes))
         self._local_ranges: list[tuple[int, int]] = []
         self._registrations: list[tuple[_Lane, Any]] = []
@@ -289,7 +295,7 @@ class UcxTransport:
             return
         loaded: list[_Lane] = []
         try:
-            for lane in self._lanes:
+            for lane in self._agents():
                 await self._load_peer(lane, agent_name, metadata)
                 loaded.append(lane)
                 # Wire up now rather than inside the first READ (tens of ms there, measured).
@@ -323,11 +329,15 @@ class UcxTransport:
         """Drop a peer's connection and keys (after it died or re-registered)."""
         if self._peers.pop(agent_name, None) is None:
             return
-        for lane in self._lanes:
+        for lane in self._agents():
             try:
                 await lane.call(lambda lane=lane: lane.agent.remove_remote_agent(agent_name))
             except Exception as exc:
                 logger.warning("removing peer %s: %s", agent_name, exc)
+
+    def _agents(self) -> list[_Lane]:
+        """Every agent that holds peers: the READ lanes and the notifier."""
+        return self._lanes + ([self._notifier] if self._notifier is not None else [])
 
     @property
     def lanes(self) -> int:
@@ -400,13 +410,13 @@ class UcxTransport:
     def notify(self, messages: list[tuple[str, bytes]]) -> None:
         """Send each (peer, message) as a NIXL notification: no reply, best effort.
 
-        Queued on the lane's thread, which sends them and logs what fails; nothing wakes
-        the event loop when they are out. They leave only as the lane's worker progresses,
-        and a decode that reads by the GPU lane may post no READ for a while, so the worker
-        is driven for a short while after (one left behind was seen to be cancelled at
-        close). A peer without a connection raises `PeerLostError`; the others are sent.
+        Queued on the notifier's thread (the first lane's, for a transport made without
+        one), which sends them and logs what fails; nothing wakes the event loop when they
+        are out. They leave only as that agent's worker progresses, so it is driven for a
+        short while after (one left behind was seen to be cancelled at close). A peer
+        without a connection raises `PeerLostError`; the others are sent.
         """
-        lane = self._lanes[0]
+        lane = self._sender
         missing = [peer for peer, _ in messages if peer not in self._peers]
         sendable = [(peer, message) for peer, message in messages if peer in self._peers]
 
@@ -427,7 +437,7 @@ class UcxTransport:
         """Progress the worker for `_NOTIFY_DRIVE_S` from now, 1 ms after the send and then
         at doubling intervals (up to 10 ms): a notification on a connection not yet wired
         up waits for the owner's progress too. One timer serves every sender, and each poll
-        is queued on the lane's thread without an await: a wait per poll, and a poller per
+        is queued on the sender's thread without an await: a wait per poll, and a poller per
         release, made the next fetch wait (measured, back-to-back GPU-lane fetches)."""
         self._drive_until = time.monotonic() + _NOTIFY_DRIVE_S
         self._drive_interval = _NOTIFY_POLL_S
@@ -439,10 +449,14 @@ class UcxTransport:
         if self._closed or time.monotonic() >= self._drive_until:
             self._driving = False
             return
-        lane = self._lanes[0]
+        lane = self._sender
         lane.executor.submit(_quietly, lane.agent.get_new_notifs)
         self._drive_interval = min(2 * self._drive_interval, _NOTIFY_POLL_MAX_S)
         asyncio.get_running_loop().call_later(self._drive_interval, self._poll_notifications)
+
+    @property
+    def _sender(self) -> _Lane:
+        return self._notifier or self._lanes[0]
 
     def _pick_lanes(self) -> list[_Lane]:
         """Every lane, starting from the next in turn, so concurrent READs spread out."""
@@ -468,5 +482,5 @@ class UcxTransport:
                 await lane.call(lambda lane=lane, descs=descs: lane.agent.deregister_memory(descs))
             except Exception as exc:
                 logger.warning("deregistering memory: %s", exc)
-        for lane in self._lanes:
+        for lane in self._agents():
             lane.executor.shutdown(wait=True)
