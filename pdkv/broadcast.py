@@ -1,11 +1,14 @@
 """Owner broadcast over a dedicated CP process group, with an asyncio face.
 
 A layer's owner sends its buffer to every other rank of the CP group; the others receive
-into a scratch buffer. On the host the group is gloo. On CUDA it is NCCL, whose own
-high-priority stream is the side stream: a broadcast starts after what the compute stream
-had queued when it was started (the owner's writes), and `wait()` orders the compute stream
-after it, so a prefetch of layer l+1 overlaps the compute of layer l. The calls go to the
-process group's C++ methods directly: the per-layer Python is on the prefill's critical path.
+into a scratch buffer. On the host the group is gloo. On CUDA it is an NCCL communicator
+of its own (`pdkv.nccl`, driven through ctypes: torch's process group cost more host time
+a call than a 6 MiB layer takes on NVLink), whose high-priority stream is the side stream:
+a broadcast starts after what the compute stream had queued when it was started (the
+owner's writes), and `wait()` orders the compute stream after it, so a prefetch of layer
+l+1 overlaps the compute of layer l. Where NCCL is not a library of its own, torch's NCCL
+process group serves, its C++ methods called directly: the per-layer host time is on the
+prefill's critical path.
 
 `start()` returns at once with a `CollectiveHandle`. `handle.wait()` blocks (host) or
 orders the current stream (CUDA); `await handle` completes when the broadcast has landed,
@@ -23,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdkv.errors import DeadlineExceeded, PeerLostError
+from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
+from pdkv.nccl import NcclComm, nccl_library, unique_id
 
 __all__ = ["OwnerBroadcaster", "CollectiveHandle"]
 
@@ -63,6 +67,8 @@ class CollectiveHandle:
         try:
             for work in self._works:
                 work.wait()
+        except PdkvError:
+            raise
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses
             raise _translate(exc, self._what) from exc
         self._done = True
@@ -118,24 +124,35 @@ class OwnerBroadcaster:
         cuda = self.device.type == "cuda"
         self.backend = backend or ("nccl" if cuda else "gloo")
         world = list(range(dist.get_world_size())) if ranks is None else list(ranks)
-        options = None
-        if self.backend == "nccl":  # its kernels get SMs ahead of queued compute: prefetches hide better
-            options = dist.ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = True
-            if max_ctas is not None:
-                options.config.max_ctas = max_ctas
-        self.group = dist.new_group(world, backend=self.backend, timeout=timeout, pg_options=options)
+        self._comm: NcclComm | None = None
+        if self.backend == "nccl" and nccl_library() is not None:
+            # gloo only hands the communicator's id around; NCCL carries the layers.
+            self.group = dist.new_group(world, backend="gloo", timeout=timeout)
+            self._comm = self._communicator(timeout.total_seconds(), max_ctas)
+        else:
+            self.group = dist.new_group(
+                world, backend=self.backend, timeout=timeout, pg_options=_nccl_options(self.backend, max_ctas)
+            )
         self.rank = dist.get_rank(self.group)
         self.size = len(world)
         self._nccl = cuda and self.backend == "nccl"
         self._options = [self._broadcast_options(src) for src in range(self.size)]  # built once: per-layer path
         logger.info(
-            "owner broadcast group: %s, rank %d of %d, max CTAs %s",
+            "owner broadcast group: %s%s, rank %d of %d, max CTAs %s",
             self.backend,
+            " (its own communicator)" if self._comm is not None else "",
             self.rank,
             self.size,
             max_ctas or "auto",
         )
+
+    def _communicator(self, timeout: float, max_ctas: int | None) -> NcclComm:
+        ident = torch.zeros(128, dtype=torch.uint8)
+        if dist.get_rank(self.group) == 0:
+            ident.copy_(torch.frombuffer(bytearray(unique_id()), dtype=torch.uint8))
+        dist.broadcast(ident, group_src=0, group=self.group)
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        return NcclComm(bytes(ident.numpy()), rank, size, self.device, timeout, max_ctas)
 
     def start(
         self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int, what: str = "broadcast"
@@ -146,6 +163,8 @@ class OwnerBroadcaster:
         instead of one each.
         """
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if self._comm is not None:
+            return CollectiveHandle([self._comm.broadcast(tensors, src, what)], what, on_gpu=True)
         opts = self._options[src]
         try:
             if self._nccl:
@@ -174,4 +193,17 @@ class OwnerBroadcaster:
         return work
 
     def close(self) -> None:
+        if self._comm is not None:
+            self._comm.close()
         dist.destroy_process_group(self.group)
+
+
+def _nccl_options(backend: str, max_ctas: int | None) -> Any:
+    """torch's NCCL group: its kernels get SMs ahead of queued compute, so prefetches hide better."""
+    if backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
+    return options

@@ -58,11 +58,17 @@ def _pass(
     return (time.perf_counter() - t0) / layers * 1e3
 
 
-def _plain_broadcasts(pool: LayerSplitDSAKVPool) -> dict[str, Callable[[], float]]:
-    """Plain broadcasts of the same bytes per layer on the same group, each a pass timed in
-    ms a layer: the latent then the indexer (two buffers, as the reference pool keeps them),
-    and both as one buffer (the link's limit)."""
-    layout, group = pool.layout, pool.remote_kv._broadcaster.group
+def _plain_broadcasts(pool: LayerSplitDSAKVPool, ctas: int | None) -> dict[str, Callable[[], float]]:
+    """Plain broadcasts of the same bytes per layer on a torch NCCL group set up as pdkv's
+    (a high-priority stream, the same SM cap), each a pass timed in ms a layer: the latent
+    then the indexer (two buffers, as the reference pool keeps them), and both as one
+    buffer (the link's limit)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    if ctas is not None:
+        options.config.max_ctas = ctas
+    layout = pool.layout
+    group = dist.new_group(list(range(pool.plan.size)), backend="nccl", pg_options=options)
     kv = torch.empty(layout.kv_rows * layout.kv_token_bytes, dtype=torch.uint8, device=layout.device)
     idx = torch.empty(layout.index_num_pages * layout.index_page_bytes, dtype=torch.uint8, device=layout.device)
     joint = torch.empty(kv.numel() + idx.numel(), dtype=torch.uint8, device=layout.device)
@@ -106,7 +112,7 @@ def _rank(
     # pdkv's broadcast and the plain ones in turn, so a drift of the machine hits them alike.
     passes: dict[str, Callable[[], float]] = {"broadcast_only": lambda: _pass(pool, False, compute, 0)}
     if compute.is_cuda:
-        passes.update(_plain_broadcasts(pool))
+        passes.update(_plain_broadcasts(pool, ctas))
     samples = {name: [] for name in passes}
     for _ in range(runs + 1):
         for name, one_pass in passes.items():

@@ -80,6 +80,40 @@ def test_nccl_owner_broadcast_across_gpus_every_byte_on_every_rank(layers):
     assert len({v["kv_broadcasts"] for v in out.values()}) == 1
 
 
+def _broadcast_with_a_peer_missing(rank: int, world: int) -> str:
+    """Rank 0 waits for a broadcast from rank 1, which never sends it: rank 0's watchdog
+    must end the wait with `DeadlineExceeded`, abort the communicator (its kernel exits)
+    and refuse what follows. (A root would not wait: NCCL's buffers take what it sends.)"""
+    from pdkv import DeadlineExceeded
+
+    torch.cuda.set_device(rank)
+    bc = OwnerBroadcaster(device=f"cuda:{rank}", timeout=datetime.timedelta(seconds=3))
+    t = torch.full((1 << 20,), rank, dtype=torch.int32, device=f"cuda:{rank}")
+    asyncio.run(bc.start(t, 0, "joined by both").wait_async())
+    torch.cuda.synchronize()
+    assert int(t.sum()) == 0  # rank 0's zeros reached rank 1
+    outcome = "joined"
+    if rank == 0:
+        handle = bc.start(t, 1, "peer missing")
+        with pytest.raises(DeadlineExceeded, match="peer missing"):
+            asyncio.run(handle.wait_async())
+        with pytest.raises(DeadlineExceeded):
+            bc.start(t, 0, "after the abort")
+        torch.cuda.synchronize()  # the aborted kernel has exited: nothing on the GPU hangs
+        outcome = "aborted"
+    else:
+        time.sleep(6)  # never joins the second broadcast
+    bc.close()
+    return outcome
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_broadcast_whose_peer_never_joins_ends_at_its_deadline():
+    from tests.distributed import run_group
+
+    assert run_group(_broadcast_with_a_peer_missing, 2) == {0: "aborted", 1: "joined"}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_decode_assembles_from_owners_on_other_gpus():
     async def run():

@@ -23,3 +23,20 @@ def test_the_demo_prefill_broadcasts_over_nccl_only_with_a_gpu_per_rank(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert broadcast_backend(torch.device("cuda:0"), 4) == "nccl"
     assert broadcast_backend(torch.device("cpu"), 4) == "gloo"
+
+
+def test_the_nccl_config_is_the_prefix_nccl_2_17_defined():
+    """NCCL copies `size` bytes of the config and reads no field newer than `version`: the
+    offsets must be C's, or maxCTAs would land in another field."""
+    import ctypes
+
+    from pdkv.nccl import _Config, config
+
+    offsets = {name: getattr(_Config, name).offset for name, _ in _Config._fields_}
+    assert offsets == {
+        "size": 0, "magic": 8, "version": 12, "blocking": 16,
+        "cgaClusterSize": 20, "minCTAs": 24, "maxCTAs": 28, "netName": 32,
+    }  # fmt: skip
+    cfg = config(4)
+    assert (cfg.size, cfg.magic, cfg.version) == (ctypes.sizeof(_Config), 0xCAFEBEEF, 21700) and cfg.size == 40
+    assert (cfg.blocking, cfg.maxCTAs, config(None).maxCTAs) == (1, 4, -(2**31))
