@@ -165,6 +165,8 @@ class EtcdRegistry:
             return AuthError(f"{what} on {self.where}: {text}")
         if isinstance(exc, rpc.AioRpcError):
             return TransferError(f"{what} on {self.where}: {exc.code().name}: {text}")
+        if _not_found(exc):  # an answer (aetcd wraps NOT_FOUND in its base class), not a lost member
+            return TransferError(f"{what} on {self.where}: NOT_FOUND: {text}")
         return PeerLostError(f"{what} on {self.where}: {type(exc).__name__}: {text}", self.where)
 
     async def register(self, descriptor: RankDescriptor) -> None:
@@ -185,7 +187,14 @@ class EtcdRegistry:
         await self._call("delete", lambda c: c.delete(self._rank_key(engine_id, cp_rank)))
         if self._lease_id is not None:
             lease_id, self._lease_id = self._lease_id, None
-            await self._call("revoke lease", lambda c: c.revoke_lease(lease_id))
+            try:
+                await self._call("revoke lease", lambda c: c.revoke_lease(lease_id))
+            except TransferError as exc:
+                # An attempt that timed out on one member may have revoked it before the
+                # next member was asked: a lease that is gone is what leaving wants.
+                if not _not_found(exc):
+                    raise
+                logger.info("etcd lease %x was gone already (revoked before, or expired)", lease_id)
 
     async def _read(self, engine_id: str, deadline: Deadline) -> tuple[list[RankDescriptor], int]:
         """The engine's descriptors, oldest write first, and the revision they were read at."""
@@ -250,3 +259,12 @@ async def _close_quietly(client: aetcd.Client, what: str) -> None:
         await asyncio.wait_for(client.close(), 3.0)
     except Exception as exc:
         logger.warning("closing the etcd client of %s: %s", what, exc)
+
+
+def _not_found(exc: BaseException | None) -> bool:
+    """Whether etcd answered NOT_FOUND somewhere along `exc`'s chain of causes."""
+    while exc is not None:
+        if isinstance(exc, rpc.AioRpcError) and exc.code() == rpc.StatusCode.NOT_FOUND:
+            return True
+        exc = exc.__cause__
+    return False
