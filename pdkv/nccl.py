@@ -1,11 +1,12 @@
 """An NCCL communicator driven through ctypes, for the owner broadcast's per-layer path.
 
-torch's `ProcessGroupNCCL.broadcast` spends 20-30 us of host time a call (work objects,
-stream guards, the watchdog's bookkeeping). A prefill reads every non-owned layer through
-one broadcast, so on an H200 host that overhead, not the NVLink, set the pace of a 6 MiB
-layer (docs/benchmarks.md). Here a broadcast is two driver calls that order it after the
-compute stream, `ncclBroadcast` on a high-priority stream of its own, and an end event:
-a few microseconds. vLLM drives NCCL the same way (`PyNcclCommunicator`), for the same reason.
+A prefill reads every non-owned layer through one broadcast, and through torch's
+`ProcessGroupNCCL` a broadcast and its wait took 29-41 us of host time (work objects,
+stream guards, the watchdog's bookkeeping): about what a 6 MiB layer takes on NVLink, so
+the host, not the link, set the pace. Here a broadcast is two driver calls that order it
+after the compute stream, `ncclBroadcast` on a high-priority stream of its own, and an
+end event: 18-29 us with the wait (H200 host, docs/benchmarks.md). vLLM drives NCCL the
+same way (`PyNcclCommunicator`), for the same reason.
 
 What ProcessGroupNCCL's watchdog did is done here by `_Watchdog`: a broadcast still
 running at its deadline (a peer died or hangs: on one host NCCL's kernels wait for it
