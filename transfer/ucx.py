@@ -5,7 +5,9 @@ confined to its own thread. NIXL's UCX backend copies inside the post call on lo
 (cma) and releases the GIL there, so two lanes use two cores; confining each agent to
 one thread keeps NIXL's thread-unsafe fast path (sync mode NONE) safe. NIXL's own
 progress thread stays off: on a 2-core machine it cost half the throughput; progress
-is driven here, under a deadline.
+is driven here, under a deadline. Notifications (a decode's ticket releases) leave from one
+more agent, never from a lane: after one went out on a lane, that lane's next READs from
+the peer waited for the peer's progress.
 
 Every address that reaches a READ is checked first against the registered local
 regions and the regions the peer exported: raw UCX with a bad address can crash either
