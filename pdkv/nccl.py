@@ -128,6 +128,13 @@ def unique_id() -> bytes:
     return bytes(uid.internal)
 
 
+def _current_stream(device: int) -> int:
+    """The current stream's handle on `device`: torch's raw getter where it has one (a
+    fraction of a microsecond), else through the `Stream` object (a few)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def _need() -> _Api:
     api = nccl_library()
     if api is None:
@@ -172,7 +179,7 @@ class NcclWork:
         self._comm.raise_if_failed()
         if self.ran:  # its event may serve another broadcast by now
             return
-        stream = torch._C._cuda_getCurrentRawStream(self._comm.index)
+        stream = _current_stream(self._comm.index)
         _check_cuda(self._comm.api.stream_wait(stream, self.event, 0), "cuStreamWaitEvent")
 
     def __del__(self) -> None:
@@ -241,7 +248,7 @@ class NcclComm:
         current stream; return at once."""
         self.raise_if_failed()
         api, stream = self.api, self._stream
-        current = torch._C._cuda_getCurrentRawStream(self.index)
+        current = _current_stream(self.index)
         _check_cuda(api.event_record(self._ready, current), "cuEventRecord")
         _check_cuda(api.stream_wait(stream, self._ready, 0), "cuStreamWaitEvent")
         # Watched while in NCCL: a first call connects to the peers and blocks until they come.
