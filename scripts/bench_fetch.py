@@ -37,6 +37,7 @@ from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState  # noqa: E402
 from transfer.plan import BufferPair, buffer_pairs, build_read_plan, mem_type  # noqa: E402
+from transfer.timeouts import Timeouts  # noqa: E402
 from transfer.ucx import load_nixl  # noqa: E402
 
 
@@ -124,6 +125,7 @@ async def bench(args: argparse.Namespace) -> None:
         device=args.prefill_device or args.device,
         registry_host=args.prefill_host,
         prefill_host=args.prefill_host,
+        owner_progress=args.owner_progress_ms / 1e3,
     )
     layout = dsa_v32(size=pool_tokens, device=args.decode_device or args.device)
     # The limit's source sits where the owners are when they share one GPU (a peer copy across GPUs).
@@ -331,6 +333,12 @@ def main() -> None:
         type=Host.parse,
         default=Host(),
         help="where the registry and owners run: ADDRESS or NETNS@ADDRESS (see scripts/bench_hosts.py)",
+    )
+    ap.add_argument(
+        "--owner-progress-ms",
+        type=float,
+        default=Timeouts().ticket_progress_interval * 1e3,
+        help="how often owners drive their UCX worker while a ticket is out",
     )
     asyncio.run(bench(ap.parse_args()))
 

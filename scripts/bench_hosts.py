@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--loss", type=float, default=None, help="drop this percent of each host's packets, at random")
     ap.add_argument("--delay", type=float, default=None, help="hold every packet this many ms each way")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    ap.add_argument("--owner-progress-ms", type=float, default=None, help="owners drive UCX this often (ticket out)")
     ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
     ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
     args = ap.parse_args()
@@ -55,10 +56,13 @@ def main() -> None:
         prefill = net.where("prefill")
         cmd = [*net.exec_prefix("decode"), sys.executable, str(ROOT / "scripts/bench_fetch.py")]
         cmd += ["--sizes", args.sizes, "--runs", str(args.runs), "--prefill-host", prefill]
+        if args.owner_progress_ms is not None:
+            cmd += ["--owner-progress-ms", str(args.owner_progress_ms)]
         env = {**os.environ, "UCX_TLS": args.tls}
         cap = f"{args.mbit:g} Mbit/s a host" if args.mbit else "no rate cap"
         cap += f", {args.loss:g}% of packets lost each way" if args.loss else ""
         cap += f", {args.delay:g} ms added each way" if args.delay else ""
+        cap += f", owners progress every {args.owner_progress_ms:g} ms" if args.owner_progress_ms else ""
         print(f"prefill host {net.address('prefill')}, decode host {net.address('decode')}, UCX_TLS={args.tls}, {cap}")
         sys.stdout.flush()
         run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout, stdout=subprocess.PIPE, text=True)

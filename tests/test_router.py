@@ -131,3 +131,20 @@ async def test_shutdown_leaves_no_child_behind():
         pids = [c.pid for c in d.launcher.children]
     assert all(not _alive(p) for p in pids)
     assert {c.name: c.popen.returncode for c in d.launcher.children} == {c.name: 0 for c in d.launcher.children}
+
+
+async def test_the_owner_progress_setting_reaches_each_prefill_ranks_timeouts(tmp_path, monkeypatch):
+    """A deployment between hosts over TCP lowers how often owners drive UCX: the spec's
+    value must reach every prefill rank's `Timeouts`, through its command line."""
+    from transfer.app import prefill_worker
+    from transfer.app.supervisor import Supervisor
+
+    spawned: list[list[str]] = []
+    sup = Supervisor(DeploymentSpec(engines=(2,), owner_progress=0.002), tmp_path)
+    monkeypatch.setattr(sup, "_spawn", lambda name, module, args, host: spawned.append(args))
+    sup.registry_url = "http://127.0.0.1:1"
+    sup._spawn_engine("prefill0", 2)
+    assert len(spawned) == 2
+    for args in spawned:
+        parsed = prefill_worker.parse_args([*args, "--preset", "tiny"])
+        assert prefill_worker.PrefillEngineRank(parsed).timeouts.ticket_progress_interval == 0.002

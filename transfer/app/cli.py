@@ -27,6 +27,7 @@ from pdkv import PRESETS
 from transfer.app.api import DecodeReply
 from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
 from transfer.app.supervisor import Host
+from transfer.timeouts import Timeouts
 
 __all__ = ["main", "Summary"]
 
@@ -166,6 +167,7 @@ async def run(args: argparse.Namespace) -> int:
         registry=args.registry,
         prefill_host=args.prefill_host,
         decode_host=args.decode_host,
+        owner_progress=args.owner_progress_ms / 1e3,
     )
     print(f"starting: prefill CP {args.engines} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)
     async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
@@ -213,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--registry-host", type=Host.parse, default=Host(), help=where)
     ap.add_argument("--prefill-host", type=Host.parse, default=Host(), help=where)
     ap.add_argument("--decode-host", type=Host.parse, default=Host(), help=where)
+    ap.add_argument(
+        "--owner-progress-ms",
+        type=float,
+        default=Timeouts().ticket_progress_interval * 1e3,
+        help="how often a prefill rank drives UCX while a ticket is out: lower it (1) between hosts over TCP",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

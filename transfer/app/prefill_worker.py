@@ -80,7 +80,7 @@ class PrefillEngineRank:
         self.args = args
         self.rank, self.world = args.cp_rank, args.cp_size
         self.layout = PRESETS[args.preset](size=args.pool_tokens, device=rank_device(args.device, args.cp_rank))
-        self.timeouts = Timeouts(pin=args.pin, lease=args.lease)
+        self.timeouts = Timeouts(pin=args.pin, lease=args.lease, ticket_progress_interval=args.owner_progress)
         self.queue: list[_Pending] = []
         self.stop_requested = False
         self.finished_local: list[int] = []
@@ -346,6 +346,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_pool_flags(ap, 96 * 1024)
     ap.add_argument("--pin", type=float, default=Timeouts().pin, help="seconds pages stay pinned unreleased")
     ap.add_argument("--lease", type=float, default=Timeouts().lease, help="registry lease (renewed every third)")
+    ap.add_argument(
+        "--owner-progress",
+        type=float,
+        default=Timeouts().ticket_progress_interval,
+        help="seconds between drives of the UCX worker while a ticket is out (lower between hosts over TCP)",
+    )
     ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")
     ap.add_argument("--group-timeout", type=float, default=60.0)
     ap.add_argument(

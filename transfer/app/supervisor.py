@@ -55,6 +55,9 @@ class DeploymentSpec:
     layer_delay: float = 0.0
     pin: float = Timeouts().pin
     lease: float = Timeouts().lease
+    # How often an owner drives its UCX worker while a ticket it issued is out. Over TCP
+    # between hosts a READ waits for it; lower it there (see `Timeouts`).
+    owner_progress: float = Timeouts().ticket_progress_interval
     decode_lanes: int = 0  # 0: one a core, up to 8 (4 on a GPU)
     # False: the decode starts once the prefill replied, with the room's ticket (no control
     # request during the fetch). True: both start at once and the decode reads layers as
@@ -149,6 +152,8 @@ class Supervisor:
                 str(s.pin),
                 "--lease",
                 str(s.lease),
+                "--owner-progress",
+                str(s.owner_progress),
             ]
             worker = self._spawn(f"{engine_id}-cp{r}", "transfer.app.prefill_worker", args, s.prefill_host)
             out.append((engine_id, worker))
