@@ -32,8 +32,8 @@ class Timeouts:
     progress_interval: float = 0.01  # how often an exporter drives its UCX worker
     # ... while a ticket it issued is unreleased. Over TCP between hosts every READ waits
     # for the owner to progress (UCX emulates a GET with messages the owner answers): at 1 ms
-    # a stand-in host pair fetched 1k/8k/32k tokens at 1.1/1.4/1.8 GB/s against 0.7-0.8/
-    # 1.0-1.2/1.0-1.1 at 10 ms. On one host (cma) and over RDMA a READ needs no owner, and
+    # a stand-in host pair fetched 1k/8k/32k tokens at 1.1-1.3/1.3-1.6/1.2-1.8 GB/s against
+    # 0.7-0.9/1.0-1.2/1.0-1.1 at 10 ms. On one host (cma) and over RDMA a READ needs no owner, and
     # polling at 1 ms cost 2 cores 30% of their 8k fetch rate. So it is for deployments
     # that read over TCP between hosts to lower.
     ticket_progress_interval: float = 0.01
