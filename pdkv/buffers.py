@@ -70,8 +70,7 @@ class LayerRegions:
     slab: torch.Tensor  # (layers, stride) uint8: everything, as registered
     kv: torch.Tensor  # (layers, kv_rows, 1, kv_cache_dim) in the store dtype: a strided view
     index: torch.Tensor  # (layers, index pages, index page bytes) uint8: a strided view
-    joint_bytes: int  # a layer's latent, the padding after it, its indexer
-    views: tuple[torch.Tensor, ...]  # each layer's region, made once: a view costs ~3 us a read
+    views: tuple[torch.Tensor, ...]  # each layer's region (latent, padding, indexer), made once: ~3 us a read
 
     def region(self, i: int) -> torch.Tensor:
         """Layer `i`'s latent and indexer as one contiguous uint8 tensor."""
@@ -87,7 +86,7 @@ def alloc_layers(layout: KVLayout, n: int) -> LayerRegions:
     kv = slab[:, :kv_bytes].view(layout.torch_store_dtype).view(n, layout.kv_rows, 1, layout.kv_cache_dim)
     index = slab[:, index_at : index_at + index_bytes].view(n, layout.index_num_pages, layout.index_page_bytes)
     joint = index_at + index_bytes
-    return LayerRegions(slab, kv, index, joint, tuple(slab[i, :joint] for i in range(n)))
+    return LayerRegions(slab, kv, index, tuple(slab[i, :joint] for i in range(n)))
 
 
 def byte_rows(t: torch.Tensor) -> torch.Tensor:

@@ -128,11 +128,13 @@ def unique_id() -> bytes:
     return bytes(uid.internal)
 
 
-def _current_stream(device: int) -> int:
-    """The current stream's handle on `device`: torch's raw getter where it has one (a
-    fraction of a microsecond), else through the `Stream` object (a few)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+def _stream_of_stream_object(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The current stream's handle on a device: torch's raw getter where it has one (a fraction
+# of a microsecond a call), else through the `Stream` object (a few).
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_of_stream_object)
 
 
 def _need() -> _Api:
@@ -264,8 +266,7 @@ class NcclComm:
                 rc = api.group_end()  # a call in a group only queues: errors surface here
         finally:
             self.calling_since = 0.0
-        if rc != _SUCCESS:
-            self.raise_if_failed()  # aborted by the watchdog meanwhile
+        if rc != _SUCCESS:  # a no-op abort if the watchdog aborted it meanwhile: its reason is raised
             self.abort(PeerLostError(f"{what}: NCCL error {rc}: {api.error_string(rc).decode()}"))
             self.raise_if_failed()
         end = self._event()
