@@ -29,8 +29,6 @@ from pdkv.sharding import ShardPlan
 
 __all__ = ["LayerSplitDSAKVPool", "RemoteLayerCache"]
 
-_Staged = tuple["_Slot", torch.Tensor, Callable[[], None]]  # a claimed slot, its payload, its finish
-
 logger = logging.getLogger(__name__)
 
 SCRATCH_SLOTS = 2  # per kind: layer l+1 lands while layer l is read
@@ -52,8 +50,10 @@ class _Flight:
 class _Slot:
     """One scratch buffer and the layer it holds (or is receiving)."""
 
+    number: int  # the same on every rank, and for both kinds of a layer read whole
     scratch: torch.Tensor | None
     layer_id: int | None = None
+    target: torch.Tensor | None = None  # what a read of layer_id returns: the owner's own buffer, else scratch
     pages: torch.Tensor | None = None  # the pages of layer_id it holds; None: all of them
     flight: _Flight | None = None
     used: int = 0  # logical clock of the last prefetch or read, for LRU
@@ -89,7 +89,7 @@ class RemoteLayerCache:
         self.kind = kind
         self._plan = plan
         self._owned = owned  # indexed by local layer; 0-row where not owned
-        self._slots = [_Slot(t) for t in scratch] or [_Slot(None), _Slot(None)]
+        self._slots = [_Slot(i, t) for i, t in enumerate(scratch)] or [_Slot(0, None), _Slot(1, None)]
         self._broadcaster = broadcaster
         self._page_rows = page_rows  # a buffer as (pages, bytes per page) uint8
         self._clock = 0
@@ -120,24 +120,30 @@ class RemoteLayerCache:
         self._clock += 1
         slot.used = self._clock
 
-    def _target(self, slot: _Slot, layer_id: int) -> torch.Tensor:
-        if self._plan.owns(layer_id):
-            return self._owned[layer_id - self._plan.start_layer]
-        assert slot.scratch is not None  # a rank that owns not every layer has scratch
-        return slot.scratch
-
     def _payload(
         self, slot: _Slot, layer_id: int, pages: torch.Tensor | None
     ) -> tuple[torch.Tensor, Callable[[], None]]:
-        """What travels for `layer_id` into `slot`, and what to do once it landed."""
-        target = self._target(slot, layer_id)
+        """What travels into claimed `slot` (all of its layer, or its `pages`), and what to do
+        once it landed."""
+        target = slot.target
+        assert target is not None
         if pages is None:
-            return target, _nothing
-        if self._plan.owns(layer_id):
-            return take(self._page_rows(target), pages), _nothing
+            self.count_whole(slot)
+            return target.view(torch.uint8), _nothing  # as bytes: gloo knows no float8
+        idx = pages.reshape(-1).long()
         rows = self._page_rows(target)
-        payload = torch.empty((pages.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
-        return payload, (lambda: put(rows, (pages,), payload))
+        if self._plan.owns(layer_id):
+            payload, finish = take(rows, idx), _nothing
+        else:
+            payload = torch.empty((idx.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
+            finish = lambda: put(rows, (idx,), payload)  # noqa: E731
+        self.bytes_broadcast += payload.nbytes
+        return payload, finish
+
+    def count_whole(self, slot: _Slot) -> None:
+        """Count the bytes of a whole layer's broadcast into claimed `slot`."""
+        assert slot.target is not None
+        self.bytes_broadcast += slot.target.nbytes
 
     @staticmethod
     def _settle(slot: _Slot) -> None:
@@ -151,28 +157,27 @@ class RemoteLayerCache:
 
         A slot holding other pages of the layer is refilled with the ones asked for.
         """
-        if (stage := self._stage(layer_id, pages)) is not None:
-            _start(self, [stage], [stage[1]], layer_id)
+        if (slot := self._claim(layer_id, pages)) is not None:
+            payload, finish = self._payload(slot, layer_id, pages)
+            _start(self, [slot], [payload], layer_id, [finish])
 
-    def slot_number(self, slot: _Slot) -> int:
-        return self._slots.index(slot)
-
-    def _stage(self, layer_id: int, pages: torch.Tensor | None) -> _Staged | None:
-        """Claim a slot for `layer_id` and say what must travel into it; None: held already."""
+    def _claim(self, layer_id: int, pages: torch.Tensor | None) -> _Slot | None:
+        """Claim a slot for `layer_id` (or its `pages`); None: held or on its way already."""
         if self._broadcaster is None:
             return None
         slot = self._slot_of(layer_id)
         if slot is not None and slot.holds(layer_id, pages):
             return None
         victim = slot or self._least_recent()
-        self._settle(victim)  # a broadcast into it must land before it is reused
+        if victim.flight is not None:
+            self._settle(victim)  # a broadcast into it must land before it is reused
         victim.layer_id, victim.pages = layer_id, pages
-        idx = None if pages is None else pages.reshape(-1).long()
-        payload, finish = self._payload(victim, layer_id, idx)
+        owned = self._plan.owns(layer_id)
+        victim.target = self._owned[layer_id - self._plan.start_layer] if owned else victim.scratch
         self.broadcasts += 1
-        self.bytes_broadcast += payload.nbytes
-        self._touch(victim)
-        return victim, payload, finish
+        self._clock += 1
+        victim.used = self._clock
+        return victim
 
     def read(self, layer_id: int) -> torch.Tensor:
         """The buffer holding `layer_id`, broadcasting it first if needed (blocking).
@@ -190,7 +195,8 @@ class RemoteLayerCache:
         if slot.flight is not None:
             self._settle(slot)
         self._touch(slot)
-        return self._target(slot, layer_id)
+        assert slot.target is not None
+        return slot.target
 
     async def read_async(self, layer_id: int, pages: torch.Tensor | None = None) -> torch.Tensor:
         """As `read`, awaiting the broadcast without blocking the event loop."""
@@ -203,7 +209,8 @@ class RemoteLayerCache:
             await slot.flight.handle
             self._settle(slot)
         self._touch(slot)
-        return self._target(slot, layer_id)
+        assert slot.target is not None
+        return slot.target
 
     def invalidate(self, layer_id: int) -> None:
         """Forget a copy of `layer_id`; a broadcast of it in flight is let land first."""
@@ -219,18 +226,30 @@ class RemoteLayerCache:
             slot.layer_id = None
 
 
-def _start(cache: RemoteLayerCache, staged: list[_Staged], payloads: list[torch.Tensor], layer_id: int) -> None:
-    """Broadcast `payloads` from the owner of `layer_id` as one collective into the staged slots."""
+def _start(
+    cache: RemoteLayerCache,
+    slots: list[_Slot],
+    payloads: list[torch.Tensor],
+    layer_id: int,
+    finishes: list[Callable[[], None]] | None = None,
+) -> None:
+    """Broadcast `payloads` from the owner of `layer_id` as one collective into the claimed
+    `slots`; each slot's finish (default: nothing) runs once it landed."""
     broadcaster = cache._broadcaster
     assert broadcaster is not None
     try:
         handle = broadcaster.start(payloads, cache._plan.owner_of(layer_id), f"layer {layer_id}")
     except BaseException:
-        for slot, _, _ in staged:  # nothing is on its way into them
+        for slot in slots:  # nothing is on its way into them
             slot.layer_id = None
         raise
-    for slot, _, finish in staged:
-        slot.flight = _Flight(handle, finish)
+    if finishes is None:
+        slots[0].flight = flight = _Flight(handle, _nothing)
+        for slot in slots[1:]:
+            slot.flight = flight
+    else:
+        for slot, finish in zip(slots, finishes):
+            slot.flight = _Flight(handle, finish)
 
 
 class LayerSplitDSAKVPool(DSAKVPool):
@@ -249,8 +268,9 @@ class LayerSplitDSAKVPool(DSAKVPool):
         slots = range(self._scratch.slab.shape[0])
         bc = broadcaster if plan.size > 1 else None
         pages = layout.num_pages
+        scratch_kv = [self._model_dtype(self._scratch.kv[i]) for i in slots]  # read as owned layers are
         self.remote_kv = RemoteLayerCache(
-            "kv", plan, self.kv_buffer, [self._scratch.kv[i] for i in slots], bc, lambda t: byte_rows(t).view(pages, -1)
+            "kv", plan, self.kv_read, scratch_kv, bc, lambda t: byte_rows(t).view(pages, -1)
         )
         self.remote_index = RemoteLayerCache(
             "index", plan, self.index_buffer, [self._scratch.index[i] for i in slots], bc, byte_rows
@@ -294,19 +314,29 @@ class LayerSplitDSAKVPool(DSAKVPool):
         """Start the broadcasts of both kinds of `layer_id` as one collective (one launch,
         one event, half the Python of one each on the prefill's critical path); a whole
         layer as one buffer where it can."""
-        kv, index = self.remote_kv._stage(layer_id, pages), self.remote_index._stage(layer_id, pages)
-        staged = [s for s in (kv, index) if s is not None]
-        if not staged:
+        kv, index = self.remote_kv._claim(layer_id, pages), self.remote_index._claim(layer_id, pages)
+        if kv is None or index is None or pages is not None or kv.number != index.number:
+            self._prefetch_apart(layer_id, pages, kv, index)
             return
-        payloads = [payload for _, payload, _ in staged]
-        if pages is None and kv is not None and index is not None:
-            # Every rank takes the same slots (the same calls leave the same state), so all
-            # of them choose one buffer or two alike, as the collective needs.
-            slot = self.remote_kv.slot_number(kv[0])
-            if slot == self.remote_index.slot_number(index[0]):
-                payloads = [self._region(layer_id, slot)]
-                self.whole_layer_broadcasts += 1
-        _start(self.remote_kv, staged, payloads, layer_id)
+        # The common case, kept short: this runs once a layer on the prefill's critical path.
+        # Every rank takes the same slots (the same calls leave the same state), so all of
+        # them choose one buffer or two alike, as the collective needs.
+        self.remote_kv.count_whole(kv)
+        self.remote_index.count_whole(index)
+        self.whole_layer_broadcasts += 1
+        _start(self.remote_kv, [kv, index], [self._region(layer_id, kv.number)], layer_id)
+
+    def _prefetch_apart(self, layer_id: int, pages: torch.Tensor | None, kv: _Slot | None, index: _Slot | None) -> None:
+        """The two kinds in their own buffers (some pages, or slots of other numbers), as
+        one collective still."""
+        moves = [
+            (slot, *cache._payload(slot, layer_id, pages))
+            for cache, slot in ((self.remote_kv, kv), (self.remote_index, index))
+            if slot is not None
+        ]
+        if moves:
+            finishes = [finish for _, _, finish in moves]
+            _start(self.remote_kv, [slot for slot, _, _ in moves], [p for _, p, _ in moves], layer_id, finishes)
 
     def _region(self, layer_id: int, slot: int) -> torch.Tensor:
         """Where a whole `layer_id` travels from (its owner) or into (scratch slot `slot`)."""

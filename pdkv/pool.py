@@ -77,10 +77,13 @@ class DSAKVPool:
         ):
             raise PageRangeError(f"owned layers {self.owned} outside the layout's layers")
         self.device = torch.device(layout.device)
+        self._layers = (layout.start_layer, layout.end_layer)
         n = len(self.owned)
         self.regions = alloc_layers(layout, n)
         self.kv_buffer = [self._layer_view(self.kv_slab, i) for i in self._layer_range()]
         self.index_buffer = [self._layer_view(self.index_slab, i) for i in self._layer_range()]
+        # Each layer's latent in the model dtype, made once: a view costs ~2 us on every read.
+        self.kv_read = [self._model_dtype(b) for b in self.kv_buffer]
         logger.debug("pool %s owns layers [%d, %d)", layout.fingerprint, self.owned.start, self.owned.stop)
 
     @property
@@ -108,11 +111,15 @@ class DSAKVPool:
         return slab.new_empty((0, *slab.shape[2:]))
 
     def _local(self, layer_id: int) -> int:
-        if not self.layout.start_layer <= layer_id < self.layout.end_layer:
-            raise PageRangeError(
-                f"layer {layer_id} outside the pool's layers [{self.layout.start_layer}, {self.layout.end_layer})"
-            )
-        return layer_id - self.layout.start_layer
+        start, end = self._layers  # not the layout's properties: every read comes here
+        if not start <= layer_id < end:
+            raise PageRangeError(f"layer {layer_id} outside the pool's layers [{start}, {end})")
+        return layer_id - start
+
+    def _model_dtype(self, latent: torch.Tensor) -> torch.Tensor:
+        """A latent buffer as reads return it: viewed in the model dtype."""
+        same = self.layout.store_dtype == self.layout.dtype
+        return latent if same else latent.view(self.layout.torch_dtype)
 
     def is_owned(self, layer_id: int) -> bool:
         return self._local(layer_id) + self.layout.start_layer in self.owned
@@ -124,7 +131,8 @@ class DSAKVPool:
 
     # ---- read hooks: a full pool reads its own buffers -------------------------------------
     def _kv_for_read(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[self._local(layer_id)]
+        """The layer's latent in the model dtype."""
+        return self.kv_read[self._local(layer_id)]
 
     def _index_for_read(self, layer_id: int) -> torch.Tensor:
         return self.index_buffer[self._local(layer_id)]
@@ -142,8 +150,7 @@ class DSAKVPool:
     # ---- latent KV ----------------------------------------------------------------------------
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """The layer's latent KV, (rows, 1, kv_cache_dim) in the model dtype."""
-        buf = self._kv_for_read(layer_id)
-        return buf if self.layout.store_dtype == self.layout.dtype else buf.view(self.layout.torch_dtype)
+        return self._kv_for_read(layer_id)
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """The layer's latent KV without the rope part: the first kv_lora_rank elements."""
