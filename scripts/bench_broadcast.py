@@ -1,12 +1,21 @@
 """Owner-broadcast reads on a 4-rank gloo group, DSA-shaped layout, with and without prefetch.
 
-Every rank reads all 61 layers in order while a stand-in compute step (a matmul sized to
-take about as long as one layer's broadcast) runs per layer; prints ms per layer on a
-non-owner rank and the overlap prefetch achieved.
+Every rank reads all 61 layers in order while a stand-in compute step runs per layer;
+prints ms per layer on a non-owner rank and the overlap prefetch achieved. The stand-in is
+a matmul a few times as long as one layer's broadcast (fp32 256x256 on the host, bf16
+4096x4096 on a GPU, about 0.2 ms on an H200, filling every SM): a longer one would hide the
+broadcast in its own run-to-run noise. Every pass is sampled in turn, `--runs` times, so a
+drift of the machine hits them alike; medians are printed.
 
     .venv/bin/python scripts/bench_broadcast.py [--tokens 8192] [--world 4] [--runs 3]
     python3 scripts/bench_broadcast.py --device cuda --world 2   # one GPU per rank, NCCL
     python3 scripts/bench_broadcast.py --device cuda --world 2 --nccl-ctas 4   # NCCL on at most 4 SMs
+
+A broadcast can only run beside compute that leaves it SMs: cuBLAS's matmuls on Hopper are
+persistent kernels that hold every SM until they end. With `--nccl-ctas N` the stand-in's
+matmuls leave N SMs free (cuBLASLt's SM count target, through torch's SM carve-out), as a
+prefill that overlaps communication with compute sets its GEMMs up; `--sm-carveout`
+overrides that (0: the matmuls take every SM).
 """
 
 from __future__ import annotations
@@ -30,6 +39,13 @@ from tests.distributed import run_group  # noqa: E402
 def _compute(x: torch.Tensor, reps: int) -> None:
     for _ in range(reps):
         x = torch.tanh(x @ x)
+
+
+def _stand_in(device: str) -> torch.Tensor:
+    """The compute step's operand: tensor-core work on a GPU, as a model's layers are."""
+    if device == "cpu":
+        return torch.randn(256, 256)
+    return torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) / 64  # tanh keeps it bounded
 
 
 def _pass(
@@ -87,37 +103,44 @@ def _plain_broadcasts(pool: LayerSplitDSAKVPool, ctas: int | None) -> dict[str, 
 
 
 def _rank(
-    rank: int, world: int, tokens: int, runs: int, reps: int, device: str = "cpu", ctas: int | None = None
+    rank: int,
+    world: int,
+    tokens: int,
+    runs: int,
+    reps: int,
+    device: str = "cpu",
+    ctas: int | None = None,
+    carveout: int = 0,
 ) -> dict[str, float]:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # the library that honours the SM target
+        if carveout:
+            torch._C._set_sm_carveout_experimental(carveout)
     layout = dsa_v32(size=tokens, device=device)
     pool = LayerSplitDSAKVPool(
         layout, ShardPlan(rank, world, layout.layer_num), OwnerBroadcaster(device=device, max_ctas=ctas)
     )
-    compute = torch.randn(256, 256) if device == "cpu" else torch.randn(4096, 4096, device=device)
+    compute = _stand_in(device)
     _pass(pool, False, compute, reps, read=False)  # warm-up
-    rows = {"compute_ms": statistics.median(_pass(pool, False, compute, reps, read=False) for _ in range(runs))}
     eighth = torch.arange(1, layout.num_pages, 8)  # a short read: 1/8 of the pages
-    for name, prefetch, with_compute, pages in (
-        ("no_prefetch", False, reps, None),
-        ("prefetch", True, reps, None),
-        ("pages_no_prefetch", False, reps, eighth),
-        ("pages_prefetch", True, reps, eighth),
-    ):
-        samples = [_pass(pool, prefetch, compute, with_compute, pages=pages) for _ in range(runs)]
-        rows[name] = statistics.median(samples)
-    # pdkv's broadcast and the plain ones in turn, so a drift of the machine hits them alike.
-    passes: dict[str, Callable[[], float]] = {"broadcast_only": lambda: _pass(pool, False, compute, 0)}
+    passes: dict[str, Callable[[], float]] = {
+        "compute_ms": lambda: _pass(pool, False, compute, reps, read=False),
+        "no_prefetch": lambda: _pass(pool, False, compute, reps),
+        "prefetch": lambda: _pass(pool, True, compute, reps),
+        "pages_no_prefetch": lambda: _pass(pool, False, compute, reps, pages=eighth),
+        "pages_prefetch": lambda: _pass(pool, True, compute, reps, pages=eighth),
+        "broadcast_only": lambda: _pass(pool, False, compute, 0),
+    }
     if compute.is_cuda:
         passes.update(_plain_broadcasts(pool, ctas))
-    samples = {name: [] for name in passes}
-    for _ in range(runs + 1):
+    samples: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(runs + 1):  # the first round warms every pass up
         for name, one_pass in passes.items():
             samples[name].append(one_pass())
-    rows.update({name: statistics.median(taken[1:]) for name, taken in samples.items()})
+    rows = {name: statistics.median(taken[1:]) for name, taken in samples.items()}
     return rows
 
 
@@ -126,11 +149,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--compute-reps", type=int, default=8)
+    ap.add_argument("--compute-reps", type=int, default=None, help="matmuls a layer (8 on the host, 1 on a GPU)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank, NCCL)")
     ap.add_argument("--nccl-ctas", type=int, default=None, help="cap NCCL's CTAs (SMs) for the broadcast group")
+    ap.add_argument(
+        "--sm-carveout", type=int, default=None, help="SMs the stand-in's matmuls leave free (default: --nccl-ctas)"
+    )
     args = ap.parse_args()
-    out = run_group(_rank, args.world, args.tokens, args.runs, args.compute_reps, args.device, args.nccl_ctas)
+    reps = args.compute_reps if args.compute_reps is not None else (8 if args.device == "cpu" else 1)
+    carveout = args.sm_carveout if args.sm_carveout is not None else (args.nccl_ctas or 0)
+    out = run_group(_rank, args.world, args.tokens, args.runs, reps, args.device, args.nccl_ctas, carveout)
     r = out[args.world - 1]  # the last rank owns none of the first layers
     layout = dsa_v32(size=args.tokens)
     mib = (layout.kv_rows * layout.kv_token_bytes + layout.index_num_pages * layout.index_page_bytes) / 2**20
@@ -139,6 +167,8 @@ def main() -> None:
     backend = "NCCL, one GPU per rank" if args.device == "cuda" else "gloo"
     if args.nccl_ctas:
         backend += f", at most {args.nccl_ctas} CTAs"
+    if carveout and args.device != "cpu":
+        backend += f", matmuls leave {carveout} SMs"
     print(f"DSA layout, {args.tokens} tokens/pool, {mib:.1f} MiB per layer broadcast, {backend}, CP={args.world}")
     print(f"{'case (on the last rank)':<28}{'ms/layer':>10}")  # 3 decimals: a broadcast takes tens of us
     print(f"{'broadcast only':<28}{r['broadcast_only']:>10.3f}")
