@@ -168,6 +168,7 @@ async def run(args: argparse.Namespace) -> int:
         prefill_host=args.prefill_host,
         decode_host=args.decode_host,
         owner_progress=args.owner_progress_ms / 1e3,
+        broadcast_ctas=args.broadcast_ctas,
     )
     print(f"starting: prefill CP {args.engines} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)
     async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
@@ -220,6 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=Timeouts().ticket_progress_interval * 1e3,
         help="how often a prefill rank drives UCX while a ticket is out: lower it (1) between hosts over TCP",
+    )
+    ap.add_argument(
+        "--broadcast-ctas",
+        type=int,
+        default=None,
+        help="SMs the prefill's NCCL owner broadcast may take beside compute (default: NCCL's choice)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -270,7 +270,9 @@ class PrefillEngineRank:
         dist.init_process_group("gloo", init_method=a.dist_init, rank=self.rank, world_size=self.world, timeout=timeout)
         plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
         backend = a.broadcast_backend or broadcast_backend(self.layout.device, self.world)
-        broadcaster = OwnerBroadcaster(device=self.layout.device, timeout=timeout, backend=backend)
+        broadcaster = OwnerBroadcaster(
+            device=self.layout.device, timeout=timeout, backend=backend, max_ctas=a.broadcast_ctas
+        )
         self.pool = LayerSplitDSAKVPool(self.layout, plan, broadcaster)
         self.allocator = fragmented_allocator(self.layout.num_pages, a.seed)
         secret = secret_from_env(a.secret_env)
@@ -359,6 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["nccl", "gloo"],
         default=None,
         help="owner broadcast backend (default: nccl with a GPU per rank, else gloo)",
+    )
+    ap.add_argument(
+        "--broadcast-ctas",
+        type=int,
+        default=None,
+        help="SMs the NCCL owner broadcast may take (default: NCCL's choice; 8 on an H200 pair, see README)",
     )
     ap.add_argument("--seed", type=int, default=0)
     add_service_flags(ap)

@@ -58,6 +58,8 @@ class DeploymentSpec:
     # How often an owner drives its UCX worker while a ticket it issued is out. Over TCP
     # between hosts a READ waits for it; lower it there (see `Timeouts`).
     owner_progress: float = Timeouts().ticket_progress_interval
+    # SMs the prefill's NCCL owner broadcast may take beside the model's compute; None: NCCL's choice.
+    broadcast_ctas: int | None = None
     decode_lanes: int = 0  # 0: one a core, up to 8 (4 on a GPU)
     # False: the decode starts once the prefill replied, with the room's ticket (no control
     # request during the fetch). True: both start at once and the decode reads layers as
@@ -154,6 +156,7 @@ class Supervisor:
                 str(s.lease),
                 "--owner-progress",
                 str(s.owner_progress),
+                *(["--broadcast-ctas", str(s.broadcast_ctas)] if s.broadcast_ctas else []),
             ]
             worker = self._spawn(f"{engine_id}-cp{r}", "transfer.app.prefill_worker", args, s.prefill_host)
             out.append((engine_id, worker))
