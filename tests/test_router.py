@@ -148,7 +148,7 @@ async def test_the_owner_progress_setting_reaches_each_prefill_ranks_timeouts(tm
     for args in spawned:
         parsed = prefill_worker.parse_args([*args, "--preset", "tiny"])
         assert prefill_worker.PrefillEngineRank(parsed).timeouts.ticket_progress_interval == 0.002
-        assert parsed.broadcast_ctas is None  # NCCL's own choice unless the spec caps it
+        assert parsed.broadcast_ctas == 8  # the deployment's default cap
 
 
 async def test_the_broadcast_sm_cap_reaches_each_prefill_ranks_command_line(tmp_path, monkeypatch):
@@ -158,8 +158,8 @@ async def test_the_broadcast_sm_cap_reaches_each_prefill_ranks_command_line(tmp_
     from transfer.app.supervisor import Supervisor
 
     spawned: list[list[str]] = []
-    sup = Supervisor(DeploymentSpec(engines=(3,), broadcast_ctas=8), tmp_path)
+    sup = Supervisor(DeploymentSpec(engines=(3,), broadcast_ctas=16), tmp_path)
     monkeypatch.setattr(sup, "_spawn", lambda name, module, args, host: spawned.append(args))
     sup.registry_url = "http://127.0.0.1:1"
     sup._spawn_engine("prefill0", 3)
-    assert [prefill_worker.parse_args(args).broadcast_ctas for args in spawned] == [8, 8, 8]
+    assert [prefill_worker.parse_args(args).broadcast_ctas for args in spawned] == [16, 16, 16]

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from pdkv import PRESETS
 from transfer.app.api import DecodeReply
 from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
-from transfer.app.supervisor import Host
+from transfer.app.supervisor import BROADCAST_CTAS, Host
 from transfer.timeouts import Timeouts
 
 __all__ = ["main", "Summary"]
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--broadcast-ctas",
         type=int,
-        default=None,
-        help="SMs the prefill's NCCL owner broadcast may take beside compute (default: NCCL's choice)",
+        default=BROADCAST_CTAS,
+        help="SMs the prefill's NCCL owner broadcast may take beside compute (0: NCCL's choice)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

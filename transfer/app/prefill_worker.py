@@ -41,6 +41,7 @@ from transfer.app.service import (
     secret_from_env,
     wait_for_signal,
 )
+from transfer.app.supervisor import BROADCAST_CTAS
 from transfer.app.synthetic import (
     RequestContent,
     fragmented_allocator,
@@ -271,7 +272,7 @@ class PrefillEngineRank:
         plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
         backend = a.broadcast_backend or broadcast_backend(self.layout.device, self.world)
         broadcaster = OwnerBroadcaster(
-            device=self.layout.device, timeout=timeout, backend=backend, max_ctas=a.broadcast_ctas
+            device=self.layout.device, timeout=timeout, backend=backend, max_ctas=a.broadcast_ctas or None
         )
         self.pool = LayerSplitDSAKVPool(self.layout, plan, broadcaster)
         self.allocator = fragmented_allocator(self.layout.num_pages, a.seed)
@@ -365,8 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--broadcast-ctas",
         type=int,
-        default=None,
-        help="SMs the NCCL owner broadcast may take (default: NCCL's choice; 8 on an H200 pair, see README)",
+        default=BROADCAST_CTAS,
+        help="SMs the NCCL owner broadcast may take beside the model's compute (0: NCCL's choice; see README)",
     )
     ap.add_argument("--seed", type=int, default=0)
     add_service_flags(ap)

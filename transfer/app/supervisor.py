@@ -18,6 +18,11 @@ from pdkv.errors import PeerLostError
 from transfer.app.launcher import Child, Launcher
 from transfer.timeouts import Timeouts
 
+# SMs a prefill's NCCL owner broadcast may take: on two H200s 8 broadcast a layer as fast as
+# NCCL's own 24 channels, and let a prefetch hide behind compute that leaves them free
+# (README, docs/benchmarks.md).
+BROADCAST_CTAS = 8
+
 __all__ = ["DeploymentSpec", "EngineEndpoints", "DecoderEndpoint", "Host", "Supervisor"]
 
 logger = logging.getLogger(__name__)
@@ -58,8 +63,8 @@ class DeploymentSpec:
     # How often an owner drives its UCX worker while a ticket it issued is out. Over TCP
     # between hosts a READ waits for it; lower it there (see `Timeouts`).
     owner_progress: float = Timeouts().ticket_progress_interval
-    # SMs the prefill's NCCL owner broadcast may take beside the model's compute; None: NCCL's choice.
-    broadcast_ctas: int | None = None
+    # SMs the prefill's NCCL owner broadcast may take beside the model's compute; 0: NCCL's choice.
+    broadcast_ctas: int = BROADCAST_CTAS
     decode_lanes: int = 0  # 0: one a core, up to 8 (4 on a GPU)
     # False: the decode starts once the prefill replied, with the room's ticket (no control
     # request during the fetch). True: both start at once and the decode reads layers as
@@ -156,7 +161,8 @@ class Supervisor:
                 str(s.lease),
                 "--owner-progress",
                 str(s.owner_progress),
-                *(["--broadcast-ctas", str(s.broadcast_ctas)] if s.broadcast_ctas else []),
+                "--broadcast-ctas",
+                str(s.broadcast_ctas),
             ]
             worker = self._spawn(f"{engine_id}-cp{r}", "transfer.app.prefill_worker", args, s.prefill_host)
             out.append((engine_id, worker))
