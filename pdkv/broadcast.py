@@ -143,7 +143,7 @@ class OwnerBroadcaster:
             " (its own communicator)" if self._comm is not None else "",
             self.rank,
             self.size,
-            max_ctas or "auto",
+            (max_ctas or "NCCL's choice") if self._nccl else "n/a",
         )
 
     def _communicator(self, timeout: float, max_ctas: int | None) -> NcclComm:
