@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, tiny
+from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, dsa_v32, tiny
 from transfer.app.synthetic import SyntheticLayer
 
 PAGES = torch.tensor([3, 1, 7, 2, 9])  # deliberately out of order
@@ -42,12 +42,14 @@ def check_layer(pool: LayerSplitDSAKVPool, layer: int, seed: int, pages: torch.T
 
 
 def owner_broadcast_reads(
-    rank: int, world: int, layers: int, device: str = "cpu", backend: str | None = None
+    rank: int, world: int, layers: int, device: str = "cpu", backend: str | None = None, dsa: bool = False
 ) -> dict[str, int]:
+    """`dsa`: DeepSeek-V3.2's layout, whose latent reads are float8 (which gloo cannot carry
+    as such), else the small bf16 one."""
     if device == "cuda:rank":  # one GPU per rank
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    layout = tiny(layer_num=layers, device=device)
+    layout = dsa_v32(size=1024, layer_num=layers, device=device) if dsa else tiny(layer_num=layers, device=device)
     plan = ShardPlan(rank, world, layers)
     pool = LayerSplitDSAKVPool(layout, plan, OwnerBroadcaster(device=device, backend=backend))
     for layer in range(layers):

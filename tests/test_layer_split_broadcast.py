@@ -5,9 +5,12 @@ from tests.distributed import run_group
 from tests.pool_workers import owner_broadcast_reads
 
 
-@pytest.mark.parametrize("world,layers", [(2, 7), (3, 7), (4, 10), (3, 2)])
-def test_every_rank_reads_every_layer_byte_exact(world, layers):
-    out = run_group(owner_broadcast_reads, world, layers)
+@pytest.mark.parametrize(
+    "world,layers,dsa", [(2, 7, False), (3, 7, False), (4, 10, False), (3, 2, False), (3, 5, True)]
+)
+def test_every_rank_reads_every_layer_byte_exact(world, layers, dsa):
+    """`dsa`: float8 latent reads, each kind also read alone (a read with no prefetch)."""
+    out = run_group(owner_broadcast_reads, world, layers, "cpu", None, dsa)
     assert sorted(v["owned"] for v in out.values()) == sorted(
         [len(range(*__import__("pdkv").get_layer_shard_range(r, world, layers))) for r in range(world)]
     )
