@@ -175,7 +175,7 @@ class RemoteLayerCache:
         owned = self._plan.owns(layer_id)
         victim.target = self._owned[layer_id - self._plan.start_layer] if owned else victim.scratch
         self.broadcasts += 1
-        self._clock += 1
+        self._clock += 1  # `_touch`, inline: this runs for every layer on the prefill's critical path
         victim.used = self._clock
         return victim
 
