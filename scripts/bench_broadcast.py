@@ -9,13 +9,15 @@ drift of the machine hits them alike; medians are printed.
 
     .venv/bin/python scripts/bench_broadcast.py [--tokens 8192] [--world 4] [--runs 3]
     python3 scripts/bench_broadcast.py --device cuda --world 2   # one GPU per rank, NCCL
-    python3 scripts/bench_broadcast.py --device cuda --world 2 --nccl-ctas 4   # NCCL on at most 4 SMs
+    python3 scripts/bench_broadcast.py --device cuda --world 2 --nccl-ctas 0   # NCCL's own choice of SMs
 
-A broadcast can only run beside compute that leaves it SMs: cuBLAS's matmuls on Hopper are
-persistent kernels that hold every SM until they end. With `--nccl-ctas N` the stand-in's
-matmuls leave N SMs free (cuBLASLt's SM count target, through torch's SM carve-out), as a
-prefill that overlaps communication with compute sets its GEMMs up; `--sm-carveout`
-overrides that (0: the matmuls take every SM).
+A prefetch hides only where the compute leaves the broadcast SMs to run on (on two H200s
+the same matmul through cuBLAS's default kernels let it hide 48-81%, through cuBLASLt
+leaving the broadcast's SMs free 91-107%: docs/benchmarks.md). NCCL gets at most
+`--nccl-ctas` SMs, the deployment's cap by default (8; 0: NCCL's own choice), and the
+stand-in's matmuls leave that many free (cuBLASLt's SM count target, through torch's SM
+carve-out), as a prefill that overlaps communication with compute sets its GEMMs up;
+`--sm-carveout` overrides that (0: the matmuls take every SM).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, dsa_v32
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.distributed
 from tests.distributed import run_group  # noqa: E402
+from transfer.app.supervisor import BROADCAST_CTAS  # noqa: E402
 
 
 def _compute(x: torch.Tensor, reps: int) -> None:
@@ -151,22 +154,23 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compute-reps", type=int, default=None, help="matmuls a layer (8 on the host, 1 on a GPU)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank, NCCL)")
-    ap.add_argument("--nccl-ctas", type=int, default=None, help="cap NCCL's CTAs (SMs) for the broadcast group")
+    ap.add_argument("--nccl-ctas", type=int, default=BROADCAST_CTAS, help="cap NCCL's CTAs (SMs); 0: NCCL's own choice")
     ap.add_argument(
         "--sm-carveout", type=int, default=None, help="SMs the stand-in's matmuls leave free (default: --nccl-ctas)"
     )
     args = ap.parse_args()
     reps = args.compute_reps if args.compute_reps is not None else (8 if args.device == "cpu" else 1)
-    carveout = args.sm_carveout if args.sm_carveout is not None else (args.nccl_ctas or 0)
-    out = run_group(_rank, args.world, args.tokens, args.runs, reps, args.device, args.nccl_ctas, carveout)
+    ctas = args.nccl_ctas or None
+    carveout = args.sm_carveout if args.sm_carveout is not None else (ctas or 0)
+    out = run_group(_rank, args.world, args.tokens, args.runs, reps, args.device, ctas, carveout)
     r = out[args.world - 1]  # the last rank owns none of the first layers
     layout = dsa_v32(size=args.tokens)
     mib = (layout.kv_rows * layout.kv_token_bytes + layout.index_num_pages * layout.index_page_bytes) / 2**20
     hidden = (r["no_prefetch"] - r["prefetch"]) / min(r["broadcast_only"], r["compute_ms"])
     exposed = r["no_prefetch"] - r["compute_ms"]  # what reading costs the step without prefetch
     backend = "NCCL, one GPU per rank" if args.device == "cuda" else "gloo"
-    if args.nccl_ctas:
-        backend += f", at most {args.nccl_ctas} CTAs"
+    if ctas and args.device != "cpu":
+        backend += f", at most {ctas} CTAs"
     if carveout and args.device != "cpu":
         backend += f", matmuls leave {carveout} SMs"
     print(f"DSA layout, {args.tokens} tokens/pool, {mib:.1f} MiB per layer broadcast, {backend}, CP={args.world}")
