@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 from pdkv.nccl import NcclComm, nccl_library, unique_id
 
-__all__ = ["OwnerBroadcaster", "CollectiveHandle"]
+__all__ = ["OwnerBroadcaster", "CollectiveHandle", "nccl_group_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,9 @@ class OwnerBroadcaster:
         """`backend` defaults to NCCL on CUDA and gloo on the host. gloo also moves CUDA
         tensors, for CP ranks that share one GPU (NCCL wants one rank per device).
 
-        `max_ctas` caps the SMs NCCL's kernels take (NCCL's `maxCTAs`): a prefetch runs
-        beside the model's compute, and every SM it holds is one the compute lacks.
+        `max_ctas` caps the SMs NCCL's kernels take (NCCL's `maxCTAs`; None or 0: NCCL's
+        choice): a prefetch runs beside the model's compute, and every SM it holds is one
+        the compute lacks.
         """
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
@@ -130,9 +131,8 @@ class OwnerBroadcaster:
             self.group = dist.new_group(world, backend="gloo", timeout=timeout)
             self._comm = self._communicator(timeout.total_seconds(), max_ctas)
         else:
-            self.group = dist.new_group(
-                world, backend=self.backend, timeout=timeout, pg_options=_nccl_options(self.backend, max_ctas)
-            )
+            options = nccl_group_options(max_ctas) if self.backend == "nccl" else None
+            self.group = dist.new_group(world, backend=self.backend, timeout=timeout, pg_options=options)
         self.rank = dist.get_rank(self.group)
         self.size = len(world)
         self._nccl = cuda and self.backend == "nccl"
@@ -198,12 +198,12 @@ class OwnerBroadcaster:
         dist.destroy_process_group(self.group)
 
 
-def _nccl_options(backend: str, max_ctas: int | None) -> Any:
-    """torch's NCCL group: its kernels get SMs ahead of queued compute, so prefetches hide better."""
-    if backend != "nccl":
-        return None
+def nccl_group_options(max_ctas: int | None) -> dist.ProcessGroupNCCL.Options:
+    """A torch NCCL group set up as the owner broadcast's: a high-priority stream (its kernels
+    get SMs ahead of queued compute, so prefetches hide better) and at most `max_ctas` SMs
+    (None or 0: NCCL's choice)."""
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
-    if max_ctas is not None:
+    if max_ctas:
         options.config.max_ctas = max_ctas
     return options

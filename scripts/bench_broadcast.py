@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pdkv import LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan, dsa_v32
+from pdkv.broadcast import nccl_group_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.distributed
 from tests.distributed import run_group  # noqa: E402
@@ -82,12 +83,8 @@ def _plain_broadcasts(pool: LayerSplitDSAKVPool, ctas: int | None) -> dict[str, 
     (a high-priority stream, the same SM cap), each a pass timed in ms a layer: the latent
     then the indexer (two buffers, as the reference pool keeps them), and both as one
     buffer (the link's limit)."""
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    if ctas is not None:
-        options.config.max_ctas = ctas
     layout = pool.layout
-    group = dist.new_group(list(range(pool.plan.size)), backend="nccl", pg_options=options)
+    group = dist.new_group(list(range(pool.plan.size)), backend="nccl", pg_options=nccl_group_options(ctas))
     kv = torch.empty(layout.kv_rows * layout.kv_token_bytes, dtype=torch.uint8, device=layout.device)
     idx = torch.empty(layout.index_num_pages * layout.index_page_bytes, dtype=torch.uint8, device=layout.device)
     joint = torch.empty(kv.numel() + idx.numel(), dtype=torch.uint8, device=layout.device)
@@ -160,7 +157,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     reps = args.compute_reps if args.compute_reps is not None else (8 if args.device == "cpu" else 1)
-    ctas = args.nccl_ctas or None
+    ctas = args.nccl_ctas  # 0: NCCL's choice
     carveout = args.sm_carveout if args.sm_carveout is not None else (ctas or 0)
     out = run_group(_rank, args.world, args.tokens, args.runs, reps, args.device, ctas, carveout)
     r = out[args.world - 1]  # the last rank owns none of the first layers

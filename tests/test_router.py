@@ -133,17 +133,24 @@ async def test_shutdown_leaves_no_child_behind():
     assert {c.name: c.popen.returncode for c in d.launcher.children} == {c.name: 0 for c in d.launcher.children}
 
 
+def _prefill_command_lines(spec: DeploymentSpec, tmp_path, monkeypatch) -> list[list[str]]:
+    """The arguments the supervisor would start each prefill rank of `spec`'s engine with."""
+    from transfer.app.supervisor import Supervisor
+
+    spawned: list[list[str]] = []
+    sup = Supervisor(spec, tmp_path)
+    monkeypatch.setattr(sup, "_spawn", lambda name, module, args, host: spawned.append(args))
+    sup.registry_url = "http://127.0.0.1:1"
+    sup._spawn_engine("prefill0", spec.engines[0])
+    return spawned
+
+
 async def test_the_owner_progress_setting_reaches_each_prefill_ranks_timeouts(tmp_path, monkeypatch):
     """A deployment between hosts over TCP lowers how often owners drive UCX: the spec's
     value must reach every prefill rank's `Timeouts`, through its command line."""
     from transfer.app import prefill_worker
-    from transfer.app.supervisor import Supervisor
 
-    spawned: list[list[str]] = []
-    sup = Supervisor(DeploymentSpec(engines=(2,), owner_progress=0.002), tmp_path)
-    monkeypatch.setattr(sup, "_spawn", lambda name, module, args, host: spawned.append(args))
-    sup.registry_url = "http://127.0.0.1:1"
-    sup._spawn_engine("prefill0", 2)
+    spawned = _prefill_command_lines(DeploymentSpec(engines=(2,), owner_progress=0.002), tmp_path, monkeypatch)
     assert len(spawned) == 2
     for args in spawned:
         parsed = prefill_worker.parse_args([*args, "--preset", "tiny"])
@@ -155,11 +162,6 @@ async def test_the_broadcast_sm_cap_reaches_each_prefill_ranks_command_line(tmp_
     """The SMs a prefill's owner broadcast may take are a deployment setting (it runs
     beside the model's compute): the spec's cap must reach every prefill rank."""
     from transfer.app import prefill_worker
-    from transfer.app.supervisor import Supervisor
 
-    spawned: list[list[str]] = []
-    sup = Supervisor(DeploymentSpec(engines=(3,), broadcast_ctas=16), tmp_path)
-    monkeypatch.setattr(sup, "_spawn", lambda name, module, args, host: spawned.append(args))
-    sup.registry_url = "http://127.0.0.1:1"
-    sup._spawn_engine("prefill0", 3)
+    spawned = _prefill_command_lines(DeploymentSpec(engines=(3,), broadcast_ctas=16), tmp_path, monkeypatch)
     assert [prefill_worker.parse_args(args).broadcast_ctas for args in spawned] == [16, 16, 16]

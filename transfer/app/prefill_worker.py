@@ -272,7 +272,7 @@ class PrefillEngineRank:
         plan = ShardPlan(self.rank, self.world, self.layout.layer_num, self.layout.start_layer)
         backend = a.broadcast_backend or broadcast_backend(self.layout.device, self.world)
         broadcaster = OwnerBroadcaster(
-            device=self.layout.device, timeout=timeout, backend=backend, max_ctas=a.broadcast_ctas or None
+            device=self.layout.device, timeout=timeout, backend=backend, max_ctas=a.broadcast_ctas
         )
         self.pool = LayerSplitDSAKVPool(self.layout, plan, broadcaster)
         self.allocator = fragmented_allocator(self.layout.num_pages, a.seed)
