@@ -129,14 +129,13 @@ def _lane_spec(engines, **over):
     return _gpu_spec(engines, decoders=0, **over)
 
 
-def _gather_case(word: int, pages: int, seed: int):
+def _gather_case(word: int, pages: int, seed: int, items: int = 64, base: int = 16 * 261):
     """Two buffers (items of two lengths whose widest load is `word` bytes), random source
     bytes, poisoned destination, and a plan of `pages` random distinct pages each side."""
     from transfer.plan import BufferPair, build_gather_plan
 
     gen = torch.Generator().manual_seed(seed)
-    base = 16 * 261 + (word % 16)  # 4176 + word: `word` divides it, no wider load does
-    items = 64
+    base += word % 16  # `word` divides it, no wider load does
     bufs = []
     for item in (base, 2 * base):
         src = torch.randint(0, 256, (items, item), dtype=torch.uint8, generator=gen).cuda()
@@ -174,10 +173,28 @@ def test_gather_kernel_copies_exactly_the_planned_pages_at_each_load_width(word)
         assert torch.equal(d, w)  # the planned pages copied, every other page still poison
 
 
+@pytest.mark.parametrize("fill", [0.5, 1.5, 2.5])
+def test_gather_plans_whose_page_ids_outgrow_a_launch_go_out_in_several(fill):
+    """Page ids ride in a launch's parameters: a plan with more of them than the largest
+    launch holds goes out in several, each with its own slice of both page lists."""
+    from transfer.gather import GatherLane
+
+    lane = GatherLane(torch.device("cuda:0"))
+    pages = int(fill * lane.kernel.capacities[-1] / 2)  # two ids a page: one source list
+    bufs, plan = _gather_case(16, pages=pages, seed=pages, items=pages + 7, base=16 * 4)
+    want = _expected(bufs, [plan])
+    try:
+        asyncio.run(lane.run(plan))
+    finally:
+        lane.close()
+    for (_, d), w in zip(bufs, want):
+        assert torch.equal(d, w)
+
+
 def test_gather_launches_queued_back_to_back_each_carry_their_own_page_ids():
-    """Page ids go up through pinned buffers asynchronously: a buffer reused before its
-    copy ran would send one launch another's pages. Queue many launches behind a slow one
-    without waiting, then compare with the same plans applied in order."""
+    """Page ids ride in each launch's parameters, set in place in one buffer: a driver that
+    read them after the call returned would send one launch another's pages. Queue many
+    launches behind a slow one without waiting, then compare with the same plans in order."""
     from transfer.gather import GatherLane
     from transfer.plan import gather_plan
 

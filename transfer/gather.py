@@ -18,18 +18,20 @@ decode's GPU context and with it every request on that GPU.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 
 import numpy as np
 import torch
 
+from pdkv.errors import TransferError
 from transfer.gather_kernel import DriverEvent, GatherKernel, LaunchArgs
 from transfer.plan import GatherPlan, GatherTable
 
-__all__ = ["GatherLane", "Launch"]
+__all__ = ["GatherLane", "Launch", "launch_split"]
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: pages per launch
-_STAGING_KEPT = 8  # pinned page-id buffers kept for launches queued at once
+_INT32 = 1 << 31  # page ids travel as int32
 
 
 def _shape(nbytes: int) -> tuple[int, int]:
@@ -37,8 +39,19 @@ def _shape(nbytes: int) -> tuple[int, int]:
     return (8192, 8) if nbytes >= 1 << 30 else (4096, 4)
 
 
+def launch_split(pages: int, lists: int, capacities: tuple[int, ...]) -> tuple[int, int]:
+    """How a plan of `pages` pages and `lists` source page lists goes out: the parameter
+    capacity its launches use (the fewest ids that hold every page's, else the most) and
+    the pages each launch copies."""
+    ids = (lists + 1) * pages
+    capacity = next((c for c in capacities if c >= ids), capacities[-1])
+    return capacity, max(1, min(_MAX_GRID_Y, capacity // (lists + 1), pages))
+
+
 def _meta(table: GatherTable, block_words: int) -> tuple[np.ndarray, int]:
     """The kernel's table argument (see the kernel) and its task count."""
+    if table.buffers and max(int(table.src_items.max()), table.dst_items) > _INT32:
+        raise TransferError("a gather table of more than 2**31 pages: page ids travel as int32")
     rows = table.table.copy()
     rows[2] //= table.word  # item lengths in words
     chunks = -(-rows[2] // block_words)
@@ -48,44 +61,11 @@ def _meta(table: GatherTable, block_words: int) -> tuple[np.ndarray, int]:
     return np.concatenate([rows.reshape(-1), task_buf, task_off]).astype(np.int64, copy=False), len(task_buf)
 
 
-class _Staged:
-    """A pinned host buffer that carries one launch's page ids to the GPU."""
-
-    def __init__(self, words: int) -> None:
-        self.tensor = torch.empty(max(words, 1 << 12), dtype=torch.int64, pin_memory=True)
-        self.view = self.tensor.numpy()
-        self.addr = self.tensor.data_ptr()
-        self.after: DriverEvent | None = None  # recorded after the copy from it: passed, it may be rewritten
-
-
-class _Staging:
-    """Pinned buffers for page ids, each rewritten only once the copy queued from it has run:
-    the driver's copy is asynchronous, so a buffer rewritten sooner would send one launch
-    another's page ids. A buffer's marker is its launch's end, so this costs no event."""
-
-    def __init__(self) -> None:
-        self._buffers: list[_Staged] = []
-
-    def take(self, words: int) -> _Staged:
-        """A buffer of at least `words` int64 free to write."""
-        for staged in self._buffers:
-            if staged.view.size >= words and (staged.after is None or staged.after.query()):
-                return staged
-        if len(self._buffers) >= _STAGING_KEPT:  # launches queued at once came and went: drop a free one
-            free = next((b for b in self._buffers if b.after is None or b.after.query()), None)
-            if free is not None:
-                self._buffers.remove(free)
-        staged = _Staged(words)
-        self._buffers.append(staged)
-        return staged
-
-
 class Launch:
     """One launch queued on the lane's stream: its events, waited on and timed."""
 
     def __init__(self, start: DriverEvent, done: DriverEvent) -> None:
         self.start, self.done = start, done
-        self.staged: _Staged | None = None  # the pinned buffer its page ids went from
 
     def wait(self) -> None:
         """Block this thread until the kernel has ended."""
@@ -102,9 +82,9 @@ def _wait_then_wake(launch: Launch, loop: asyncio.AbstractEventLoop, ended: asyn
     try:
         launch.wait()
         seconds = launch.seconds()
-    except BaseException as exc:
+    except Exception as exc:  # a sticky CUDA error: every later wait fails the same way
         loop.call_soon_threadsafe(_settle, ended, 0.0, exc)
-        raise
+        return
     loop.call_soon_threadsafe(_settle, ended, seconds, None)
 
 
@@ -114,6 +94,42 @@ def _settle(ended: asyncio.Future[float], seconds: float, exc: BaseException | N
             ended.set_result(seconds)
         else:
             ended.set_exception(exc)
+
+
+class _Waiter:
+    """A thread of the lane's own that waits for its launches to end, the GPU's context
+    current on it, and resolves each launch's future on its loop. Not the default
+    executor, which may be busy with other blocking work; and a plain queue rather than a
+    thread pool: handing a launch over is one call, where a pool's submit ran tens of
+    microseconds of Python on every fetch's path."""
+
+    def __init__(self, kernel: GatherKernel) -> None:
+        self._queue: queue.SimpleQueue[tuple[Launch, asyncio.AbstractEventLoop, asyncio.Future[float]] | None]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(kernel,), name="pdkv-gather-wait", daemon=True).start()
+
+    def _serve(self, kernel: GatherKernel) -> None:
+        try:
+            kernel.make_current()
+            failure: Exception | None = None
+        except Exception as exc:  # every wait then fails with it, rather than never ending
+            failure = exc
+        while (item := self._queue.get()) is not None:
+            launch, loop, ended = item
+            if failure is None:
+                _wait_then_wake(launch, loop, ended)
+            else:
+                loop.call_soon_threadsafe(_settle, ended, 0.0, failure)
+
+    def ended(self, launch: Launch) -> asyncio.Future[float]:
+        """A future of the running loop resolved with `launch`'s GPU seconds once it ended."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[float] = loop.create_future()
+        self._queue.put((launch, loop, ended))
+        return ended
+
+    def close(self) -> None:
+        self._queue.put(None)  # the thread ends after the waits queued before
 
 
 class GatherLane:
@@ -126,14 +142,8 @@ class GatherLane:
         self.stream = torch.cuda.Stream(device)
         self._stream = self.stream.cuda_stream
         self.shape = shape  # (block bytes, warps); None: by the plan's size
-        # Waits for kernels on a thread of the lane's own, with the GPU's context current:
-        # the default executor may be busy with other blocking work, and this wait is on
-        # every fetch's path.
-        self._waiter = ThreadPoolExecutor(1, "pdkv-gather-wait", initializer=self.kernel.make_current)
-        self._staging = _Staging()
-        self._args = LaunchArgs()  # launches come from the loop's thread
-        # Kernels on the lane's stream read the device buffer in order: each launch may overwrite it.
-        self._pages = torch.empty(0, dtype=torch.int64, device=device)
+        self._waiter = _Waiter(self.kernel)
+        self._args = {ids: LaunchArgs(ids) for ids in self.kernel.capacities}  # launches come from one thread
         self._timing: list[Launch] = []  # event pairs to reuse
 
     def _table_on_device(self, table: GatherTable, block: int) -> tuple[int, int]:
@@ -146,37 +156,27 @@ class GatherLane:
         tensor, n_tasks = table.on_device[key]
         return tensor.data_ptr(), n_tasks
 
-    def _upload_pages(self, plan: GatherPlan) -> tuple[int, _Staged]:
-        """Queue the plan's page ids' copy to the GPU on the lane's stream: their address
-        there, and the pinned buffer they went from."""
-        n = plan.src_pages.size + plan.pages
-        if self._pages.numel() < n:  # allocated for the lane's stream: kernels queued on it keep the old one alive
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                self._pages = torch.empty(max(n, 1 << 12), dtype=torch.int64, device=self.device)
-        staged = self._staging.take(n)
-        staged.view[: plan.src_pages.size] = plan.src_pages.reshape(-1)
-        staged.view[plan.src_pages.size : n] = plan.dst_pages
-        pages = self._pages.data_ptr()
-        self.kernel.upload(pages, staged.addr, 8 * n, self._stream)
-        return pages, staged
-
     def launch(self, plan: GatherPlan) -> Launch:
-        """Queue `plan` on the lane's stream."""
+        """Queue `plan` on the lane's stream: one launch, or several where its page ids
+        outgrow a launch's parameters."""
         block_bytes, warps = self.shape or _shape(plan.nbytes)
         block = max(1, block_bytes // plan.word)
+        lists = plan.table.lists
+        capacity, per_launch = launch_split(plan.pages, lists, self.kernel.capacities)
+        args = self._args[capacity]
         launch = self._timing.pop() if self._timing else Launch(DriverEvent(self.kernel), DriverEvent(self.kernel))
         pushed = self.kernel.enter()
         try:
             meta, n_tasks = self._table_on_device(plan.table, block)
-            pages, staged = self._upload_pages(plan)
+            args.values[:] = (meta, plan.buffers, n_tasks, 0, block, lists)
             launch.start.record(self._stream)
-            for page0 in range(0, plan.pages, _MAX_GRID_Y):
-                grid = (n_tasks, min(_MAX_GRID_Y, plan.pages - page0))
-                args = (meta, pages, plan.buffers, n_tasks, plan.pages, plan.src_pages.size, page0, block)
-                self._args.values[:] = args
-                self.kernel.launch(plan.word, grid, 32 * warps, self._stream, self._args)
+            for page0 in range(0, plan.pages, per_launch):
+                n = min(per_launch, plan.pages - page0)
+                args.values[3] = n
+                args.ids[: lists * n].reshape(lists, n)[...] = plan.src_pages[:, page0 : page0 + n]
+                args.ids[lists * n : (lists + 1) * n] = plan.dst_pages[page0 : page0 + n]
+                self.kernel.launch(plan.word, (n_tasks, n), 32 * warps, self._stream, args)
             launch.done.record(self._stream)
-            staged.after, launch.staged = launch.done, staged
         finally:
             if pushed:
                 self.kernel.leave()
@@ -189,20 +189,14 @@ class GatherLane:
         launch = self.launch(plan)
         # The loop stays free while the GPU copies; the waiting thread wakes this task
         # directly (no executor future in between: each future hop is a turn of the loop).
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[float] = loop.create_future()
-        self._waiter.submit(_wait_then_wake, launch, loop, ended)
         try:
-            seconds = await ended
+            seconds = await self._waiter.ended(launch)
         except asyncio.CancelledError:
             # Bytes must not land in pages that may be handed out again: wait for the kernel.
-            await loop.run_in_executor(self._waiter, launch.wait)
+            await asyncio.wait([self._waiter.ended(launch)])
             raise
-        staged = launch.staged
-        if staged is not None and staged.after is launch.done:  # not taken by a later launch meanwhile
-            staged.after = None  # its copy ran: rewritable without asking the driver
         self._timing.append(launch)  # both events recorded and passed: free to record again
         return seconds
 
     def close(self) -> None:
-        self._waiter.shutdown(wait=False)
+        self._waiter.close()

@@ -4,15 +4,17 @@ Why not Triton or torch: on the decode's fetch path the launch itself was the la
 cost left. Triton's launcher (argument binding, specialisation keys, its stream lookup)
 and torch's stream guards and events took 0.2-0.4 ms of host time around a 0.23 ms kernel
 at 8k tokens on an H200 host (docs/benchmarks.md). Through the driver a launch is a few
-ctypes calls on arguments prepared once. NVRTC ships with every CUDA build of torch
+ctypes calls on arguments prepared once, and the request's page ids ride in the launch's
+parameters rather than in a copy queued before it. NVRTC ships with every CUDA build of torch
 (`nvidia-cuda-nvrtc`), so this adds no dependency; the kernel is compiled for the GPU at
 hand the first time a lane starts in a process (tens of milliseconds).
 
 The kernel copies, for task `t` (a chunk of one buffer's item) of page `i`, words
 `[first, first + block)` of the item from its source page to its destination page. Its
 table argument (see `transfer.gather._meta`) holds per buffer: source base, destination
-base, item words, source page list; per task: its buffer and its first word. Everything
-in it was checked on the host: a bad address would fault the decode's whole context.
+base, item words, source page list; per task: its buffer and its first word. The page ids
+(each source list, then the destination pages) are int32 parameters. Everything in them
+was checked on the host: a bad address would fault the decode's whole context.
 """
 
 from __future__ import annotations
@@ -26,26 +28,43 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from pdkv.errors import TransferError
 from transfer.cuda_ipc import CudaDriver
 
-__all__ = ["DriverEvent", "GatherKernel", "LaunchArgs", "WORDS"]
+__all__ = ["DriverEvent", "GatherKernel", "LaunchArgs", "IDS", "WORDS"]
 
 WORDS = (16, 8, 4, 2, 1)  # bytes a load may move; 16: a vector of four 32-bit words
+# Page ids a launch can carry in its parameters: six 8-byte scalars and the ids (int32) fill
+# the classic 4 KiB of parameters, or 8 or 32 KiB, which CUDA 12.1 drivers allow from Volta
+# on. Tiers, since the driver copies every declared byte at each launch (32 KiB cost 20 us
+# more per launch than 4 KiB on an H200 host).
+IDS = ((4096 - 48) // 4, (8192 - 48) // 4, (32764 - 48) // 4)
+_LARGE_PARAMS_CUDA = 12010  # the driver and NVRTC version from which a launch may carry more than 4 KiB
 
 _SOURCE = r"""
-template <typename W>
-__device__ __forceinline__ void gather(const long long* __restrict__ meta, const long long* __restrict__ pages,
-                                       long long n_bufs, long long n_tasks, long long n_pages, long long dst0,
-                                       long long page0, long long block) {
+// A launch's page ids travel in its parameters (read in place: __grid_constant__), so a
+// launch is one driver call with no copy queued before it.
+template <int N>
+struct PageIds {
+  int ids[N];
+};
+
+template <typename W, int N>
+__device__ __forceinline__ void gather(const long long* __restrict__ meta, long long n_bufs, long long n_tasks,
+                                       long long n_pages, long long block, long long lists,
+                                       const PageIds<N>& pages) {
   const long long t = blockIdx.x;
-  const long long i = page0 + blockIdx.y;
+  const long long i = blockIdx.y;
   const long long b = meta[4 * n_bufs + t];
   const long long first = meta[4 * n_bufs + n_tasks + t];
   const long long words = meta[2 * n_bufs + b];
   const long long end = first + block < words ? first + block : words;
-  const W* src = reinterpret_cast<const W*>(meta[b]) + pages[meta[3 * n_bufs + b] * n_pages + i] * words;
-  W* dst = reinterpret_cast<W*>(meta[n_bufs + b]) + pages[dst0 + i] * words;
+  const long long src_page = pages.ids[meta[3 * n_bufs + b] * n_pages + i];
+  const long long dst_page = pages.ids[lists * n_pages + i];
+  const W* src = reinterpret_cast<const W*>(meta[b]) + src_page * words;
+  W* dst = reinterpret_cast<W*>(meta[n_bufs + b]) + dst_page * words;
   const long long stride = blockDim.x;
   // Four loads in flight per thread before their stores: a copy is bound by loads in flight.
   for (long long o = first + threadIdx.x; o < end; o += 4 * stride) {
@@ -59,18 +78,26 @@ __device__ __forceinline__ void gather(const long long* __restrict__ meta, const
   }
 }
 
-#define GATHER(NAME, W)                                                                              \
-  extern "C" __global__ void NAME(const long long* meta, const long long* pages, long long n_bufs,    \
-                                  long long n_tasks, long long n_pages, long long dst0, long long page0, \
-                                  long long block) {                                                 \
-    gather<W>(meta, pages, n_bufs, n_tasks, n_pages, dst0, page0, block);                             \
+#define GATHER(NAME, W, N)                                                                           \
+  extern "C" __global__ void NAME(const long long* meta, long long n_bufs, long long n_tasks,         \
+                                  long long n_pages, long long block, long long lists,               \
+                                  const __grid_constant__ PageIds<N> pages) {                        \
+    gather<W, N>(meta, n_bufs, n_tasks, n_pages, block, lists, pages);                               \
   }
 
-GATHER(gather_w16, uint4)
-GATHER(gather_w8, unsigned long long)
-GATHER(gather_w4, unsigned int)
-GATHER(gather_w2, unsigned short)
-GATHER(gather_w1, unsigned char)
+#define GATHER_WORDS_(N)                             \
+  GATHER(gather_w16_p##N, uint4, N)                  \
+  GATHER(gather_w8_p##N, unsigned long long, N)      \
+  GATHER(gather_w4_p##N, unsigned int, N)            \
+  GATHER(gather_w2_p##N, unsigned short, N)          \
+  GATHER(gather_w1_p##N, unsigned char, N)
+#define GATHER_WORDS(N) GATHER_WORDS_(N)  // N expanded before it is pasted into the names
+
+GATHER_WORDS(IDS_4K)
+#ifdef IDS_8K
+GATHER_WORDS(IDS_8K)
+GATHER_WORDS(IDS_32K)
+#endif
 """
 
 _EVENT_DISABLE_TIMING = 0x2
@@ -92,9 +119,17 @@ def _load_nvrtc() -> ctypes.CDLL:
     raise TransferError(f"NVRTC (libnvrtc.so.{major}) not found: the GPU lane cannot compile its kernel")
 
 
+def _nvrtc_version(nvrtc: ctypes.CDLL) -> int:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        return 0
+    return 1000 * major.value + 10 * minor.value
+
+
 @functools.cache
-def _compile(arch: str) -> bytes:
-    """The kernels' cubin for `arch` (say "sm_90")."""
+def _compile(arch: str, large_ids: bool) -> bytes:
+    """The kernels' cubin for `arch` (say "sm_90"); with `large_ids`, also the variants whose
+    launches carry 8 and 32 KiB of parameters."""
     nvrtc = _load_nvrtc()
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
     prog = ctypes.c_void_p()
@@ -105,7 +140,9 @@ def _compile(arch: str) -> bytes:
 
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), _SOURCE.encode(), b"gather.cu", 0, None, None), "create")
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", f"-DIDS_4K={IDS[0]}".encode()]
+        if large_ids:
+            opts += [f"-DIDS_8K={IDS[1]}".encode(), f"-DIDS_32K={IDS[2]}".encode()]
         if nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
             size = ctypes.c_size_t()
             nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -126,7 +163,7 @@ class _Api:
     without guessing, and a call costs about a microsecond."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, u, st, pvp = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+        vp, u, pvp = ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)
 
         def fn(names: tuple[str, ...], *argtypes: Any) -> Any:
             f = next(getattr(lib, n) for n in names if hasattr(lib, n))
@@ -134,7 +171,7 @@ class _Api:
             return f
 
         self.launch = fn(("cuLaunchKernel",), vp, u, u, u, u, u, u, u, vp, pvp, pvp)
-        self.memcpy_htod = fn(("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"), ctypes.c_uint64, vp, st, vp)
+        self.driver_version = fn(("cuDriverGetVersion",), ctypes.POINTER(ctypes.c_int))
         self.event_create = fn(("cuEventCreate",), pvp, u)
         self.event_record = fn(("cuEventRecord",), vp, vp)
         self.event_query = fn(("cuEventQuery",), vp)
@@ -198,15 +235,23 @@ class GatherKernel:
         self.check(self.api.primary_ctx(ctypes.byref(ctx), dev.value), "cuDevicePrimaryCtxRetain")
         self.ctx = ctx.value
         major, minor = torch.cuda.get_device_capability(device)
-        cubin = _compile(f"sm_{major}{minor}")
+        version = ctypes.c_int()
+        self.check(self.api.driver_version(ctypes.byref(version)), "cuDriverGetVersion")
+        large = major >= 7 and min(version.value, _nvrtc_version(_load_nvrtc())) >= _LARGE_PARAMS_CUDA
+        cubin = _compile(f"sm_{major}{minor}", large)
+        # Page ids one launch can carry, fewest first: a launch takes the smallest that holds its
+        # ids (the driver copies every parameter byte at a launch), a plan beyond it several.
+        self.capacities = IDS if large else IDS[:1]
         module = ctypes.c_void_p()
         with self.current():
             self.check(self.api.module_load(ctypes.byref(module), cubin), "cuModuleLoadData")
-            self.functions: dict[int, int] = {}
-            for word in WORDS:
-                f = ctypes.c_void_p()
-                self.check(self.api.module_function(ctypes.byref(f), module, f"gather_w{word}".encode()), "function")
-                self.functions[word] = f.value  # type: ignore[assignment]
+            self.functions: dict[tuple[int, int], int] = {}
+            for ids in self.capacities:
+                for word in WORDS:
+                    f = ctypes.c_void_p()
+                    name = f"gather_w{word}_p{ids}".encode()
+                    self.check(self.api.module_function(ctypes.byref(f), module, name), "cuModuleGetFunction")
+                    self.functions[word, ids] = f.value  # type: ignore[assignment]
         self._module = module
 
     @classmethod
@@ -245,21 +290,22 @@ class GatherKernel:
         thread of the lane's own, which waits on its events)."""
         self.check(self.api.ctx_set(self.ctx), "cuCtxSetCurrent")
 
-    def upload(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """Queue a copy of `nbytes` from pinned host memory to the GPU on `stream`."""
-        self.check(self.api.memcpy_htod(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
-
     def launch(self, word: int, grid: tuple[int, int], threads: int, stream: int, args: LaunchArgs) -> None:
-        """Queue the kernel for `word`-byte loads (call with the context current)."""
-        rc = self.api.launch(self.functions[word], grid[0], grid[1], 1, threads, 1, 1, 0, stream, args.params, None)
+        """Queue the kernel for `word`-byte loads with `args` (call with the context current)."""
+        f = self.functions[word, args.capacity]
+        rc = self.api.launch(f, grid[0], grid[1], 1, threads, 1, 1, 0, stream, args.params, None)
         self.check(rc, "cuLaunchKernel")
 
 
 class LaunchArgs:
-    """The kernel's eight arguments, set in place: one block per caller thread, since the
-    driver copies the values at the launch."""
+    """The kernel's parameters, set in place: five scalars, the lists' count and up to
+    `capacity` page ids. The driver copies them at the launch, so one set serves every
+    launch from one thread."""
 
-    def __init__(self) -> None:
-        self.values = (ctypes.c_int64 * 8)()
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.values = (ctypes.c_int64 * 6)()
+        self._ids = (ctypes.c_int32 * capacity)()
+        self.ids = np.frombuffer(self._ids, dtype=np.int32)  # written through numpy: one copy, cast included
         base = ctypes.addressof(self.values)
-        self.params = (ctypes.c_void_p * 8)(*range(base, base + 64, 8))
+        self.params = (ctypes.c_void_p * 7)(*range(base, base + 48, 8), ctypes.addressof(self._ids))

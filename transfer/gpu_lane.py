@@ -82,7 +82,7 @@ class IpcPeer:
     tables: dict[tuple[int, int], GatherTable] = field(default_factory=dict)  # by layer range
 
     def table(self, layers: range) -> GatherTable:
-        """The gather table of `layers` (built once: a fetch then only uploads page ids)."""
+        """The gather table of `layers` (built once: a fetch then only sends its page ids)."""
         key = (layers.start, layers.stop)
         if key not in self.tables:
             self.tables[key] = gather_table([p for layer in layers for p in self.pairs[layer]])

@@ -106,7 +106,8 @@ class ReadPlan:
 
 
 def _check_pages(pages: np.ndarray, limit: int, side: str) -> None:
-    if pages.size and (pages.min() < 0 or pages.max() >= limit):
+    # One reduction: seen unsigned, a negative id is larger than any limit.
+    if pages.size and int(pages.view(np.uint64).max()) >= limit:
         raise PageRangeError(f"{side} pages [{pages.min()}, {pages.max()}] outside [0, {limit})")
 
 
@@ -175,7 +176,7 @@ def read_plan(table: ReadTable, src_pages: np.ndarray, dst_pages: np.ndarray, me
 @dataclass(eq=False)  # identity: a lane keys its caches by the table object
 class GatherTable:
     """The static half of a gather launch: built once per owner and layer range, kept on
-    the GPU by the lane, so a fetch uploads only its page ids.
+    the GPU by the lane, so a launch carries only its page ids.
 
     `table` rows, one column a buffer: source base, destination base, item bytes, and the
     source page list the buffer reads (owners of one request may keep it in different
@@ -278,7 +279,7 @@ def gather_plan(table: GatherTable, src_lists: list[np.ndarray], dst_pages: np.n
     for row in rows:
         if row.shape != dst.shape:
             raise PageRangeError(f"{row.size} source pages but {dst.size} destination pages")
-    src = np.stack(rows) if rows else np.zeros((0, dst.size), np.int64)
+    src = rows[0].reshape(1, -1) if len(rows) == 1 else np.stack(rows) if rows else np.zeros((0, dst.size), np.int64)
     if table.buffers and dst.size:
         for row, limit in zip(src, table.src_items):
             _check_pages(row, int(limit), "source")

@@ -1,0 +1,65 @@
+"""The gather lane's host logic, without a GPU: how a plan is cut into launches, and the
+waiting thread that turns a launch's end into a future of the loop."""
+
+import asyncio
+
+import pytest
+
+from transfer.gather import _Waiter, launch_split
+
+
+def test_launch_split_takes_the_fewest_ids_that_hold_a_plan_else_several_launches():
+    caps = (1012, 8179)  # two tiers of a launch's page ids
+    assert launch_split(128, 1, caps) == (1012, 128)  # 8k tokens: 256 ids, the small launch
+    assert launch_split(506, 1, caps) == (1012, 506)
+    assert launch_split(507, 1, caps) == (8179, 507)  # one more page: the large one
+    assert launch_split(512, 4, caps) == (8179, 512)  # five lists of ids a page
+    assert launch_split(5000, 1, caps) == (8179, 4089)  # two launches
+    assert launch_split(5000, 1, caps[:1]) == (1012, 506)  # a driver without large parameters
+    assert launch_split(100_000, 1, (1 << 20,)) == (1 << 20, 65535)  # the grid's limit
+    assert launch_split(1, 1, caps) == (1012, 1)
+
+
+class _Kernel:
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+
+    def make_current(self) -> None:
+        if self.fails:
+            raise RuntimeError("no context on this thread")
+
+
+class _Launch:
+    def __init__(self, seconds: float = 0.25, error: Exception | None = None) -> None:
+        self._seconds, self._error = seconds, error
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+async def test_waiter_resolves_each_launch_with_its_seconds_in_order_and_errors_as_raised():
+    waiter = _Waiter(_Kernel())
+    try:
+        ok = [waiter.ended(_Launch(0.1 * i)) for i in range(5)]
+        bad = waiter.ended(_Launch(error=RuntimeError("cudaErrorIllegalAddress")))
+        after = waiter.ended(_Launch(7.0))  # the thread survives a failed wait
+        assert await asyncio.wait_for(asyncio.gather(*ok), 10) == [0.1 * i for i in range(5)]
+        with pytest.raises(RuntimeError, match="IllegalAddress"):
+            await asyncio.wait_for(bad, 10)
+        assert await asyncio.wait_for(after, 10) == 7.0
+    finally:
+        waiter.close()
+
+
+async def test_waiter_without_a_context_fails_every_wait_rather_than_leaving_it_pending():
+    waiter = _Waiter(_Kernel(fails=True))
+    try:
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="no context"):
+                await asyncio.wait_for(waiter.ended(_Launch()), 10)
+    finally:
+        waiter.close()
