@@ -42,17 +42,22 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
     if pages.size and pages.dtype.kind not in "iu":
         raise InvalidPagesError(f"{what}: page ids of dtype {pages.dtype}, not integers")
     out = pages.astype(np.int64, copy=False)
-    if out.size and (out.min() < 0 or out.max() >= num_pages):
-        raise PageRangeError(f"{what}: page ids outside [0, {num_pages})")
-    if has_repeats(out):
-        raise InvalidPagesError(f"{what}: page ids repeat (two pages would land in one)")
+    if out.size:
+        ordered = np.sort(out)  # one sort answers both checks: by its ends, and by neighbours
+        if ordered[0] < 0 or ordered[-1] >= num_pages:
+            raise PageRangeError(f"{what}: page ids outside [0, {num_pages})")
+        if _sorted_repeats(ordered):
+            raise InvalidPagesError(f"{what}: page ids repeat (two pages would land in one)")
     return out
 
 
 def has_repeats(ids: np.ndarray) -> bool:
     """Whether any id occurs twice. A sort and a neighbour compare: numpy's `unique`
     hashes and took 20x as long for a 32k-token request's 4,096 pages (641 vs 34 us)."""
-    ordered = np.sort(ids)
+    return _sorted_repeats(np.sort(ids))
+
+
+def _sorted_repeats(ordered: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
