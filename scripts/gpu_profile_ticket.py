@@ -62,11 +62,11 @@ class Stamps:
 STEPS = (
     "fetch in",
     "_fetch_ticket in",
-    "read_all in",
+    "read_route in",
     "launch in",
     "launch out",
     "run out",
-    "read_all out",
+    "read_route out",
     "fetch out",
 )
 
@@ -86,7 +86,7 @@ async def main() -> None:
         async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
             stamps = Stamps()
             stamps.wrap(fetcher, "_fetch_ticket")
-            stamps.wrap(fetcher._gpu, "read_all")
+            stamps.wrap(fetcher._gpu, "read_route")
             stamps.wrap(fetcher._gpu._gather, "launch")
             stamps.wrap(fetcher._gpu._gather, "run")
             rows = []

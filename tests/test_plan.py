@@ -181,7 +181,10 @@ async def test_a_launch_group_waits_for_every_owner_then_launches_once():
 
     lane = Lane()
     peers = [
-        IpcPeer(f"p{i}", {}, {i: (_pair(i * 4096, i * 8192), _pair(i * 4096 + 640, i * 8192 + 640))}) for i in range(3)
+        IpcPeer(
+            f"p{i}", i, range(i, i + 1), {}, {i: (_pair(i * 4096, i * 8192), _pair(i * 4096 + 640, i * 8192 + 640))}
+        )
+        for i in range(3)
     ]
     group = LaunchGroup(lane, 3)
     slots = [group.slot() for _ in range(3)]

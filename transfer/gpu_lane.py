@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +40,7 @@ from transfer.plan import (
 )
 from transfer.ucx import XferStats
 
-__all__ = ["GpuLane", "IpcPeer", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
+__all__ = ["GpuLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class IpcPeer:
     """One owner's slabs mapped here, and its layers' buffer pairs in local addresses."""
 
     agent_name: str
+    cp_rank: int
+    layers: range  # the layers it owns
     mappings: dict[BufferKind, IpcMapping]
     pairs: dict[int, tuple[BufferPair, BufferPair]]
     closed: bool = False
@@ -89,6 +91,20 @@ class IpcPeer:
         return self.tables[key]
 
 
+@dataclass(frozen=True, eq=False)
+class LaneRoute:
+    """Owners of a room on this host's GPUs, read with one launch over one source page list
+    (a ticket's room): their tables merged once, so a fetch only checks and sends its pages."""
+
+    peers: tuple[IpcPeer, ...]
+    table: GatherTable
+    shares: tuple[tuple[IpcPeer, int], ...]  # each owner and its bytes a page, by CP rank
+
+    @property
+    def page_bytes(self) -> int:
+        return self.table.page_bytes
+
+
 class GpuLane:
     """Maps owners and runs gather plans on one decode GPU."""
 
@@ -100,6 +116,7 @@ class GpuLane:
         self._peers: set[IpcPeer] = set()
         # Tables of several owners merged, by their parts: a room's owners go out as one launch.
         self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
+        self._routes: dict[tuple[IpcPeer, ...], LaneRoute] = {}
 
     def open(self, rank: RankDescriptor, local: dict[int, tuple[BufferPair, BufferPair]]) -> IpcPeer:
         """Map `rank`'s slabs and translate its UCX buffer pairs into mapped addresses."""
@@ -127,7 +144,7 @@ class GpuLane:
         except BaseException:
             self._unmap(mappings.values())
             raise
-        peer = IpcPeer(rank.agent_name, mappings, pairs)
+        peer = IpcPeer(rank.agent_name, rank.cp_rank, range(rank.layer_start, rank.layer_end), mappings, pairs)
         self._peers.add(peer)
         return peer
 
@@ -156,14 +173,23 @@ class GpuLane:
             merged = self._merged[key] = merge_gather_tables(list(tables), shared_pages)
         return merged
 
-    async def read_all(self, parts: list[tuple[IpcPeer, range]], src: np.ndarray, dst: np.ndarray) -> float:
-        """Gather every (owner, layers) part, all from the same `src` pages, with one
-        launch; returns its seconds on the GPU once the bytes are in place."""
-        table = self._merged_table([peer.table(layers) for peer, layers in parts], True)
-        plan = gather_plan(table, [src] * table.lists, dst)
-        return await self.run(plan, [peer for peer, _ in parts])
+    def route(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
+        """The route that reads every layer of `peers` (one room's owners) in one launch."""
+        route = self._routes.get(peers)
+        if route is None:
+            if len(self._routes) >= _MERGED_KEPT:  # owner sets come and go with engines
+                self._routes.clear()
+            table = self._merged_table([peer.table(peer.layers) for peer in peers], True)
+            shares = tuple((p, p.table(p.layers).page_bytes) for p in sorted(peers, key=lambda p: p.cp_rank))
+            route = self._routes[peers] = LaneRoute(peers, table, shares)
+        return route
 
-    async def run(self, plan: GatherPlan, peers: list[IpcPeer]) -> float:
+    async def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray) -> float:
+        """Gather `src` pages of every layer of `route`'s owners into `dst` pages with one
+        launch; returns its seconds on the GPU once the bytes are in place."""
+        return await self.run(gather_plan(route.table, [src], dst), route.peers)
+
+    async def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> float:
         """Launch `plan`, which reads `peers`; seconds on the GPU once the bytes are in place."""
         for peer in peers:  # checked on the loop's thread right before the launch: no race with close()
             if peer.closed:
@@ -183,6 +209,7 @@ class GpuLane:
         self._peers.discard(peer)
         dropped = set(peer.tables.values())
         self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
+        self._routes = {k: v for k, v in self._routes.items() if peer not in k}
         await asyncio.to_thread(self._gather.stream.synchronize)
         self._unmap(peer.mappings.values())
 

@@ -178,24 +178,19 @@ class OwnerIO:
         prove each one's pin; each owner's share of the GPU time is its share of the bytes."""
         assert self._gpu is not None
         t0 = time.perf_counter()
-        parts: dict[int, tuple[IpcPeer, range]] = {}
-        for r, o in owners.items():
-            assert o.ipc is not None
-            parts[r] = (o.ipc, range(o.rank.layer_start, o.rank.layer_end))
+        route = self._gpu.route(tuple(o.ipc for o in owners.values() if o.ipc is not None))
         try:
-            seconds = await self._gpu.read_all(list(parts.values()), src, dst)
+            seconds = await self._gpu.read_route(route, src, dst)
             for r, o in owners.items():
                 await self._prove_pin(o, pins[r], room, deadline)
         except PeerLostError as exc:
             lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
             raise (lost_peer(lost, exc) if lost is not None else exc) from exc
         asyncio.get_running_loop().call_soon(_observe_read, "cuda_ipc", seconds)  # after the fetch returns
-        elapsed = time.perf_counter() - t0
-        sizes = {r: peer.table(layers).page_bytes * src.size for r, (peer, layers) in parts.items()}
-        total = max(1, sum(sizes.values()))
+        elapsed, n, per_byte = time.perf_counter() - t0, src.size, seconds / max(1, route.page_bytes)
         return [
-            OwnerStats(r, (ls.start, ls.stop), sizes[r], 0, 1, elapsed, seconds * sizes[r] / total, "cuda_ipc")
-            for r, (_, ls) in parts.items()
+            OwnerStats(p.cp_rank, (p.layers.start, p.layers.stop), b * n, 0, 1, elapsed, b * per_byte, "cuda_ipc")
+            for p, b in route.shares
         ]
 
     async def _prove_pin(self, owner: Owner, pin: OwnerPin, room: int, deadline: Deadline) -> None:
