@@ -289,6 +289,8 @@ class DecodeFetcher(OwnerIO):
         (proved by a release, or by a pin word READ after the data); otherwise raises a
         `PdkvError` and the destination pages hold no valid KV.
         """
+        if ticket is not None and self._gpu is not None:
+            self._gpu.prime()  # a launch follows within a fraction of a millisecond
         dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
         budget = _budget(self.timeouts.fetch, deadline, timeout)
         if ticket is not None and (ticket.engine_id, ticket.room) != (engine_id, room):

@@ -156,6 +156,13 @@ class GatherLane:
         tensor, n_tasks = table.on_device[key]
         return tensor.data_ptr(), n_tasks
 
+    def prime(self) -> None:
+        """Queue an empty kernel on the lane's stream now, ahead of a launch about to come:
+        after an idle spell the GPU then wakes while the host still checks the fetch's pages,
+        rather than when the gather arrives."""
+        with self.kernel.current():
+            self.kernel.prime(self._stream)
+
     def launch(self, plan: GatherPlan) -> Launch:
         """Queue `plan` on the lane's stream: one launch, or several where its page ids
         outgrow a launch's parameters."""

@@ -93,6 +93,10 @@ __device__ __forceinline__ void gather(const long long* __restrict__ meta, long 
   GATHER(gather_w1_p##N, unsigned char, N)
 #define GATHER_WORDS(N) GATHER_WORDS_(N)  // N expanded before it is pasted into the names
 
+// Launched at a fetch's start, ahead of the gather: wakes the GPU's compute engine while the
+// host still checks the fetch's pages.
+extern "C" __global__ void prime() {}
+
 GATHER_WORDS(IDS_4K)
 #ifdef IDS_8K
 GATHER_WORDS(IDS_8K)
@@ -252,6 +256,9 @@ class GatherKernel:
                     name = f"gather_w{word}_p{ids}".encode()
                     self.check(self.api.module_function(ctypes.byref(f), module, name), "cuModuleGetFunction")
                     self.functions[word, ids] = f.value  # type: ignore[assignment]
+            f = ctypes.c_void_p()
+            self.check(self.api.module_function(ctypes.byref(f), module, b"prime"), "cuModuleGetFunction")
+            self._prime = f.value
         self._module = module
 
     @classmethod
@@ -289,6 +296,10 @@ class GatherKernel:
         """Make this GPU's primary context current on the calling thread for good (a
         thread of the lane's own, which waits on its events)."""
         self.check(self.api.ctx_set(self.ctx), "cuCtxSetCurrent")
+
+    def prime(self, stream: int) -> None:
+        """Queue the empty kernel on `stream` (call with the context current)."""
+        self.check(self.api.launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, None), "cuLaunchKernel")
 
     def launch(self, word: int, grid: tuple[int, int], threads: int, stream: int, args: LaunchArgs) -> None:
         """Queue the kernel for `word`-byte loads with `args` (call with the context current)."""

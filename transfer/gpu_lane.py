@@ -173,6 +173,10 @@ class GpuLane:
             merged = self._merged[key] = merge_gather_tables(list(tables), shared_pages)
         return merged
 
+    def prime(self) -> None:
+        """Ready the GPU for a launch that is about to come (see `GatherLane.prime`)."""
+        self._gather.prime()
+
     def route(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
         """The route that reads every layer of `peers` (one room's owners) in one launch."""
         route = self._routes.get(peers)
