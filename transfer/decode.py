@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -289,6 +290,7 @@ class DecodeFetcher(OwnerIO):
         (proved by a release, or by a pin word READ after the data); otherwise raises a
         `PdkvError` and the destination pages hold no valid KV.
         """
+        started = time.perf_counter()
         if ticket is not None and self._gpu is not None:
             self._gpu.prime()  # a launch follows within a fraction of a millisecond
         dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
@@ -298,7 +300,7 @@ class DecodeFetcher(OwnerIO):
         self._enter()
         try:
             with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
-                result = await self._fetch(engine_id, room, dst, budget, ticket)
+                result = await self._fetch(engine_id, room, dst, budget, ticket, started)
         except PdkvError as exc:
             FETCH_FAILURES.labels(error=type(exc).__name__).inc()
             logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)
@@ -311,27 +313,29 @@ class DecodeFetcher(OwnerIO):
         return result
 
     async def _fetch(
-        self, engine_id: str, room: int, dst: np.ndarray, budget: Deadline, ticket: RoomTicket | None
+        self, engine_id: str, room: int, dst: np.ndarray, budget: Deadline, ticket: RoomTicket | None, started: float
     ) -> FetchResult:
-        was_cached = engine_id in self._engines
-        owners = await self._lookup(engine_id, budget)
+        owners = self._engines.get(engine_id)  # the common case, without a coroutine
+        was_cached = owners is not None
+        if owners is None:
+            owners = await self._lookup(engine_id, budget)
         if ticket is not None:
             ticket_owners = await self._ticket_owners(engine_id, owners, ticket, budget)
             if ticket_owners is not None:
                 try:
-                    return await self._fetch_ticket(ticket_owners, engine_id, ticket, dst, budget)
+                    return await self._fetch_ticket(ticket_owners, engine_id, ticket, dst, budget, started)
                 except PeerLostError:
                     await self.forget(engine_id)  # a failed connection serves no later fetch
                     raise
             owners = await self._lookup(engine_id, budget)
         try:
-            return await self._fetch_from(owners, engine_id, Claim(room), dst, budget)
+            return await self._fetch_from(owners, engine_id, Claim(room), dst, budget, started)
         except PeerLostError:
             fresh = await self._reregistered(engine_id, owners, was_cached, budget)
             if fresh is None:
                 raise
             logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
-            return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget)
+            return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget, started)
 
     async def _ticket_owners(
         self, engine_id: str, owners: dict[int, Owner], ticket: RoomTicket, budget: Deadline
@@ -420,12 +424,12 @@ class RoomLease:
         """
         if self._released is not None:
             raise ClosedError(f"lease on room {self.room} was already released")
-        f = self._fetcher
+        f, started = self._fetcher, time.perf_counter()
         dst = page_ids(dst_pages, f.pool.layout.num_pages, "destination pages")
         budget = _budget(f.timeouts.fetch, deadline, timeout)
         f._enter()
         try:
-            return await f._fetch_from(self._owners, self.engine_id, self._claim, dst, budget, release=False)
+            return await f._fetch_from(self._owners, self.engine_id, self._claim, dst, budget, started, release=False)
         finally:
             f._leave()
 

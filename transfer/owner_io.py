@@ -111,9 +111,14 @@ class OwnerIO:
 
     # ---- with a ticket: no control request ---------------------------------------------------
     async def _fetch_ticket(
-        self, owners: dict[int, Owner], engine_id: str, ticket: RoomTicket, dst: np.ndarray, deadline: Deadline
+        self,
+        owners: dict[int, Owner],
+        engine_id: str,
+        ticket: RoomTicket,
+        dst: np.ndarray,
+        deadline: Deadline,
+        started: float,
     ) -> FetchResult:
-        t0 = time.perf_counter()
         src = np.asarray(ticket.src_pages, dtype=np.int64)
         if src.size != dst.size:
             raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
@@ -137,7 +142,7 @@ class OwnerIO:
         asyncio.get_running_loop().call_soon(self._release_pins, every, ticket.room)
         stats = sorted((s for some in per_task for s in some), key=lambda s: s.cp_rank)
         nbytes = sum(s.nbytes for s in stats)
-        return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - t0, tuple(stats), False, 0)
+        return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - started, tuple(stats), False, 0)
 
     async def _each_read(self, reads: list[Awaitable[list[OwnerStats]]]) -> list[list[OwnerStats]]:
         """Run owners' reads as tasks the fetcher can cancel at close; all, or the first error."""
@@ -243,9 +248,9 @@ class OwnerIO:
         claim: Claim,
         dst: np.ndarray,
         deadline: Deadline,
+        started: float,
         release: bool = True,
     ) -> FetchResult:
-        t0 = time.perf_counter()
         messages_before = claim.messages
         tasks: list[asyncio.Task[OwnerStats]] = []
         for o in owners.values():
@@ -274,7 +279,7 @@ class OwnerIO:
         nbytes = sum(s.nbytes for s in stats)
         freed = release and all(claim.released.get(r, False) for r in owners)
         messages = claim.messages - messages_before
-        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - t0, tuple(stats), freed, messages)
+        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - started, tuple(stats), freed, messages)
 
     async def _tracked(self, work: Awaitable[T]) -> T:
         """`work` in a task that `aclose()` may cancel (the caller then gets `ClosedError`)."""

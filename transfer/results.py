@@ -25,7 +25,7 @@ class FetchResult:
     engine_id: str
     room: int
     nbytes: int
-    seconds: float
+    seconds: float  # from the call (`fetch`, or a lease's `read`) to its return
     owners: tuple[OwnerStats, ...]
     freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
     control_messages: int = 0  # HTTP requests to owners (claims, polls, releases); the lookup is cached
