@@ -2,9 +2,11 @@
 waiting thread that turns a launch's end into a future of the loop."""
 
 import asyncio
+import threading
 
 import pytest
 
+from pdkv.errors import ClosedError
 from transfer.gather import _Waiter, launch_split
 
 
@@ -63,3 +65,39 @@ async def test_waiter_without_a_context_fails_every_wait_rather_than_leaving_it_
                 await asyncio.wait_for(waiter.ended(_Launch()), 10)
     finally:
         waiter.close()
+
+
+async def test_waiter_closed_refuses_new_waits_and_still_ends_those_queued_before():
+    waiter = _Waiter(_Kernel())
+    queued = waiter.ended(_Launch(0.5))
+    waiter.close()
+    assert await asyncio.wait_for(queued, 10) == 0.5
+    with pytest.raises(ClosedError):
+        waiter.ended(_Launch())
+
+
+def test_waiter_outlives_a_loop_closed_before_its_launch_ended():
+    """A wake for a loop that is gone must not end the thread: later waits still resolve."""
+    waiter = _Waiter(_Kernel())
+    gate = threading.Event()
+
+    class _Slow(_Launch):
+        def wait(self) -> None:
+            gate.wait(10)
+
+    try:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(_start(waiter, _Slow()))
+        loop.close()
+        gate.set()  # its wake now meets a closed loop
+        assert asyncio.run(_wait(waiter, _Launch(2.0))) == 2.0
+    finally:
+        waiter.close()
+
+
+async def _start(waiter: _Waiter, launch: _Launch) -> None:
+    waiter.ended(launch)
+
+
+async def _wait(waiter: _Waiter, launch: _Launch) -> float:
+    return await asyncio.wait_for(waiter.ended(launch), 10)

@@ -18,13 +18,14 @@ decode's GPU context and with it every request on that GPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 
 import numpy as np
 import torch
 
-from pdkv.errors import TransferError
+from pdkv.errors import ClosedError, TransferError
 from transfer.gather_kernel import DriverEvent, GatherKernel, LaunchArgs
 from transfer.plan import GatherPlan, GatherTable
 
@@ -79,13 +80,16 @@ class Launch:
 def _wait_then_wake(launch: Launch, loop: asyncio.AbstractEventLoop, ended: asyncio.Future[float]) -> None:
     """On the lane's waiting thread: block until the kernel ends, then resolve `ended` with
     its GPU seconds (read here, where the thread is awake, not on the loop after its wake)."""
+    seconds, error = 0.0, None
     try:
         launch.wait()
         seconds = launch.seconds()
     except Exception as exc:  # a sticky CUDA error: every later wait fails the same way
-        loop.call_soon_threadsafe(_settle, ended, 0.0, exc)
-        return
-    loop.call_soon_threadsafe(_settle, ended, seconds, None)
+        error = exc
+    try:
+        loop.call_soon_threadsafe(_settle, ended, seconds, error)
+    except RuntimeError:  # its loop was closed meanwhile: nobody waits for this launch
+        pass
 
 
 def _settle(ended: asyncio.Future[float], seconds: float, exc: BaseException | None) -> None:
@@ -106,6 +110,7 @@ class _Waiter:
     def __init__(self, kernel: GatherKernel) -> None:
         self._queue: queue.SimpleQueue[tuple[Launch, asyncio.AbstractEventLoop, asyncio.Future[float]] | None]
         self._queue = queue.SimpleQueue()
+        self._closed = False
         threading.Thread(target=self._serve, args=(kernel,), name="pdkv-gather-wait", daemon=True).start()
 
     def _serve(self, kernel: GatherKernel) -> None:
@@ -119,17 +124,22 @@ class _Waiter:
             if failure is None:
                 _wait_then_wake(launch, loop, ended)
             else:
-                loop.call_soon_threadsafe(_settle, ended, 0.0, failure)
+                with contextlib.suppress(RuntimeError):  # a closed loop waits for nothing
+                    loop.call_soon_threadsafe(_settle, ended, 0.0, failure)
 
     def ended(self, launch: Launch) -> asyncio.Future[float]:
         """A future of the running loop resolved with `launch`'s GPU seconds once it ended."""
+        if self._closed:  # the thread is gone: the future would never resolve
+            raise ClosedError("the GPU lane was closed")
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[float] = loop.create_future()
         self._queue.put((launch, loop, ended))
         return ended
 
     def close(self) -> None:
-        self._queue.put(None)  # the thread ends after the waits queued before
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)  # the thread ends after the waits queued before
 
 
 class GatherLane:
