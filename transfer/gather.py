@@ -170,8 +170,12 @@ class GatherLane:
         """Queue an empty kernel on the lane's stream now, ahead of a launch about to come:
         after an idle spell the GPU then wakes while the host still checks the fetch's pages,
         rather than when the gather arrives."""
-        with self.kernel.current():
+        pushed = self.kernel.enter()  # not `current()`: its generator is Python on every fetch's path
+        try:
             self.kernel.prime(self._stream)
+        finally:
+            if pushed:
+                self.kernel.leave()
 
     def launch(self, plan: GatherPlan) -> Launch:
         """Queue `plan` on the lane's stream: one launch, or several where its page ids
