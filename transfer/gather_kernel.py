@@ -13,8 +13,9 @@ The kernel copies, for task `t` (a chunk of one buffer's item) of page `i`, word
 `[first, first + block)` of the item from its source page to its destination page. Its
 table argument (see `transfer.gather._meta`) holds per buffer: source base, destination
 base, item words, source page list; per task: its buffer and its first word. The page ids
-(each source list, then the destination pages) are int32 parameters. Everything in them
-was checked on the host: a bad address would fault the decode's whole context.
+(each source list, then the destination pages) are int32 parameters, read in place
+(`__grid_constant__`, so compute capability 7.0 or newer). Everything in them was checked
+on the host: a bad address would fault the decode's whole context.
 """
 
 from __future__ import annotations
