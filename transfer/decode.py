@@ -315,10 +315,8 @@ class DecodeFetcher(OwnerIO):
     async def _fetch(
         self, engine_id: str, room: int, dst: np.ndarray, budget: Deadline, ticket: RoomTicket | None, started: float
     ) -> FetchResult:
-        owners = self._engines.get(engine_id)  # the common case, without a coroutine
-        was_cached = owners is not None
-        if owners is None:
-            owners = await self._lookup(engine_id, budget)
+        was_cached = engine_id in self._engines
+        owners = await self._lookup(engine_id, budget)
         if ticket is not None:
             ticket_owners = await self._ticket_owners(engine_id, owners, ticket, budget)
             if ticket_owners is not None:

@@ -105,9 +105,6 @@ GATHER_WORDS(IDS_32K)
 #endif
 """
 
-_EVENT_DISABLE_TIMING = 0x2
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY
-
 
 def _load_nvrtc() -> ctypes.CDLL:
     import torch
@@ -179,7 +176,6 @@ class _Api:
         self.driver_version = fn(("cuDriverGetVersion",), ctypes.POINTER(ctypes.c_int))
         self.event_create = fn(("cuEventCreate",), pvp, u)
         self.event_record = fn(("cuEventRecord",), vp, vp)
-        self.event_query = fn(("cuEventQuery",), vp)
         self.event_sync = fn(("cuEventSynchronize",), vp)
         self.event_elapsed = fn(("cuEventElapsedTime_v2", "cuEventElapsedTime"), ctypes.POINTER(ctypes.c_float), vp, vp)
         self.ctx_get = fn(("cuCtxGetCurrent",), pvp)
@@ -195,22 +191,15 @@ class _Api:
 class DriverEvent:
     """A CUDA event of the kernel's context: recorded on a stream, waited on from any thread."""
 
-    def __init__(self, kernel: GatherKernel, timing: bool = True) -> None:
+    def __init__(self, kernel: GatherKernel) -> None:
         self._k = kernel
         handle = ctypes.c_void_p()
         with kernel.current():
-            kernel.check(kernel.api.event_create(ctypes.byref(handle), 0 if timing else _EVENT_DISABLE_TIMING), "event")
+            kernel.check(kernel.api.event_create(ctypes.byref(handle), 0), "event")  # timed
         self.handle = handle.value
 
     def record(self, stream: int) -> None:
         self._k.check(self._k.api.event_record(self.handle, stream), "cuEventRecord")
-
-    def query(self) -> bool:
-        rc = self._k.api.event_query(self.handle)
-        if rc == _NOT_READY:
-            return False
-        self._k.check(rc, "cuEventQuery")
-        return True
 
     def synchronize(self) -> None:
         """Block this thread until the event has passed (releases the GIL meanwhile)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -44,7 +45,9 @@ __all__ = ["GpuLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_
 
 logger = logging.getLogger(__name__)
 
-_MERGED_KEPT = 64
+_MERGED_KEPT = 64  # merged tables and routes kept, each
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def _visible_gpu(uuid: str) -> int | None:
@@ -103,6 +106,16 @@ class LaneRoute:
     @property
     def page_bytes(self) -> int:
         return self.table.page_bytes
+
+
+def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
+    """`cache[key]`, made on a miss; a full cache is emptied (owner sets come and go with engines)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= _MERGED_KEPT:
+            cache.clear()
+        value = cache[key] = make()
+    return value
 
 
 class GpuLane:
@@ -165,13 +178,7 @@ class GpuLane:
         return merge_gather_plans(plans, self._merged_table([p.table for p in plans], shares_source_pages(plans)))
 
     def _merged_table(self, tables: list[GatherTable], shared_pages: bool) -> GatherTable:
-        key = (tuple(tables), shared_pages)
-        merged = self._merged.get(key)
-        if merged is None:
-            if len(self._merged) >= _MERGED_KEPT:  # owner sets come and go with engines
-                self._merged.clear()
-            merged = self._merged[key] = merge_gather_tables(list(tables), shared_pages)
-        return merged
+        return _cached(self._merged, (tuple(tables), shared_pages), lambda: merge_gather_tables(tables, shared_pages))
 
     def prime(self) -> None:
         """Ready the GPU for a launch that is about to come (see `GatherLane.prime`)."""
@@ -179,14 +186,13 @@ class GpuLane:
 
     def route(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
         """The route that reads every layer of `peers` (one room's owners) in one launch."""
-        route = self._routes.get(peers)
-        if route is None:
-            if len(self._routes) >= _MERGED_KEPT:  # owner sets come and go with engines
-                self._routes.clear()
+
+        def make() -> LaneRoute:
             table = self._merged_table([peer.table(peer.layers) for peer in peers], True)
             shares = tuple((p, p.table(p.layers).page_bytes) for p in sorted(peers, key=lambda p: p.cp_rank))
-            route = self._routes[peers] = LaneRoute(peers, table, shares)
-        return route
+            return LaneRoute(peers, table, shares)
+
+        return _cached(self._routes, peers, make)
 
     async def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray) -> float:
         """Gather `src` pages of every layer of `route`'s owners into `dst` pages with one
