@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 __all__ = ["FetchResult", "OwnerStats"]
 
 
-@dataclass(frozen=True)
-class OwnerStats:
+# Structs, not frozen dataclasses: several are built on every fetch's path, and a frozen
+# dataclass's __init__ took 2.4 us against 0.2 us (ten times that on a host just woken).
+class OwnerStats(msgspec.Struct, frozen=True):
     cp_rank: int
     layers: tuple[int, int]
     nbytes: int
@@ -20,8 +21,7 @@ class OwnerStats:
     aux: bytes | None = None  # the request's auxiliary bytes, where this owner had them
 
 
-@dataclass(frozen=True)
-class FetchResult:
+class FetchResult(msgspec.Struct, frozen=True):
     engine_id: str
     room: int
     nbytes: int
