@@ -164,7 +164,7 @@ class OwnerIO:
         try:
             pieces = max(1, self.transport.lanes // r.cp_size)
             xfer = await self._read_layers(owner, layers, src, dst, deadline, pieces)
-            await self._prove_pin(owner, pin, room, deadline)
+            await self._prove_pins([(owner, pin)], room, deadline)
         except PeerLostError as exc:
             raise lost_peer(r, exc) from exc
         span = (layers.start, layers.stop)
@@ -186,8 +186,7 @@ class OwnerIO:
         route = self._gpu.route(tuple(o.ipc for o in owners.values() if o.ipc is not None))
         try:
             seconds = await self._gpu.read_route(route, src, dst)
-            for r, o in owners.items():
-                await self._prove_pin(o, pins[r], room, deadline)
+            await self._prove_pins([(o, pins[r]) for r, o in owners.items()], room, deadline)
         except PeerLostError as exc:
             lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
             raise (lost_peer(lost, exc) if lost is not None else exc) from exc
@@ -198,20 +197,22 @@ class OwnerIO:
             for p, b in route.shares
         ]
 
-    async def _prove_pin(self, owner: Owner, pin: OwnerPin, room: int, deadline: Deadline) -> None:
-        """Check the owner's pin word for `room` after its data: still the nonce, or raise."""
-        assert self.transport is not None and owner.rank.pins is not None
-        if pin.slot >= owner.rank.pins.slots:
-            raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
-        if owner.pins is not None:  # on the owner's host: a load from its mapped table
-            word = owner.pins.word(pin.slot)
-        else:
-            word = await self._read_pin(owner, pin, deadline)
-        if word != pin.nonce:
-            raise ClaimLostError(
-                f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
-                "by another holder of its ticket) before they were all read; the bytes may belong to another room"
-            )
+    async def _prove_pins(self, pinned: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
+        """Check each owner's pin word for `room` after its data: still the nonce, or raise.
+        One coroutine for every owner: a mapped word is a load, awaited only when READ."""
+        for owner, pin in pinned:
+            assert owner.rank.pins is not None
+            if pin.slot >= owner.rank.pins.slots:
+                raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
+            if owner.pins is not None:  # on the owner's host: a load from its mapped table
+                word = owner.pins.word(pin.slot)
+            else:
+                word = await self._read_pin(owner, pin, deadline)
+            if word != pin.nonce:
+                raise ClaimLostError(
+                    f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
+                    "by another holder of its ticket) before they were all read; the bytes may belong to another room"
+                )
 
     async def _read_pin(self, owner: Owner, pin: OwnerPin, deadline: Deadline) -> int:
         """The pin word READ over UCX (an owner on another host)."""
