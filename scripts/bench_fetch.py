@@ -151,6 +151,9 @@ async def bench(args: argparse.Namespace) -> None:
         async with (
             DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher,
             DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane,
+            # The kernels alone (copy GB/s), from fetches of rooms of their own: timing them
+            # costs the end-to-end fetch tens of microseconds, so the lane column goes untimed.
+            DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx", time_kernels=True) as timed,
         ):
             args.lanes = fetcher.transport.lanes
             rows = []
@@ -161,7 +164,7 @@ async def bench(args: argparse.Namespace) -> None:
                     await bench_size(
                         d,
                         engine_url,
-                        (fetcher, lane if gpu else None),
+                        (fetcher, lane if gpu else None, timed),
                         raw,
                         pairs,
                         local_pairs,
@@ -182,7 +185,7 @@ async def _prefill(d, engine, room: int, n: int, consumers: int, tickets: bool) 
 
 
 async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools, alloc, n, runs, tickets):
-    fetcher, lane = fetchers
+    fetcher, lane, timed = fetchers
     samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": [], "ctl_pdkv": []}
     if lane is not None:
         samples.update({"lane": [], "lane_copy": [], "ctl_lane": []})
@@ -211,6 +214,9 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
                 ticket = (await _prefill(d, engine, lane_room, n, 1, True)).ticket
             through_lane = await lane.fetch("prefill0", lane_room, dst, ticket=ticket)
             assert {o.path for o in through_lane.owners} == {"cuda_ipc"}
+            timed_room = lane_room + (1 << 18)
+            timed_ticket = (await _prefill(d, engine, timed_room, n, 1, True)).ticket
+            kernels = await timed.fetch("prefill0", timed_room, dst, ticket=timed_ticket)
         if pools[0].device.type == "cuda":
             t_copy = device_copy_limit(pools[0], pools[1], src, dst)
         else:
@@ -225,7 +231,7 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
             samples["ctl_pdkv"].append(result.control_messages)
             if lane is not None:
                 samples["lane"].append(through_lane.seconds)
-                samples["lane_copy"].append(through_lane.read_seconds)
+                samples["lane_copy"].append(kernels.read_seconds)
                 samples["ctl_lane"].append(through_lane.control_messages)
     if lane is not None and tickets:
         samples["lane_b2b"] = await _back_to_back(d, engine, lane, alloc, n, runs)

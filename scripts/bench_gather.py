@@ -85,7 +85,7 @@ def main() -> None:
         contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: _TorchCopy(d, s), args.runs)[0] / 1e9
         for block in (2048, 4096, 8192):  # the lane picks 4096 x 4 warps, or 8192 x 8 from 1 GiB
             for warps in (4, 8):
-                lane = GatherLane(torch.device("cuda:0"), (block, warps))
+                lane = GatherLane(torch.device("cuda:0"), (block, warps), timed=True)
                 t, host = timed(lambda lane=lane, plan=plan: lane.launch(plan), args.runs)
                 gbps = plan.nbytes / t / 1e9
                 cells = (n, plan.nbytes / 1e6, block, warps, gbps, contig)

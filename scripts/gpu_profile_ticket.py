@@ -4,7 +4,10 @@ Stamps the fetch's steps and prints medians: the whole fetch, the kernel's GPU t
 the host time between steps (entering the ticket path, the lane's read, the launch call,
 the kernel and the wake-up, the pins' proof, the fetch's return). Needs a GPU.
 
-    python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6] [--b2b] [--cprofile 25]
+    python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6] [--b2b] [--time-kernels] [--cprofile 25]
+
+`--time-kernels` times the kernel on the GPU (which costs the fetch tens of microseconds);
+without it the second row is the lane's read from its launch to its wake-up.
 
 `--cprofile N` also prints the N functions with the most own time over the measured fetches.
 """
@@ -76,6 +79,7 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--b2b", action="store_true", help="prefill every room first, then fetch back to back")
+    ap.add_argument("--time-kernels", action="store_true", help="time the kernels on the GPU")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = ap.parse_args()
     size = max((args.runs + 2) * args.tokens if args.b2b else 3 * args.tokens, 16384)
@@ -83,7 +87,7 @@ async def main() -> None:
     async with Deployment(spec) as d:
         pool = DSAKVPool(dsa_v32(size=size, device="cuda:0"))
         alloc = fragmented_allocator(pool.layout.num_pages, 1)
-        async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
+        async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
             stamps = Stamps()
             stamps.wrap(fetcher, "_fetch_ticket")
             stamps.wrap(fetcher._gpu, "read_route")
@@ -115,7 +119,9 @@ async def main() -> None:
     mode = "back to back, rooms prefilled first" if args.b2b else "each right after its prefill"
     print(f"{args.tokens} tokens, CP=4 owners and the decode on one GPU, ticket fetches through the lane ({mode})")
     print("ms, medians")
-    names = ["fetch", "kernel (GPU)"] + [f"{a} -> {b}" for a, b in zip(STEPS, STEPS[1:])]
+    names = ["fetch", "kernel (GPU)" if args.time_kernels else "read, launch to wake"] + [
+        f"{a} -> {b}" for a, b in zip(STEPS, STEPS[1:])
+    ]
     for k, name in enumerate(names):
         print(f"{name:<36}{1e3 * statistics.median(r[k] for r in rows):>10.3f}")
     if args.cprofile:

@@ -32,14 +32,14 @@ class _Kernel:
 
 
 class _Launch:
-    def __init__(self, seconds: float = 0.25, error: Exception | None = None) -> None:
+    def __init__(self, seconds: float | None = 0.25, error: Exception | None = None) -> None:
         self._seconds, self._error = seconds, error
 
     def wait(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def seconds(self) -> float:
+    def seconds(self) -> float | None:
         return self._seconds
 
 
@@ -53,6 +53,7 @@ async def test_waiter_resolves_each_launch_with_its_seconds_in_order_and_errors_
         with pytest.raises(RuntimeError, match="IllegalAddress"):
             await asyncio.wait_for(bad, 10)
         assert await asyncio.wait_for(after, 10) == 7.0
+        assert await asyncio.wait_for(waiter.ended(_Launch(None)), 10) is None  # an untimed launch
     finally:
         waiter.close()
 

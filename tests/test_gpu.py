@@ -163,7 +163,7 @@ def test_gather_kernel_copies_exactly_the_planned_pages_at_each_load_width(word)
     bufs, plan = _gather_case(word, pages=23, seed=word)
     assert plan.word == word
     want = _expected(bufs, [plan])
-    lane = GatherLane(torch.device("cuda:0"))
+    lane = GatherLane(torch.device("cuda:0"), timed=word % 2 == 0)  # timed kernels, and untimed
     try:
         seconds = asyncio.run(lane.run(plan))
     finally:
@@ -187,6 +187,39 @@ def test_gather_plans_whose_page_ids_outgrow_a_launch_go_out_in_several(fill):
         asyncio.run(lane.run(plan))
     finally:
         lane.close()
+    for (_, d), w in zip(bufs, want):
+        assert torch.equal(d, w)
+
+
+def test_prime_on_a_thread_without_the_gpus_context_leaves_it_as_found_and_gathers_after_it():
+    """The empty kernel goes out without asking for the current context first. On a thread
+    with none current it must neither raise nor leave a context pushed; a gather after it
+    copies as ever (no error left behind)."""
+    import ctypes
+    import threading
+
+    from transfer.gather import GatherLane
+
+    lane = GatherLane(torch.device("cuda:0"))
+    bufs, plan = _gather_case(16, pages=23, seed=5)
+    want = _expected(bufs, [plan])
+    after: list[int | None] = []
+
+    def fresh_thread() -> None:
+        lane.prime()
+        current = ctypes.c_void_p()
+        lane.kernel.check(lane.kernel.api.ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
+        after.append(current.value)
+
+    try:
+        thread = threading.Thread(target=fresh_thread)
+        thread.start()
+        thread.join()
+        lane.prime()  # this thread: torch made the context current
+        asyncio.run(lane.run(plan))
+    finally:
+        lane.close()
+    assert after == [None]
     for (_, d), w in zip(bufs, want):
         assert torch.equal(d, w)
 

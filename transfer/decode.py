@@ -87,6 +87,8 @@ class DecodeFetcher(OwnerIO):
     `path` picks what moves the bytes: "auto" reads owners on this host's GPUs through the
     same-host GPU lane (CUDA IPC and one gather kernel) and the rest over UCX; "ucx" and
     "cuda_ipc" force one (the latter fails the lookup of an engine it cannot reach so).
+    `time_kernels`: the lane times each gather kernel on the GPU, in `OwnerStats.read_seconds`
+    (else from its launch to the bytes in place); it costs tens of microseconds a fetch.
     """
 
     PATHS = ("auto", "ucx", "cuda_ipc")
@@ -102,12 +104,14 @@ class DecodeFetcher(OwnerIO):
         lanes: int | None = None,
         merge_runs: bool = True,
         path: str = "auto",
+        time_kernels: bool = False,
     ) -> None:
         if path not in self.PATHS:
             raise ValueError(f"path must be one of {self.PATHS}, not {path!r}")
         if path == "cuda_ipc" and pool.device.type != "cuda":
             raise ValueError("the cuda_ipc path needs a decode pool on a GPU")
         self.path = path
+        self.time_kernels = time_kernels
         self._gpu: GpuLane | None = None
         if len(pool.owned) != pool.layout.layer_num:
             raise IncompatibleLayoutError("a decode pool must hold every layer")
@@ -144,7 +148,7 @@ class DecodeFetcher(OwnerIO):
         if self.pool.device.type == "cuda" and self.path != "ucx":
             from transfer.gpu_lane import GpuLane  # CUDA and Triton: only where a GPU is
 
-            self._gpu = GpuLane(self.pool.device)
+            self._gpu = GpuLane(self.pool.device, time_kernels=self.time_kernels)
 
     async def aclose(self) -> None:
         """Refuse new fetches, end those in flight with `ClosedError` (their claims released),

@@ -188,14 +188,19 @@ class _Api:
         self.primary_ctx = fn(("cuDevicePrimaryCtxRetain",), pvp, ctypes.c_int)
 
 
-class DriverEvent:
-    """A CUDA event of the kernel's context: recorded on a stream, waited on from any thread."""
+_EVENT_DISABLE_TIMING = 0x2
 
-    def __init__(self, kernel: GatherKernel) -> None:
+
+class DriverEvent:
+    """A CUDA event of the kernel's context: recorded on a stream, waited on from any thread.
+    `timed`: it takes a timestamp (for `seconds_until`); an untimed one is cheaper to record."""
+
+    def __init__(self, kernel: GatherKernel, timed: bool = True) -> None:
         self._k = kernel
         handle = ctypes.c_void_p()
         with kernel.current():
-            kernel.check(kernel.api.event_create(ctypes.byref(handle), 0), "event")  # timed
+            flags = 0 if timed else _EVENT_DISABLE_TIMING
+            kernel.check(kernel.api.event_create(ctypes.byref(handle), flags), "event")
         self.handle = handle.value
 
     def record(self, stream: int) -> None:
@@ -287,9 +292,10 @@ class GatherKernel:
         thread of the lane's own, which waits on its events)."""
         self.check(self.api.ctx_set(self.ctx), "cuCtxSetCurrent")
 
-    def prime(self, stream: int) -> None:
-        """Queue the empty kernel on `stream` (call with the context current)."""
-        self.check(self.api.launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, None), "cuLaunchKernel")
+    def prime(self, stream: int) -> bool:
+        """Queue the empty kernel on `stream`; False if the driver refused, as it does
+        without this GPU's context current. It touches no memory: a refusal costs nothing."""
+        return self.api.launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, None) == 0
 
     def launch(self, word: int, grid: tuple[int, int], threads: int, stream: int, args: LaunchArgs) -> None:
         """Queue the kernel for `word`-byte loads with `args` (call with the context current)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -119,13 +119,13 @@ def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
 
 
 class GpuLane:
-    """Maps owners and runs gather plans on one decode GPU."""
+    """Maps owners and runs gather plans on one decode GPU (`time_kernels`: see `GatherLane`'s `timed`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, time_kernels: bool = False) -> None:
         self.device = device
         self.index = device.index or 0
         self._driver = CudaDriver.get()
-        self._gather = GatherLane(device)
+        self._gather = GatherLane(device, timed=time_kernels)
         self._peers: set[IpcPeer] = set()
         # Tables of several owners merged, by their parts: a room's owners go out as one launch.
         self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
@@ -194,17 +194,21 @@ class GpuLane:
 
         return _cached(self._routes, peers, make)
 
-    async def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray) -> float:
-        """Gather `src` pages of every layer of `route`'s owners into `dst` pages with one
-        launch; returns its seconds on the GPU once the bytes are in place."""
-        return await self.run(gather_plan(route.table, [src], dst), route.peers)
+    # `read_route` and `run` return the launch's awaitable rather than wrapping it in a
+    # coroutine of their own: each layer of coroutines costs a fetch microseconds on a host
+    # just woken. Both check everything before they return, and launch as the awaitable starts.
 
-    async def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> float:
-        """Launch `plan`, which reads `peers`; seconds on the GPU once the bytes are in place."""
-        for peer in peers:  # checked on the loop's thread right before the launch: no race with close()
+    def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray) -> Awaitable[float]:
+        """Gather `src` pages of every layer of `route`'s owners into `dst` pages with one
+        launch; await it for its seconds (`GatherLane.run`) once the bytes are in place."""
+        return self.run(gather_plan(route.table, [src], dst), route.peers)
+
+    def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> Awaitable[float]:
+        """Launch `plan`, which reads `peers`; await it for its seconds once the bytes are in place."""
+        for peer in peers:  # checked on the loop's thread, then awaited at once: no race with close()
             if peer.closed:
                 raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
-        return await self._gather.run(plan)
+        return self._gather.run(plan)
 
     async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> XferStats:
         """Gather `src` pages of `layers` from `peer` into `dst` pages; returns once in place."""
