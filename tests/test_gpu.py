@@ -192,9 +192,9 @@ def test_gather_plans_whose_page_ids_outgrow_a_launch_go_out_in_several(fill):
 
 
 def test_prime_on_a_thread_without_the_gpus_context_leaves_it_as_found_and_gathers_after_it():
-    """The empty kernel goes out without asking for the current context first. On a thread
-    with none current it must neither raise nor leave a context pushed; a gather after it
-    copies as ever (no error left behind)."""
+    """The empty kernel goes out on whatever thread starts a fetch. On a thread with no
+    context current it must neither raise nor leave the context pushed; a gather after it
+    copies as ever."""
     import ctypes
     import threading
 

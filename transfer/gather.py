@@ -179,12 +179,7 @@ class GatherLane:
         """Queue an empty kernel on the lane's stream now, ahead of a launch about to come:
         after an idle spell the GPU then wakes while the host still checks the fetch's pages,
         rather than when the gather arrives."""
-        # Launched without asking for the current context first: as the first driver call of a
-        # fetch on a host just woken, that question cost 20 us (H200). A thread with no context
-        # of this GPU current gets an error back, and then pushes it.
-        if self.kernel.prime(self._stream):
-            return
-        pushed = self.kernel.enter()
+        pushed = self.kernel.enter()  # not `current()`: its generator is Python on every fetch's path
         try:
             self.kernel.prime(self._stream)
         finally:

@@ -292,10 +292,9 @@ class GatherKernel:
         thread of the lane's own, which waits on its events)."""
         self.check(self.api.ctx_set(self.ctx), "cuCtxSetCurrent")
 
-    def prime(self, stream: int) -> bool:
-        """Queue the empty kernel on `stream`; False if the driver refused, as it does
-        without this GPU's context current. It touches no memory: a refusal costs nothing."""
-        return self.api.launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, None) == 0
+    def prime(self, stream: int) -> None:
+        """Queue the empty kernel on `stream` (call with the context current)."""
+        self.check(self.api.launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, None), "cuLaunchKernel")
 
     def launch(self, word: int, grid: tuple[int, int], threads: int, stream: int, args: LaunchArgs) -> None:
         """Queue the kernel for `word`-byte loads with `args` (call with the context current)."""
