@@ -81,7 +81,8 @@ class Launch:
 
 def _wait_then_wake(launch: Launch, loop: asyncio.AbstractEventLoop, ended: asyncio.Future[float | None]) -> None:
     """On the lane's waiting thread: block until the kernel ends, then resolve `ended` with
-    its GPU seconds (read here, where the thread is awake, not on the loop after its wake)."""
+    its GPU seconds if timed (read here, where the thread is awake, not on the loop after its
+    wake), else None."""
     seconds, error = None, None
     try:
         launch.wait()
