@@ -58,10 +58,7 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
 def has_repeats(ids: np.ndarray) -> bool:
     """Whether any id occurs twice. A sort and a neighbour compare: numpy's `unique`
     hashes and took 20x as long for a 32k-token request's 4,096 pages (641 vs 34 us)."""
-    return _sorted_repeats(np.sort(ids))
-
-
-def _sorted_repeats(ordered: np.ndarray) -> bool:
+    ordered = np.sort(ids)
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
