@@ -14,6 +14,7 @@ from transfer.plan import (
     build_gather_plan,
     build_read_plan,
     gather_plan,
+    gather_table,
     merge_gather_plans,
     merge_gather_tables,
     page_runs,
@@ -118,6 +119,17 @@ def test_gather_plan_refuses_pages_outside_either_side():
         build_gather_plan([BufferPair(0, 0, 64, 3, 10)], np.array([0]), np.array([3]))
     with pytest.raises(PageRangeError):
         build_gather_plan([_pair(0, 0)], np.array([-1]), np.array([0]))
+
+
+def test_gather_plan_trusts_a_destination_bound_only_within_its_table():
+    table = gather_table([BufferPair(0, 0, 64, 3, 10)])  # the destination holds 3 items
+    # Ids a fetch's `page_ids` bounded by 3 or fewer pages are not checked again...
+    assert gather_plan(table, [np.array([9])], np.array([2]), dst_below=3).dst_pages.tolist() == [2]
+    # ...but a bound past the table's items proves nothing, and the source is always checked.
+    with pytest.raises(PageRangeError, match="destination"):
+        gather_plan(table, [np.array([0])], np.array([3]), dst_below=4)
+    with pytest.raises(PageRangeError, match="source"):
+        gather_plan(table, [np.array([10])], np.array([0]), dst_below=3)
 
 
 def test_merged_plans_keep_each_owners_source_pages():

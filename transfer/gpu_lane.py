@@ -198,10 +198,11 @@ class GpuLane:
     # coroutine of their own: each layer of coroutines costs a fetch microseconds on a host
     # just woken. Both check everything before they return, and launch as the awaitable starts.
 
-    def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray) -> Awaitable[float]:
-        """Gather `src` pages of every layer of `route`'s owners into `dst` pages with one
-        launch; await it for its seconds (`GatherLane.run`) once the bytes are in place."""
-        return self.run(gather_plan(route.table, [src], dst), route.peers)
+    def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
+        """Gather `src` pages of every layer of `route`'s owners into `dst` pages (ids known
+        to lie below `dst_below`) with one launch; await it for its seconds
+        (`GatherLane.run`) once the bytes are in place."""
+        return self.run(gather_plan(route.table, [src], dst, dst_below=dst_below), route.peers)
 
     def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> Awaitable[float]:
         """Launch `plan`, which reads `peers`; await it for its seconds once the bytes are in place."""

@@ -185,7 +185,8 @@ class OwnerIO:
         t0 = time.perf_counter()
         route = self._gpu.route(tuple(o.ipc for o in owners.values() if o.ipc is not None))
         try:
-            seconds = await self._gpu.read_route(route, src, dst)
+            # `dst` came through `page_ids` against this pool: the plan need not check it again.
+            seconds = await self._gpu.read_route(route, src, dst, self.pool.layout.num_pages)
             await self._prove_pins([(o, pins[r]) for r, o in owners.items()], room, deadline)
         except PeerLostError as exc:
             lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)

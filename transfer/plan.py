@@ -267,9 +267,13 @@ def merge_gather_tables(tables: list[GatherTable], shared_pages: bool) -> Gather
     return GatherTable(np.concatenate(parts, axis=1), src_items, dst_items, min(t.word for t in tables))
 
 
-def gather_plan(table: GatherTable, src_lists: list[np.ndarray], dst_pages: np.ndarray) -> GatherPlan:
+def gather_plan(
+    table: GatherTable, src_lists: list[np.ndarray], dst_pages: np.ndarray, *, dst_below: int | None = None
+) -> GatherPlan:
     """`table`'s launch for these pages. Page ids are checked against both sides' item
-    counts here, on the host: a kernel given a bad one would fault the decode's GPU context."""
+    counts here, on the host: a kernel given a bad one would fault the decode's GPU context.
+    `dst_below`: the destination ids are already known to lie in [0, dst_below) (a fetch's
+    `page_ids`); within the table's items they are not checked again."""
     dst = np.asarray(dst_pages, np.int64)
     if dst.ndim != 1:
         raise PageRangeError(f"destination pages of shape {dst.shape}")
@@ -283,7 +287,8 @@ def gather_plan(table: GatherTable, src_lists: list[np.ndarray], dst_pages: np.n
     if table.buffers and dst.size:
         for row, limit in zip(src, table.src_items):
             _check_pages(row, int(limit), "source")
-        _check_pages(dst, table.dst_items, "destination")
+        if dst_below is None or dst_below > table.dst_items:
+            _check_pages(dst, table.dst_items, "destination")
     return GatherPlan(table, src, dst)
 
 
