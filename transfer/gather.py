@@ -46,7 +46,9 @@ def launch_split(pages: int, lists: int, capacities: tuple[int, ...]) -> tuple[i
     capacity its launches use (the fewest ids that hold every page's, else the most) and
     the pages each launch copies."""
     ids = (lists + 1) * pages
-    capacity = next((c for c in capacities if c >= ids), capacities[-1])
+    for capacity in capacities:  # the last one if none holds them all
+        if capacity >= ids:
+            break
     return capacity, max(1, min(_MAX_GRID_Y, capacity // (lists + 1), pages))
 
 

@@ -140,8 +140,9 @@ class OwnerIO:
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads (measured, 2 cores).
         asyncio.get_running_loop().call_soon(self._release_pins, every, ticket.room)
-        stats = sorted((s for some in per_task for s in some), key=lambda s: s.cp_rank)
-        nbytes = sum(s.nbytes for s in stats)
+        # One task (every owner in one launch) already lists its owners by CP rank.
+        stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
+        nbytes = sum([s.nbytes for s in stats])
         return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - started, tuple(stats), False, 0)
 
     async def _each_read(self, reads: list[Awaitable[list[OwnerStats]]]) -> list[list[OwnerStats]]:
@@ -187,7 +188,9 @@ class OwnerIO:
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
             seconds = await self._gpu.read_route(route, src, dst, self.pool.layout.num_pages)
-            await self._prove_pins([(o, pins[r]) for r, o in owners.items()], room, deadline)
+            unmapped = self._prove_mapped_pins([(o, pins[r]) for r, o in owners.items()], room)
+            if unmapped:  # not the usual case: owners on this host's GPUs map their pin tables too
+                await self._prove_pins(unmapped, room, deadline)
         except PeerLostError as exc:
             lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
             raise (lost_peer(lost, exc) if lost is not None else exc) from exc
@@ -200,20 +203,24 @@ class OwnerIO:
 
     async def _prove_pins(self, pinned: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
         """Check each owner's pin word for `room` after its data: still the nonce, or raise.
-        One coroutine for every owner: a mapped word is a load, awaited only when READ."""
+        A mapped word is a load; the others are READ, one after another."""
+        for owner, pin in self._prove_mapped_pins(pinned, room):
+            _check_pin_word(pin, room, await self._read_pin(owner, pin, deadline))
+
+    @staticmethod
+    def _prove_mapped_pins(pinned: list[tuple[Owner, OwnerPin]], room: int) -> list[tuple[Owner, OwnerPin]]:
+        """Check the pins of owners on this host (their tables mapped here: a load each, no
+        coroutine); returns the others, whose words must be READ."""
+        unmapped = []
         for owner, pin in pinned:
             assert owner.rank.pins is not None
             if pin.slot >= owner.rank.pins.slots:
                 raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
-            if owner.pins is not None:  # on the owner's host: a load from its mapped table
-                word = owner.pins.word(pin.slot)
+            if owner.pins is None:
+                unmapped.append((owner, pin))
             else:
-                word = await self._read_pin(owner, pin, deadline)
-            if word != pin.nonce:
-                raise ClaimLostError(
-                    f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
-                    "by another holder of its ticket) before they were all read; the bytes may belong to another room"
-                )
+                _check_pin_word(pin, room, owner.pins.word(pin.slot))
+        return unmapped
 
     async def _read_pin(self, owner: Owner, pin: OwnerPin, deadline: Deadline) -> int:
         """The pin word READ over UCX (an owner on another host)."""
@@ -506,6 +513,19 @@ def lost_peer(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
     return PeerLostError(
         f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name
     )
+
+
+def _check_pin_word(pin: OwnerPin, room: int, word: int) -> None:
+    """A pin word read after the data: still the ticket's nonce, or the bytes are not proved."""
+    if word != pin.nonce:
+        raise ClaimLostError(
+            f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
+            "by another holder of its ticket) before they were all read; the bytes may belong to another room"
+        )
+
+
+def _by_rank(stats: OwnerStats) -> int:
+    return stats.cp_rank
 
 
 def _observe_read(lane: str, seconds: float) -> None:

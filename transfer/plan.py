@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -198,13 +199,18 @@ class GatherTable:
         return len(self.src_items)
 
     @functools.cached_property
+    def src_limits(self) -> tuple[int, ...]:
+        """`src_items` as Python ints (a plan checks its pages against them)."""
+        return tuple(int(n) for n in self.src_items)
+
+    @functools.cached_property
     def page_bytes(self) -> int:
         return int(self.table[2].sum())
 
 
-@dataclass(frozen=True)
-class GatherPlan:
-    """One gather-kernel launch: a table and the request's pages, every page id checked."""
+class GatherPlan(msgspec.Struct, frozen=True, eq=False):
+    """One gather-kernel launch: a table and the request's pages, every page id checked.
+    (A Struct: made on every lane fetch's path, where a frozen dataclass's init cost more.)"""
 
     table: GatherTable
     src_pages: np.ndarray  # int64 (table.lists, pages): one source page list per row
@@ -277,18 +283,18 @@ def gather_plan(
     dst = np.asarray(dst_pages, np.int64)
     if dst.ndim != 1:
         raise PageRangeError(f"destination pages of shape {dst.shape}")
+    if len(src_lists) != table.lists:
+        raise ValueError(f"{len(src_lists)} source page lists for a table of {table.lists}")
     rows = [np.asarray(s, np.int64) for s in src_lists]
-    if len(rows) != table.lists:
-        raise ValueError(f"{len(rows)} source page lists for a table of {table.lists}")
     for row in rows:
         if row.shape != dst.shape:
             raise PageRangeError(f"{row.size} source pages but {dst.size} destination pages")
-    src = rows[0].reshape(1, -1) if len(rows) == 1 else np.stack(rows) if rows else np.zeros((0, dst.size), np.int64)
     if table.buffers and dst.size:
-        for row, limit in zip(src, table.src_items):
-            _check_pages(row, int(limit), "source")
+        for row, limit in zip(rows, table.src_limits):
+            _check_pages(row, limit, "source")
         if dst_below is None or dst_below > table.dst_items:
             _check_pages(dst, table.dst_items, "destination")
+    src = rows[0].reshape(1, -1) if len(rows) == 1 else np.stack(rows) if rows else np.zeros((0, dst.size), np.int64)
     return GatherPlan(table, src, dst)
 
 
