@@ -25,6 +25,8 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
     Accepts a sequence of Python or numpy integers, an integer numpy array, or an integer
     torch tensor on any device. Refuses floats and bools (`[1.7]` must not read into page
     1), other shapes, and duplicates (two pages of a request landing in one page lose KV).
+    The array is always this call's own, never a view of the caller's: what was checked
+    here stays checked (a GPU lane plan trusts these bounds) whatever the caller changes.
     """
     items: list[int] | None = None
     if isinstance(pages, torch.Tensor):
@@ -42,7 +44,7 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
         raise InvalidPagesError(f"{what}: expected 1-D page ids, got shape {pages.shape}")
     if pages.size and pages.dtype.kind not in "iu":
         raise InvalidPagesError(f"{what}: page ids of dtype {pages.dtype}, not integers")
-    out = pages.astype(np.int64, copy=False)
+    out = pages.astype(np.int64, copy=items is None)  # a list's array is ours already
     if out.size:
         # A set of Python ints answers both checks. Not a sort: on a host just woken from idle
         # (a decode between requests) numpy's sort and compares ran twice as long, their code

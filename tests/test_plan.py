@@ -2,11 +2,12 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv import PageRangeError
-from pdkv.pages import PageAllocator
+from pdkv.pages import PageAllocator, page_ids
 from transfer.app.synthetic import fragmented_page_order
 from transfer.plan import (
     BufferPair,
@@ -130,6 +131,13 @@ def test_gather_plan_trusts_a_destination_bound_only_within_its_table():
         gather_plan(table, [np.array([0])], np.array([3]), dst_below=4)
     with pytest.raises(PageRangeError, match="source"):
         gather_plan(table, [np.array([10])], np.array([0]), dst_below=3)
+
+
+@pytest.mark.parametrize("given", [np.array([4, 1, 2]), torch.tensor([4, 1, 2]), [4, 1, 2]])
+def test_page_ids_are_a_copy_the_caller_cannot_change_after_the_check(given):
+    ids = page_ids(given, 5)
+    given[0] = 99  # out of range: a plan that trusts the bound must never see it
+    assert ids.tolist() == [4, 1, 2]
 
 
 def test_merged_plans_keep_each_owners_source_pages():
