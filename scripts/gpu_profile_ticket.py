@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import inspect
 import pstats
 import statistics
 import sys
@@ -39,24 +40,25 @@ class Stamps:
         self.at: dict[str, float] = {}
 
     def wrap(self, obj, name: str) -> None:  # type: ignore[no-untyped-def]
+        """Stamp `name`'s entry, and its exit once what it returns is awaited where it is an
+        awaitable (a coroutine, or the lane's launch handed back by `read_route`)."""
         fn = getattr(obj, name)
         at = self.at
-        if asyncio.iscoroutinefunction(fn):
 
-            async def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
-                at[f"{name} in"] = time.perf_counter()
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            at[f"{name} in"] = time.perf_counter()
+            result = fn(*args, **kwargs)
+            if not inspect.isawaitable(result):
+                at[f"{name} out"] = time.perf_counter()
+                return result
+
+            async def landed():  # type: ignore[no-untyped-def]
                 try:
-                    return await fn(*args, **kwargs)
+                    return await result
                 finally:
                     at[f"{name} out"] = time.perf_counter()
-        else:
 
-            def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
-                at[f"{name} in"] = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    at[f"{name} out"] = time.perf_counter()
+            return landed()
 
         setattr(obj, name, timed)
 
