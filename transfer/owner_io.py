@@ -190,7 +190,7 @@ class OwnerIO:
             seconds = await self._gpu.read_route(route, src, dst, self.pool.layout.num_pages)
             unmapped = self._prove_mapped_pins([(o, pins[r]) for r, o in owners.items()], room)
             if unmapped:  # not the usual case: owners on this host's GPUs map their pin tables too
-                await self._prove_pins(unmapped, room, deadline)
+                await self._prove_read_pins(unmapped, room, deadline)
         except PeerLostError as exc:
             lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
             raise (lost_peer(lost, exc) if lost is not None else exc) from exc
@@ -204,7 +204,11 @@ class OwnerIO:
     async def _prove_pins(self, pinned: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
         """Check each owner's pin word for `room` after its data: still the nonce, or raise.
         A mapped word is a load; the others are READ, one after another."""
-        for owner, pin in self._prove_mapped_pins(pinned, room):
+        await self._prove_read_pins(self._prove_mapped_pins(pinned, room), room, deadline)
+
+    async def _prove_read_pins(self, unmapped: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
+        """Check the pins `_prove_mapped_pins` left (slots already bounded), each word READ."""
+        for owner, pin in unmapped:
             _check_pin_word(pin, room, await self._read_pin(owner, pin, deadline))
 
     @staticmethod
