@@ -18,7 +18,6 @@ decode's GPU context and with it every request on that GPU.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import threading
 import time
@@ -81,16 +80,22 @@ class Launch:
         return None if self.start is None else self.start.seconds_until(self.done)
 
 
-def _wait_then_wake(launch: Launch, loop: asyncio.AbstractEventLoop, ended: asyncio.Future[float | None]) -> None:
+def _wait_then_wake(
+    launch: Launch,
+    loop: asyncio.AbstractEventLoop,
+    ended: asyncio.Future[float | None],
+    failure: Exception | None = None,
+) -> None:
     """On the lane's waiting thread: block until the kernel ends, then resolve `ended` with
     its GPU seconds if timed (read here, where the thread is awake, not on the loop after its
-    wake), else None."""
-    seconds, error = None, None
-    try:
-        launch.wait()
-        seconds = launch.seconds()
-    except Exception as exc:  # a sticky CUDA error: every later wait fails the same way
-        error = exc
+    wake), else None. `failure`: the thread cannot wait (no context): fail `ended` with it."""
+    seconds, error = None, failure
+    if error is None:
+        try:
+            launch.wait()
+            seconds = launch.seconds()
+        except Exception as exc:  # a sticky CUDA error: every later wait fails the same way
+            error = exc
     try:
         loop.call_soon_threadsafe(_settle, ended, seconds, error)
     except RuntimeError:  # its loop was closed meanwhile: nobody waits for this launch
@@ -125,12 +130,7 @@ class _Waiter:
         except Exception as exc:  # every wait then fails with it, rather than never ending
             failure = exc
         while (item := self._queue.get()) is not None:
-            launch, loop, ended = item
-            if failure is None:
-                _wait_then_wake(launch, loop, ended)
-            else:
-                with contextlib.suppress(RuntimeError):  # a closed loop waits for nothing
-                    loop.call_soon_threadsafe(_settle, ended, None, failure)
+            _wait_then_wake(*item, failure)
 
     def ended(self, launch: Launch) -> asyncio.Future[float | None]:
         """A future of the running loop resolved with `launch`'s GPU seconds (None if
