@@ -319,17 +319,30 @@ class ErrorReply(_Wire):
 
 
 class Envelope(Struct, frozen=True, array_like=True):
+    """What `encode` writes; `decode` reads its `_Head`, then the body as the kind it expects."""
+
     version: int
     fingerprint: str
     kind: str
     body: msgspec.Raw
 
 
+class _Head(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """An envelope's first three fields, decoded before its body is touched."""
+
+    version: int
+    fingerprint: str
+    kind: str
+
+
 T = TypeVar("T", bound=Struct)
 
 _encoder = msgspec.msgpack.Encoder()
-_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_head_decoder = msgspec.msgpack.Decoder(_Head)
 _body_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_ARRAY_OF_4 = 0x94  # msgpack's fixarray of four: how `encode` frames every envelope
+_INT_SIZE = {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+_STR_PREFIX = {0xD9: 1, 0xDA: 2, 0xDB: 4}
 
 
 def encode(msg: Struct, fingerprint: str = "") -> bytes:
@@ -337,12 +350,39 @@ def encode(msg: Struct, fingerprint: str = "") -> bytes:
     return _encoder.encode(Envelope(SCHEMA_VERSION, fingerprint, type(msg).__name__, body))
 
 
-def decode(data: bytes, kind: type[T], fingerprint: str | None = None) -> T:
-    """Decode an envelope carrying a `kind`; refuse another version, kind or layout first."""
-    try:
-        env = _envelope_decoder.decode(data)
+def _item_end(data: memoryview, pos: int) -> int:
+    """Where the int or string at `pos` ends; any other type ends at its marker, for msgspec to name."""
+    marker = data[pos] if pos < len(data) else 0
+    if 0xA0 <= marker <= 0xBF:  # a fixstr
+        return pos + 1 + (marker & 0x1F)
+    if marker in _STR_PREFIX:
+        width = _STR_PREFIX[marker]
+        return pos + 1 + width + int.from_bytes(data[pos + 1 : pos + 1 + width], "big")
+    return pos + _INT_SIZE.get(marker, 1)
+
+
+def _split(data: bytes | bytearray | memoryview) -> tuple[_Head, memoryview]:
+    """The envelope's head, decoded, and its body's bytes, unread.
+
+    Decoding the body as `msgspec.Raw` made msgspec walk it, recursing once a level (a
+    100k-deep array raised RecursionError); typed decoding goes no deeper than the type.
+    """
+    view = memoryview(data).cast("B")
+    if not view or view[0] != _ARRAY_OF_4:
+        raise MetadataError("malformed envelope: not an array of (version, fingerprint, kind, body)")
+    end = _item_end(view, _item_end(view, _item_end(view, 1)))
+    try:  # an item claiming more than the data holds is cut at its end: msgspec reports truncation
+        head = _head_decoder.decode(b"\x93" + bytes(view[1:end]))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MetadataError(f"malformed envelope: {exc}") from exc
+    if end >= len(view):
+        raise MetadataError("malformed envelope: no body")
+    return head, view[end:]
+
+
+def decode(data: bytes | bytearray | memoryview, kind: type[T], fingerprint: str | None = None) -> T:
+    """Decode an envelope carrying a `kind`; refuse another version, kind or layout first."""
+    env, body = _split(data)
     if env.version != SCHEMA_VERSION:
         raise MetadataError(f"schema version {env.version} is not {SCHEMA_VERSION}")
     if env.kind != kind.__name__:
@@ -353,9 +393,11 @@ def decode(data: bytes, kind: type[T], fingerprint: str | None = None) -> T:
         )
     decoder = _body_decoders.get(kind)
     if decoder is None:
+        if not kind.__struct_config__.forbid_unknown_fields:  # msgspec would skip (walk) their values
+            raise TypeError(f"{kind.__name__} must forbid unknown fields to be decoded from the wire")
         decoder = _body_decoders[kind] = msgspec.msgpack.Decoder(kind)
     try:
-        return decoder.decode(env.body)
+        return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MetadataError(f"invalid {kind.__name__}: {exc}") from exc
 
