@@ -23,6 +23,7 @@ import importlib
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -168,9 +169,21 @@ class _Lane:
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-    def read_blocking(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float) -> float:
-        """Run one READ to completion on this lane's thread; returns its duration."""
+    def read_blocking(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, stop: threading.Event
+    ) -> float:
+        """Run a READ on this lane's thread, at most `_MAX_INFLIGHT_BYTES` posted at a time;
+        returns its duration. Once `stop` is set no further part is posted: a cancelled
+        fetch ends after the part in flight, not after the whole room."""
         t0 = time.perf_counter()
+        for part_local, part_remote in _bounded(local, remote, _MAX_INFLIGHT_BYTES):
+            if stop.is_set():
+                raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
+            self._read_part(peer, part_local, part_remote, mem, deadline)
+        return time.perf_counter() - t0
+
+    def _read_part(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float) -> None:
+        """Run one posted READ to completion."""
         agent = self.agent
         handle = agent.initialize_xfer(
             "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
@@ -187,7 +200,6 @@ class _Lane:
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"READ from {peer} ended in state {state}")
-            return time.perf_counter() - t0
         finally:
             self._release(agent, handle, peer, state)
 
@@ -214,6 +226,42 @@ class _Lane:
             handle.release()
         except Exception as exc:
             logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
+
+
+# What one lane has posted and not seen end: the bound on how far a cancelled fetch runs on,
+# and on the READ replies an owner queues for one reader (UCX's TCP transport crashed owners
+# purging large queues when a reader died; 4-64 MiB posts did not).
+_MAX_INFLIGHT_BYTES = 32 << 20
+
+
+def _bounded(local: np.ndarray, remote: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(local, remote) descriptor rows cut into parts of at most `limit` bytes each.
+
+    Rows longer than `limit / 2` are split first, then the rows are cut after each one that
+    takes the running total past a multiple of `limit / 2`: no Python loop over the rows (a
+    fetch may carry tens of thousands)."""
+    lengths = local[:, 1]
+    if int(lengths.sum()) <= limit:
+        return [(local, remote)]
+    half = max(1, limit // 2)
+    if int(lengths.max()) > half:
+        local, remote = _split_rows(local, half), _split_rows(remote, half)
+        lengths = local[:, 1]
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, np.arange(half, int(ends[-1]), half), side="left") + 1
+    cuts = np.unique(cuts[cuts < len(local)])
+    return list(zip(np.split(local, cuts), np.split(remote, cuts)))
+
+
+def _split_rows(rows: np.ndarray, limit: int) -> np.ndarray:
+    """Each (addr, length, dev) row as rows of at most `limit` bytes, in order."""
+    parts = -(-rows[:, 1] // limit)
+    out = np.repeat(rows, parts, axis=0)
+    first = np.repeat(np.cumsum(parts) - parts, parts)
+    offset = (np.arange(len(out)) - first) * limit
+    out[:, 0] += offset
+    out[:, 1] = np.minimum(np.repeat(rows[:, 1], parts) - offset, limit)
+    return out
 
 
 # A piece of a READ carries at least this many descriptors or bytes: below that, posting
@@ -362,7 +410,8 @@ class UcxTransport:
         more lanes than concurrent READs asks for pieces; one that already keeps every lane
         busy does not (more, smaller posts then only cost). If the caller is
         cancelled, this still waits for every piece to end (bounded by the same deadline)
-        so that no byte lands in pages the caller may hand out again.
+        so that no byte lands in pages the caller may hand out again; a piece stops at its
+        next part (`_MAX_INFLIGHT_BYTES`), so that wait is short.
         """
         regions = self._peers.get(peer)
         if regions is None:
@@ -374,14 +423,15 @@ class UcxTransport:
         if plan.descriptors == 0:
             return XferStats(0, 0, 0.0)
         deadline.left(what=f"READ from {peer}: deadline passed before it was posted")
-        loop, kind = asyncio.get_running_loop(), mem or self.mem_type
+        loop, kind, stop = asyncio.get_running_loop(), mem or self.mem_type, threading.Event()
         futs = [
-            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, kind, deadline.at)
+            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, kind, deadline.at, stop)
             for lane, (local, remote) in zip(self._pick_lanes(), _split(plan, min(pieces, len(self._lanes))))
         ]
         try:
             results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
         except asyncio.CancelledError:
+            stop.set()  # the parts in flight end; nothing more is posted
             await asyncio.wait(futs)
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
