@@ -23,6 +23,7 @@ __all__ = [
     "ConflictError",
     "RoomClaimedError",
     "ClaimLostError",
+    "RoomAbortedError",
     "InvalidPagesError",
     "ClosedError",
 ]
@@ -111,6 +112,11 @@ class RoomClaimedError(ConflictError):
 class ClaimLostError(TransferError):
     """A claim no longer pins the room's source pages (the room was aborted or its pin
     expired, or the claim is unknown there): bytes read under it may belong to another room."""
+
+
+class RoomAbortedError(ClaimLostError):
+    """The room was aborted (by its prefill, by its decode, or its pin expired) before it was
+    read: the read stops, and whatever landed is not the room's."""
 
 
 class ClosedError(PdkvError):

@@ -384,6 +384,20 @@ class DecodeFetcher(OwnerIO):
             return None
         return await self._lookup(engine_id, budget)
 
+    async def abandon(self, engine_id: str, room: int, *, timeout: float | None = None) -> None:
+        """This decode will not read `room` (its request was aborted): every owner gives up
+        one of the room's claims, so the room ends aborted there at once (its pages freed,
+        its prefill told) instead of staying pinned until its pin expires. A room not yet
+        published is refused when it is. Owners that cannot be reached are logged."""
+        budget = _budget(self.timeouts.request, None, timeout)
+        self._enter()
+        try:
+            owners = await self._lookup(engine_id, budget)
+            with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
+                await self._release_all(owners, Claim(room), set(owners))
+        finally:
+            self._leave()
+
     async def claim(
         self, engine_id: str, room: int, *, deadline: Deadline | None = None, timeout: float | None = None
     ) -> RoomLease:

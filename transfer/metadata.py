@@ -18,6 +18,9 @@ Schema history:
      (what a decode needs to read a finished room without asking anyone); TicketRelease
      (a ticket holder's release, sent as a UCX notification).
   6: RoomState.ready_pages: rooms published by chunks of pages (a chunked prefill).
+  7: RoomState.aux: an engine's per-request bytes, with a chunked room's last chunk.
+  8: ReleaseNotice.abort: a consumer gives its claim up unread (its fetch failed or was
+     cancelled); a room no consumer read ends aborted, not released.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -294,11 +297,13 @@ class ClaimRequest(_Wire):
 
 
 class ReleaseNotice(_Wire):
-    """A claim holder is done with the room's pages on this rank."""
+    """A claim holder is done with the room's pages on this rank; `abort`: it gives its
+    claim up without having read the room (or, unclaimed yet, one of the room's claims)."""
 
     room: U63
     consumer_id: Name
     claim: ClaimToken
+    abort: bool = False
 
 
 class ReleaseReply(_Wire):

@@ -84,6 +84,7 @@ class Claim:
 
     room: int
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    asked: set[int] = field(default_factory=set)  # cp ranks a claim request went to
     granted: set[int] = field(default_factory=set)  # cp ranks that granted it
     released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
     messages: int = 0  # control requests made under it (claims, polls, releases)
@@ -280,7 +281,7 @@ class OwnerIO:
                 for r, o in owners.items()
             ]
             self._owner_tasks.update(tasks)
-            stats = await _all_or_cancel(tasks)
+            stats = await _all_or_cancel(tasks, self._feed.aborted(_owner_urls(owners), claim.room))
         except BaseException:  # cancellation too: never leave the room pinned
             if release:
                 await self._release_all(owners, claim)
@@ -327,6 +328,7 @@ class OwnerIO:
         url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
         ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
         unknown_until = time.monotonic() + self.timeouts.publish
+        claim.asked.add(r.cp_rank)  # from here on it may be granted there, answered or not
         while True:
             limit = deadline.left(self.timeouts.poll + self.timeouts.request)
             state = await self._control(claim, "POST", url, RoomState, ask, limit)
@@ -479,12 +481,14 @@ class OwnerIO:
         _observe_read("ucx", xfer.seconds)
         return xfer
 
-    async def _release(self, owner: Owner, claim: Claim, timeout: float) -> bool:
-        """Release the claim on one owner; True if that freed the room there.
+    async def _release(self, owner: Owner, claim: Claim, timeout: float, give_up: bool = False) -> bool:
+        """Release the claim on one owner; True if that freed the room there. `give_up`:
+        the room was not read (a failed or cancelled fetch): it ends aborted there unless
+        another consumer reads it.
 
         A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
         """
-        notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
+        notice = ReleaseNotice(room=claim.room, consumer_id=self.consumer_id, claim=claim.token, abort=give_up)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
         try:
             answer = await self._control(claim, "POST", url, ReleaseReply, notice, timeout)
@@ -493,21 +497,25 @@ class OwnerIO:
         claim.released[owner.rank.cp_rank] = answer.freed
         return answer.freed
 
-    async def _release_all(self, owners: dict[int, Owner], claim: Claim) -> None:
-        """Release the claim wherever it is still open, after a failed fetch.
+    async def _release_all(self, owners: dict[int, Owner], claim: Claim, ranks: set[int] | None = None) -> None:
+        """Give the claim up unread wherever it may be held, after a failed or cancelled
+        fetch (`ranks`: these instead): the owners free the room's pages now, and a room
+        that no consumer read ends aborted, so its prefill hears of the failure at once.
 
-        Each gets a full request timeout, not what is left of the fetch's deadline: the
-        fetch may have failed on that deadline, and the pins must not be left behind.
+        Only ranks a claim request went to: another rank may still be about to grant the
+        room's one claim to a decode that won it on the lowest rank. Each gets a full
+        request timeout, not what is left of the fetch's deadline: the fetch may have
+        failed on that deadline, and the pins must not be left behind.
         """
         limit = self.timeouts.request
-        ranks = claim.open_ranks
+        ranks = claim.asked - claim.released.keys() if ranks is None else ranks
         results = await asyncio.gather(
-            *(self._release(o, claim, limit) for o in owners.values() if o.rank.cp_rank in ranks),
+            *(self._release(o, claim, limit, give_up=True) for o in owners.values() if o.rank.cp_rank in ranks),
             return_exceptions=True,
         )
         for e in results:
             if isinstance(e, BaseException):
-                logger.debug("release of room %d after a failed fetch: %s", claim.room, e)
+                logger.debug("giving up room %d after a failed fetch: %s", claim.room, e)
 
 
 def lost_peer(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
@@ -536,22 +544,47 @@ def _observe_read(lane: str, seconds: float) -> None:
     READ_SECONDS.labels(lane=lane).observe(seconds)
 
 
-async def _all_or_cancel(tasks: list[asyncio.Future[T]]) -> list[T]:
+async def _all_or_cancel(tasks: list[asyncio.Future[T]], abort: Awaitable[None] | None = None) -> list[T]:
     """Await every task; on the first failure (or cancellation) cancel the rest and wait.
+    `abort`: raises when the work must stop (the room was aborted), as a failure would.
 
     A task cancelled while this caller was not means the fetcher was closed under it.
     """
+    watch = asyncio.ensure_future(abort) if abort is not None else None
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await _first_failure(tasks, watch)
     finally:
+        if watch is not None and not watch.done():
+            watch.cancel()
         if not all(t.done() for t in tasks):
             for t in tasks:
                 t.cancel()
             # Collects every outcome; a cancel of our own arriving meanwhile propagates.
             await asyncio.gather(*tasks, return_exceptions=True)
+    if watch is not None and watch.done() and not watch.cancelled() and watch.exception() is not None:
+        raise watch.exception()  # type: ignore[misc]
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     if any(t.cancelled() for t in tasks):
         raise ClosedError("the DecodeFetcher was closed while this fetch was in flight")
     return [t.result() for t in tasks]
+
+
+async def _first_failure(tasks: list[asyncio.Future[T]], watch: asyncio.Future[None] | None) -> None:
+    """Return once every task is done, one has failed, or `watch` has raised."""
+    if watch is None:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        return
+    pending = {*tasks, watch}
+    while True:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if any(not t.cancelled() and t.exception() is not None for t in done) or watch in done:
+            return
+        if pending == {watch}:
+            return
+
+
+def _owner_urls(owners: dict[int, Owner]) -> dict[str, int]:
+    """Each owner's control URL and its CP rank."""
+    return {o.rank.control_url: r for r, o in owners.items()}

@@ -366,7 +366,9 @@ class PrefillExporter:
         notice = await read_body(request, ReleaseNotice, self.pool.layout.fingerprint)
         if notice.room != room:
             raise MetadataError(f"release names room {notice.room}, path names {room}")
-        return reply(self.rooms.release(room, notice.claim), self.pool.layout.fingerprint)
+        with self._about(room):
+            answer = self.rooms.give_up(room, notice.claim) if notice.abort else self.rooms.release(room, notice.claim)
+        return reply(answer, self.pool.layout.fingerprint)
 
     async def _abort(self, request: web.Request) -> web.Response:
         self.abort_room(path_int(request, "room"))

@@ -19,7 +19,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Iterable
 
-from pdkv.errors import PdkvError
+from pdkv.errors import PdkvError, RoomAbortedError
 from transfer.http import ControlClient
 from transfer.metadata import RoomState, RoomStatus, decode, encode
 
@@ -138,6 +138,23 @@ class ReadinessFeed:
             moved = self._moved.setdefault(url, asyncio.Event())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(moved.wait(), left)
+
+    async def aborted(self, urls: dict[str, int], room: int) -> None:
+        """Raise `RoomAbortedError` as soon as an owner's stream (of `urls`: control URL ->
+        CP rank) says `room` was aborted there; until then wait (the caller cancels it).
+        An owner whose stream is down is not watched: its abort shows at its next poll or
+        release instead."""
+        while True:
+            for url, rank in urls.items():
+                state = self._wanted.get((url, room))
+                if state is not None and state.status is RoomStatus.ABORTED:
+                    raise RoomAbortedError(f"room {room} was aborted on cp rank {rank} (or its pin expired there)")
+            waits = [asyncio.ensure_future(self._moved.setdefault(url, asyncio.Event()).wait()) for url in urls]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     async def _run(self, url: str) -> None:
         target = f"{url}/v1/events?consumer={self._consumer}"

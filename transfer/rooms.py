@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdkv.errors import ClaimLostError, ConflictError, InvalidPagesError, RoomClaimedError, UnknownRoomError
+from pdkv.errors import (
+    ClaimLostError,
+    ConflictError,
+    InvalidPagesError,
+    RoomAbortedError,
+    RoomClaimedError,
+    UnknownRoomError,
+)
 from pdkv.pages import has_repeats, page_ids
 from transfer.metadata import MAX_AUX_BYTES, ReleaseReply, RoomState, RoomStatus
 
@@ -53,6 +60,7 @@ class _Room:
     ready_upto: int
     open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
     released: int = 0  # claims granted and released; granted = released + open
+    given_up: int = 0  # of those, released unread (`give_up`)
     total_pages: int = -1  # published by chunks: the pages it will have; -1: all at once
     slot: int = -1  # its pin table slot; -1: none
     nonce: int = 0
@@ -103,7 +111,9 @@ class RoomTable:
     # ---- the model side -------------------------------------------------------------------
     def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
         if room in self._live or room in self._finished:
-            raise ConflictError(f"room {room} was already published on this rank")
+            ended = self._finished.get(room)
+            why = "ended aborted (its decode or router gave it up)" if ended is RoomStatus.ABORTED else "published"
+            raise ConflictError(f"room {room} was already {why} on this rank")
         pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
         r = self._live[room] = _Room(room, pages, consumers, time.monotonic() + self.pin_seconds, self.layers.start)
         if self._pins is not None and self._free_slots:  # else: no ticket for this room, claims still work
@@ -215,6 +225,8 @@ class RoomTable:
             status = self._finished.get(room, RoomStatus.UNKNOWN)
             if status is RoomStatus.UNKNOWN:
                 return RoomState(room=room, status=status)
+            if status is RoomStatus.ABORTED:
+                raise RoomAbortedError(f"room {room} was aborted (or its pin expired) on this rank")
             raise UnknownRoomError(f"room {room} is {status.value} on this rank")
         if token not in r.open_claims:
             if r.granted >= r.consumers:
@@ -232,7 +244,10 @@ class RoomTable:
         if r is not None:
             why = "it is not an open claim of the room"
         else:
-            why = f"the room is {self._finished.get(room, RoomStatus.UNKNOWN).value} here"
+            status = self._finished.get(room, RoomStatus.UNKNOWN)
+            if status is RoomStatus.ABORTED:
+                raise RoomAbortedError(f"room {room} was aborted (or its pin expired) on this rank")
+            why = f"the room is {status.value} here"
         raise ClaimLostError(
             f"room {room}: claim {token[:8]} does not pin its pages ({why}); "
             "bytes read under it may belong to another room"
@@ -248,6 +263,31 @@ class RoomTable:
         if freed:
             self._finish(room, RoomStatus.RELEASED)
             self.counters.released += 1
+        return ReleaseReply(room=room, freed=freed, unreleased=r.consumers - r.released)
+
+    def give_up(self, room: int, token: str) -> ReleaseReply:
+        """A consumer will not read `room`: its claim `token` (or, if it never reached this
+        rank, one of the claims still free) ends unread. A room that no consumer read ends
+        aborted, and its prefill hears so; a room not published yet is refused when it is."""
+        r = self._live.get(room)
+        if r is None:
+            if room not in self._finished:
+                self._remember(room, RoomStatus.ABORTED)
+            return ReleaseReply(room=room, freed=False, unreleased=0)
+        if token in r.open_claims:
+            del r.open_claims[token]
+        elif r.granted >= r.consumers:
+            raise ClaimLostError(f"room {room}: every claim is held by another consumer; nothing to give up")
+        r.released += 1
+        r.given_up += 1
+        freed = r.released >= r.consumers
+        if freed:
+            aborted = r.given_up == r.released
+            self._finish(room, RoomStatus.ABORTED if aborted else RoomStatus.RELEASED)
+            if aborted:
+                self.counters.aborted += 1
+            else:
+                self.counters.released += 1
         return ReleaseReply(room=room, freed=freed, unreleased=r.consumers - r.released)
 
     async def pin(self, room: int, timeout: float) -> tuple[int, int] | None:
