@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import threading
@@ -40,7 +41,7 @@ from transfer.prefill import PrefillExporter
 from transfer.results import FetchResult
 from transfer.timeouts import Timeouts
 
-__all__ = ["BackgroundLoop", "Handle", "FetchStatus", "SyncFetcher", "SyncExporter"]
+__all__ = ["BackgroundLoop", "Job", "Handle", "FetchStatus", "SyncFetcher", "SyncExporter"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,47 +59,133 @@ class BackgroundLoop:
 
     def __init__(self, name: str = "pdkv-loop") -> None:
         self.loop = asyncio.new_event_loop()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule `coro` on the loop; returns at once."""
-        if self.loop.is_closed() or not self._thread.is_alive():
+    def _check_open(self) -> None:
+        if self._stopping or self.loop.is_closed() or not self._thread.is_alive():
+            raise ClosedError("pdkv's loop has stopped (closed)")
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Job[T]:
+        """Schedule `coro` on the loop as a task; returns at once."""
+        try:
+            self._check_open()
+        except ClosedError:
             coro.close()
-            raise ClosedError("pdkv's loop has stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+            raise
+        return Job(self.loop, coro)
 
     def call(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the loop's thread soon; returns at once."""
-        self.loop.call_soon_threadsafe(fn)
+        self._check_open()
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError as exc:  # the loop closed under us
+            raise ClosedError("pdkv's loop has stopped (closed)") from exc
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the loop and wait for it (set-up and tear-down only)."""
-        return self.submit(coro).result(timeout)
+        return self.submit(coro).future.result(timeout)
+
+    @property
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on this loop's thread (a callback of a handle)."""
+        return threading.current_thread() is self._thread
+
+    def close(self, coro: Coroutine[Any, Any, object], timeout: float) -> None:
+        """Run `coro` (an object's `aclose()`), then stop: from any other thread it waits
+        (up to `timeout`); from the loop's own thread (a handle's callback) it returns at
+        once, and the loop stops once `coro` has ended."""
+        if self.on_own_thread:
+            self._check_open()
+            self._stopping = True
+            task = self.loop.create_task(coro)
+            task.add_done_callback(lambda _: self.loop.stop())
+            return
+        try:
+            self.run(coro, timeout)
+        finally:
+            self.stop()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop and wait for its thread (not from the loop's own thread: `close`)."""
+        self._stopping = True
         if self.loop.is_closed():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        with contextlib.suppress(RuntimeError):  # it closed meanwhile
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.loop.close()
+
+
+class Job(Generic[T]):
+    """A task on a `BackgroundLoop`, seen from other threads.
+
+    `future` settles only once the task has ended, never earlier: a cancelled fetch is still
+    waiting for its READs (and kernels) to end, and until they have, bytes may land in its
+    destination pages. A `concurrent.futures` future cancelled from outside would report the
+    end at once, which is why cancellation goes to the task instead (`cancel`).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> None:
+        self._loop = loop
+        self._task: asyncio.Task[T] | None = None
+        self._cancel_asked = False
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self.future.set_running_or_notify_cancel()  # from now on only the task settles it
+        try:
+            loop.call_soon_threadsafe(self._start, coro)
+        except RuntimeError as exc:  # the loop closed meanwhile
+            coro.close()
+            raise ClosedError("pdkv's loop has stopped") from exc
+
+    def _start(self, coro: Coroutine[Any, Any, T]) -> None:
+        self._task = self._loop.create_task(coro)
+        self._task.add_done_callback(self._settle)
+        if self._cancel_asked:
+            self._task.cancel()
+
+    def _settle(self, task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            self.future.set_exception(ClosedError("cancelled"))
+        elif task.exception() is not None:
+            self.future.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            self.future.set_result(task.result())
+
+    def cancel(self) -> None:
+        """Ask the task to stop (from any thread); `future` settles once it has."""
+        try:
+            self._loop.call_soon_threadsafe(self._cancel)
+        except RuntimeError:  # the loop is closed: the task cannot run any more
+            logger.debug("cancel after pdkv's loop closed")
+
+    def _cancel(self) -> None:
+        self._cancel_asked = True
+        if self._task is not None:
+            self._task.cancel()
 
 
 class Handle(Generic[T]):
     """An operation running on pdkv's loop, read without blocking."""
 
-    def __init__(self, future: concurrent.futures.Future[T]) -> None:
-        self._future = future
+    def __init__(self, job: Job[T]) -> None:
+        self._job = job
+        self._future = job.future
 
     def poll(self) -> FetchStatus:
+        """PENDING until the operation has ended: after `cancel()` too, until every READ
+        and kernel it started has finished."""
         if not self._future.done():
             return FetchStatus.PENDING
-        return FetchStatus.FAILED if self._future.cancelled() or self._future.exception() else FetchStatus.DONE
+        return FetchStatus.FAILED if self._future.exception() else FetchStatus.DONE
 
     def result(self, timeout: float | None = 0) -> T:
         """The outcome; raises its `PdkvError`. With the default `timeout=0` it does not
@@ -109,13 +196,12 @@ class Handle(Generic[T]):
         """The failure of a finished operation (None if it succeeded or is pending)."""
         if not self._future.done():
             return None
-        if self._future.cancelled():
-            return ClosedError("cancelled")
         return self._future.exception()
 
     def cancel(self) -> None:
-        """Ask the operation to stop; a fetch then raises and leaves nothing pinned."""
-        self._future.cancel()
+        """Ask the operation to stop; a fetch then raises and leaves nothing pinned. It is
+        over only once `poll()` says so: until then its bytes may still land."""
+        self._job.cancel()
 
     def on_done(self, callback: Callable[[Handle[T]], None]) -> None:
         """Call `callback(self)` once finished (on pdkv's thread, or at once if it is)."""
@@ -127,7 +213,9 @@ class SyncFetcher:
 
     def __init__(self, pool: KVBuffers, registry_url: str, start_timeout: float = 30.0, **kwargs: Any) -> None:
         self._bg = BackgroundLoop("pdkv-decode")
-        self.fetcher: DecodeFetcher = self._bg.run(_started(DecodeFetcher, pool, registry_url, **kwargs), start_timeout)
+        self.fetcher: DecodeFetcher = _start_or_stop(
+            self._bg, DecodeFetcher, start_timeout, pool, registry_url, **kwargs
+        )
 
     def fetch(
         self,
@@ -146,12 +234,14 @@ class SyncFetcher:
         coro = self.fetcher.fetch(engine_id, room, pages, ticket=ticket, timeout=timeout)
         return Handle(self._bg.submit(coro))
 
+    def abandon(self, engine_id: str, room: int) -> Handle[None]:
+        """Start `DecodeFetcher.abandon` (its owners free `room` now); returns at once."""
+        return Handle(self._bg.submit(self.fetcher.abandon(engine_id, room)))
+
     def close(self, timeout: float = 30.0) -> None:
-        """End fetches in flight (they raise `ClosedError`), close, stop the thread."""
-        try:
-            self._bg.run(self.fetcher.aclose(), timeout)
-        finally:
-            self._bg.stop()
+        """End fetches in flight (they raise `ClosedError`), close, stop the thread. From a
+        handle's callback (pdkv's own thread) it returns at once and closes behind."""
+        self._bg.close(self.fetcher.aclose(), timeout)
 
 
 class SyncExporter:
@@ -169,8 +259,8 @@ class SyncExporter:
     ) -> None:
         self._bg = BackgroundLoop(f"pdkv-{engine_id}-cp{cp_rank}")
         self.timeouts: Timeouts = kwargs.get("timeouts", Timeouts())
-        self.exporter: PrefillExporter = self._bg.run(
-            _started(PrefillExporter, pool, engine_id, cp_rank, cp_size, registry_url, **kwargs), start_timeout
+        self.exporter: PrefillExporter = _start_or_stop(
+            self._bg, PrefillExporter, start_timeout, pool, engine_id, cp_rank, cp_size, registry_url, **kwargs
         )
 
     def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> Handle[None]:
@@ -213,10 +303,17 @@ class SyncExporter:
         return Handle(self._bg.submit(self.exporter.pin(room, wait)))
 
     def close(self, timeout: float = 30.0) -> None:
-        try:
-            self._bg.run(self.exporter.aclose(), timeout)
-        finally:
-            self._bg.stop()
+        """Close the exporter and stop the thread (as `SyncFetcher.close`)."""
+        self._bg.close(self.exporter.aclose(), timeout)
+
+
+def _start_or_stop(bg: BackgroundLoop, cls: Callable[..., Any], timeout: float, *args: Any, **kwargs: Any) -> Any:
+    """`cls(*args, **kwargs)` made and started on `bg`; a failure stops `bg`'s thread too."""
+    try:
+        return bg.run(_started(cls, *args, **kwargs), timeout)
+    except BaseException:
+        bg.stop()
+        raise
 
 
 async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -40,7 +40,7 @@ from sglang.srt.disaggregation.base.conn import (
     StateType,
 )
 
-from pdkv.errors import LayoutError, PdkvError, TransferError
+from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.bootstrap import RegistryServer
 from transfer.engine_kv import EngineKV, buffer_infos
 from transfer.metadata import RoomStatus
@@ -272,15 +272,17 @@ class PdkvKVSender(BaseKVSender):
         if ended is RoomStatus.RELEASED:
             return self._outcome.succeed()
         if ended is not None:
-            return self._outcome.fail(TransferError(f"room {self.room} ended {ended.value} before it was read"))
+            why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
+            return self._outcome.fail(RoomAbortedError(f"room {self.room} ended {why} before it was read"))
         return self._outcome.state
 
     def failure_exception(self) -> None:
         self._outcome.raise_failure(f"room {self.room}")
 
     def abort(self) -> None:
+        """Free the room now; its decode hears of it on its readiness stream and stops reading."""
         self._exporter.abort_room(self.room)
-        self._outcome.fail(TransferError(f"room {self.room} aborted"))
+        self._outcome.fail(RoomAbortedError(f"room {self.room} aborted by its prefill"))
 
     def get_transfer_metric(self) -> KVTransferMetric:
         layout = self.kv_mgr.kv.layout
@@ -300,6 +302,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._fetch: Handle[Any] | None = None
         self._aux_index: int | None = None
         self._nbytes: int | None = None
+        self._aborted: PdkvError | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
         self._engine = f"dp{int(prefill_dp_rank or 0)}"
@@ -314,6 +317,8 @@ class PdkvKVReceiver(BaseKVReceiver):
         destination: Any = "device",
         **_: Any,
     ) -> None:
+        if self._aborted is not None:
+            return
         try:
             if decode_prefix_len:
                 raise TransferError("pdkv does not serve a decode prefix yet (decode_prefix_len > 0)")
@@ -333,6 +338,10 @@ class PdkvKVReceiver(BaseKVReceiver):
         state = self._outcome.state
         if state in (KVPoll.Success, KVPoll.Failed):
             return state
+        if self._aborted is not None:
+            if self._fetch is not None and self._fetch.poll() is FetchStatus.PENDING:
+                return KVPoll.Transferring  # its READs and kernels are still ending
+            return self._outcome.fail(self._aborted)
         if self._fetcher is None:
             return KVPoll.Bootstrapping
         if self._fetch is None:
@@ -366,9 +375,31 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._outcome.raise_failure(f"room {self.room}")
 
     def abort(self) -> None:
+        """Stop the fetch and free the room on its prefill. `poll()` says Failed only once
+        every READ and kernel of the fetch has ended: SGLang reuses the pages at once then."""
+        if self._aborted is not None or self._outcome.state in (KVPoll.Success, KVPoll.Failed):
+            return
+        self._aborted = RoomAbortedError(f"room {self.room} aborted by its decode")
         if self._fetch is not None:
-            self._fetch.cancel()  # the fetch releases what it claimed
-        self._outcome.fail(TransferError(f"room {self.room} aborted"))
+            self._fetch.cancel()  # it gives up its claims on the owners it asked
+            self._fetch.on_done(self._abandon_if_unread)
+        elif self._fetcher is not None:
+            self._fetcher.add_done_callback(lambda _: self._abandon())
+
+    def _abandon_if_unread(self, fetch: Handle[Any]) -> None:
+        if fetch.poll() is FetchStatus.FAILED:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Every owner frees the room now, also those the fetch never reached (on pdkv's
+        thread, or the starter's: nothing here blocks)."""
+        started = self._fetcher
+        if started is None or not started.done() or started.exception() is not None:
+            return
+        try:
+            started.result().abandon(self._engine, self.room)
+        except PdkvError as exc:  # closed meanwhile: the room's pin expires instead
+            logger.info("room %d: the prefill could not be told of the abort: %s", self.room, exc)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return KVTransferMetric(transfer_latency_s=self._outcome.latency(), transfer_total_bytes=self._nbytes)
