@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 from urllib.parse import urlsplit
 
 MiB = 1 << 20
@@ -63,3 +64,55 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def raise_open_files_limit(want: int) -> int:
+    """Raise this process's soft open-files limit towards `want` (up to the hard limit); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+async def hold_idle_connections(host: str, port: int, count: int) -> None:
+    """Keep `count` connections open to host:port, sending nothing, each reopened as soon as the
+    server closes it. Prints "ready" once every one of them has completed its handshake, then
+    "opened N" each second (N: connections opened so far); runs until killed."""
+    raise_open_files_limit(count + 256)
+    opened = 0
+    first = asyncio.Event()
+    connected = 0
+
+    async def hold() -> None:
+        nonlocal opened, connected
+        seen = False
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+            except OSError:
+                await asyncio.sleep(0.01)  # out of ports or files for a moment: try again
+                continue
+            opened += 1
+            if not seen:
+                seen, connected = True, connected + 1
+                if connected == count:
+                    first.set()
+            try:
+                await reader.read(1)  # b"" once the server closes it
+            except OSError:
+                pass
+            writer.close()
+
+    holders = [asyncio.create_task(hold()) for _ in range(count)]
+    await first.wait()
+    print("ready", flush=True)
+    while not any(h.done() for h in holders):
+        await asyncio.sleep(1.0)
+        print(f"opened {opened}", flush=True)
+
+
+if __name__ == "__main__":  # python -m tests.http_probe HOST PORT COUNT: a client that hoards idle sockets
+    import sys
+
+    asyncio.run(hold_idle_connections(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

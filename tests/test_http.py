@@ -119,12 +119,12 @@ async def test_a_connection_that_stalls_before_its_request_head_is_closed():
         await svc.aclose()
 
 
-async def test_connections_beyond_the_limit_are_closed():
+async def test_beyond_the_limit_a_new_connection_evicts_the_oldest_idle_one():
     svc = await _serve(max_connections=3)
     try:
         conns = [await _connect(svc) for _ in range(5)]
-        assert [await closed_by_server(r, 0.5) for r, _ in conns[3:]] == [True, True]
-        reader, writer = conns[0]
+        assert [await closed_by_server(r, 0.5) for r, _ in conns] == [True, True, False, False, False]
+        reader, writer = conns[4]
         writer.write(b"GET /v1/rooms/5 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
         for _, w in conns:

@@ -9,7 +9,7 @@ own errors are translated here and nowhere else.
 Every service refuses what would cost it memory or sockets before paying it: a body over
 `MAX_BODY` by its Content-Length before reading (and a body without one as soon as the
 limit is passed), a connection that does not finish a request head within
-`HEADER_TIMEOUT`, and connections beyond `MAX_CONNECTIONS`.
+`HEADER_TIMEOUT`, and, beyond `MAX_CONNECTIONS`, the connection idle longest.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import re
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import aiohttp
 import msgspec
@@ -30,6 +30,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
+from transfer.http_guard import HEADER_TIMEOUT, MAX_CONNECTIONS, ConnectionGuard
 from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode
 from transfer.timeouts import Timeouts
@@ -55,10 +56,9 @@ SECRET_HEADER = "X-Pdkv-Secret"
 CONTENT_TYPE = "application/x-msgpack"
 MAX_BODY = 4 << 20  # the largest message, a RankDescriptor, is kilobytes
 _OPEN_PATHS = ("/health", "/metrics")  # for probes and scrapers: no secret asked
-HEADER_TIMEOUT = 10.0  # seconds from connect to a complete request head
-IDLE_TIMEOUT = 30.0  # seconds from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
 BODY_TIMEOUT = 30.0  # seconds to receive a body
-MAX_CONNECTIONS = 1024
+BACKLOG = 4096  # handshaken connections queued for accept (the kernel caps it at net.core.somaxconn)
+ACCEPT_BATCH = 32  # connections asyncio accepts per wake-up: a flood must not make one loop turn long
 
 T = TypeVar("T", bound=msgspec.Struct)
 R = TypeVar("R")
@@ -185,7 +185,7 @@ def make_app(secret: str | None, **identity: object) -> web.Application:
     async def guard(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        _ConnectionGuard.request_started(request)
+        ConnectionGuard.request_started(request)
         with request_context(**identity, room=request.match_info.get("room")):
             return await _guarded(request, handler)
 
@@ -203,7 +203,7 @@ def make_app(secret: str | None, **identity: object) -> web.Application:
                 resp.force_close()  # never read (or drain) an unwanted body
             return resp
         finally:
-            _ConnectionGuard.request_finished(request)
+            ConnectionGuard.request_finished(request)
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
     app.router.add_get("/metrics", metrics)
@@ -326,95 +326,6 @@ async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) ->
         raise PeerLostError(f"{what}: {exc}", url) from exc
 
 
-class _ConnectionGuard:
-    """Counts a site's connections and closes those that stall before a request head.
-
-    aiohttp has no bound on the time to receive a request head, and keeps every
-    connection it accepts: a slow client (slow-loris) holds a socket and its buffers for
-    as long as it likes. Each connection gets a timer, armed when it opens and after each
-    reply, disarmed when a request reaches the handlers; when it fires the connection is
-    closed. Connections beyond `limit` are closed at once.
-    """
-
-    _by_transport: dict[Any, _Tracked] = {}
-
-    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, header_timeout: float) -> None:
-        self.factory, self.limit, self.header_timeout = factory, limit, header_timeout
-        self.live = 0
-
-    def __call__(self) -> asyncio.Protocol:
-        return _Tracked(self, self.factory())
-
-    @classmethod
-    def request_started(cls, request: web.Request) -> None:
-        tracked = cls._by_transport.get(request.transport)
-        if tracked is not None:
-            tracked.busy += 1
-            tracked.disarm()
-
-    @classmethod
-    def request_finished(cls, request: web.Request) -> None:
-        tracked = cls._by_transport.get(request.transport)
-        if tracked is not None:
-            tracked.busy -= 1
-            if tracked.busy == 0:
-                tracked.arm(max(IDLE_TIMEOUT, tracked.guard.header_timeout))
-
-
-class _Tracked(asyncio.Protocol):
-    """A protocol wrapper: forwards everything to aiohttp's, and owns the head timer."""
-
-    def __init__(self, guard: _ConnectionGuard, inner: Any) -> None:
-        self.guard, self.inner = guard, inner
-        self.transport: asyncio.Transport | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.busy = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.guard.live += 1
-        _ConnectionGuard._by_transport[transport] = self
-        self.inner.connection_made(transport)
-        if self.guard.live > self.guard.limit:
-            logger.warning("connection refused: %d open, limit %d", self.guard.live - 1, self.guard.limit)
-            transport.close()
-            return
-        self.arm()
-
-    def arm(self, seconds: float | None = None) -> None:
-        self.disarm()
-        wait = self.guard.header_timeout if seconds is None else seconds
-        self.timer = asyncio.get_running_loop().call_later(wait, self._expire)
-
-    def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _expire(self) -> None:
-        if self.busy == 0 and self.transport is not None:
-            logger.info("closing a connection that sent no complete request in time")
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.disarm()
-        self.guard.live -= 1
-        _ConnectionGuard._by_transport.pop(self.transport, None)
-        self.inner.connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-
 class HttpService:
     """An aiohttp app bound to host:port (port 0 picks a free one); `url` once started."""
 
@@ -432,14 +343,20 @@ class HttpService:
         self._host, self._port = host, port
         self._limits = (max_connections, header_timeout)
         self._server: asyncio.AbstractServer | None = None
+        self._guard: ConnectionGuard | None = None
         self.url = ""
 
     async def start(self) -> str:
         await self._runner.setup()
         assert self._runner.server is not None
-        guard = _ConnectionGuard(self._runner.server, *self._limits)
+        self._guard = guard = ConnectionGuard(self._runner.server, *self._limits)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(guard, self._host, self._port, reuse_address=True)
+        # asyncio's backlog is both listen()'s and its accept batch: accept in small batches, then
+        # listen again deeper, since a queue that overflows in a flood drops SYNs that retry after 1 s.
+        self._server = await loop.create_server(guard, self._host, self._port, reuse_address=True, backlog=ACCEPT_BATCH)
+        for sock in self._server.sockets:
+            with sock.dup() as same:
+                same.listen(BACKLOG)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.url = f"http://{host}:{port}"
         return self.url
@@ -449,3 +366,5 @@ class HttpService:
             self._server.close()
         if self._runner.server is not None:  # set up (a failed start may not have got there)
             await self._runner.cleanup()
+        if self._guard is not None:
+            self._guard.close_idle()
