@@ -7,6 +7,7 @@ is serving one.
 """
 
 import asyncio
+import resource
 import sys
 import time
 from pathlib import Path
@@ -123,8 +124,8 @@ async def deployment():
         yield d
 
 
-async def _hoard(url: str) -> asyncio.subprocess.Process:
-    """Start a client that holds HOARD idle sockets to `url`, reopening each one the server
+async def _hoard(url: str, count: int = HOARD) -> asyncio.subprocess.Process:
+    """Start a client that holds `count` idle sockets to `url`, reopening each one the server
     closes; returns once all have connected and the service has evicted some of them."""
     parts = urlsplit(url)
     hog = await asyncio.create_subprocess_exec(
@@ -133,13 +134,13 @@ async def _hoard(url: str) -> asyncio.subprocess.Process:
         "tests.http_probe",
         str(parts.hostname),
         str(parts.port),
-        str(HOARD),
+        str(count),
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
     )
     assert hog.stdout is not None
     lines = []
-    while not lines or not lines[-1].startswith(b"opened") or int(lines[-1].split()[1]) <= HOARD:
+    while not lines or not lines[-1].startswith(b"opened") or int(lines[-1].split()[1]) <= count:
         lines.append(await asyncio.wait_for(hog.stdout.readline(), 60))
         assert lines[-1], f"the hoarding client ended: {lines}"
     return hog
@@ -174,3 +175,35 @@ async def test_a_request_is_served_within_a_second_while_another_client_hoards_i
     finally:
         hog.kill()
         await hog.wait()
+
+
+async def test_a_low_open_files_limit_lowers_the_connection_limit_before_accept_fails(tmp_path):
+    """With 400 open files a service holds at most 400 - FD_RESERVE connections: it evicts
+    before accept() runs out of files, which would stop it accepting anyone for a second."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ready = tmp_path / "registry.url"
+    registry = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "transfer.app.registry", "--ready-file", str(ready), "--die-with-parent"),
+        cwd=ROOT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard)),
+    )
+    try:
+        for _ in range(600):
+            if ready.exists() or registry.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        url = ready.read_text()
+        hog = await _hoard(url, count=600)
+        try:
+            for _ in range(5):
+                client = ControlClient(Timeouts())
+                try:
+                    assert await _timed(client.get_json(f"{url}/health")) < 1.0
+                finally:
+                    await client.aclose()
+        finally:
+            hog.kill()
+            await hog.wait()
+    finally:
+        registry.terminate()
+        await registry.wait()
