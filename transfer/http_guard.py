@@ -15,7 +15,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 __all__ = ["ConnectionGuard", "HEADER_TIMEOUT", "IDLE_TIMEOUT", "MAX_CONNECTIONS"]
 
@@ -98,6 +98,8 @@ class ConnectionGuard:
         tracked = cls._by_transport.get(request.transport)
         if tracked is not None:
             tracked.busy -= 1
+            if not request.content.is_eof():  # aiohttp now reads on and drops the rest ("lingering")
+                tracked.unread = request.content
             if tracked.busy == 0:
                 tracked.guard.quiet[tracked] = None
                 tracked.arm(max(IDLE_TIMEOUT, tracked.guard.header_timeout))
@@ -113,6 +115,7 @@ class _Tracked(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.busy = 0
+        self.unread: StreamReader | None = None  # a body its handler left unread
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -160,6 +163,8 @@ class _Tracked(asyncio.Protocol):
         ConnectionGuard._by_transport.pop(self.transport, None)
         if self.inner is not None:
             self.inner.connection_lost(exc)
+        if self.unread is not None:  # aiohttp's lingering read would wait out its 10 s for bytes that never come
+            self.unread.feed_eof()
 
     def data_received(self, data: bytes) -> None:
         if self in self.guard.quiet:  # its first bytes since it opened or was answered: a head on its way
