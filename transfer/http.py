@@ -129,8 +129,7 @@ async def read_body(request: web.Request, kind: type[T], fingerprint: str | None
     async def receive() -> bytes:
         if request.content_length is not None and request.content_length <= _HEAP_BODY:
             return await request.read()
-        # Into a map of its own, unmapped after: bodies held in chunks up to MAX_BODY (as a
-        # refused one is), body after body, fragmented the heap (RSS rose tens of MiB).
+        # A map of its own, unmapped after: big bodies held in chunks, body after body, fragmented the heap.
         with mmap.mmap(-1, MAX_BODY) as buf:
             size = 0
             async for chunk in request.content.iter_any():
@@ -359,8 +358,7 @@ class HttpService:
         assert self._runner.server is not None
         self._guard = guard = ConnectionGuard(self._runner.server, *self._limits)
         loop = asyncio.get_running_loop()
-        # asyncio's backlog is both listen()'s and its accept batch: accept in small batches, then
-        # listen again deeper, since a queue that overflows in a flood drops SYNs that retry after 1 s.
+        # asyncio's backlog is also its accept batch: a small one, then listen() deeper (an overflow drops SYNs).
         self._server = await loop.create_server(guard, self._host, self._port, reuse_address=True, backlog=ACCEPT_BATCH)
         for sock in self._server.sockets:
             with sock.dup() as same:

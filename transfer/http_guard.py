@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import StreamReader, web
 
-__all__ = ["ConnectionGuard", "HEADER_TIMEOUT", "IDLE_TIMEOUT", "MAX_CONNECTIONS"]
+__all__ = ["ConnectionGuard", "FD_RESERVE", "HEADER_TIMEOUT", "IDLE_TIMEOUT", "MAX_CONNECTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ConnectionGuard:
         self.factory, self.limit, self.header_timeout = factory, limit, header_timeout
         self.budget = _fd_budget()
         self.live = self.evicted = 0
-        self.quiet: OrderedDict[_Tracked, None] = OrderedDict()  # idle, nothing received yet
+        self.quiet: OrderedDict[_Tracked, None] = OrderedDict()  # idle, nothing received since opened or answered
         self.heads: OrderedDict[_Tracked, None] = OrderedDict()  # idle, a request head on its way
 
     def __call__(self) -> asyncio.Protocol:
