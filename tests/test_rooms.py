@@ -151,3 +151,35 @@ async def test_an_aborted_room_with_its_ticket_out_clears_its_word_and_count():
     t.mark_ready(4, 1)
     s4, n4 = await t.pin(4, 1)
     assert s4 == s1 and n4 != n1 and pins[s4] == n4
+
+
+async def test_a_consumer_that_gives_up_unread_aborts_a_room_nobody_read():
+    t, freed = table()
+    t.publish(1, np.array([4, 5]))
+    t.claim(1, A, "d0")
+    reply = t.give_up(1, A)
+    assert reply.freed and t.state(1).status is RoomStatus.ABORTED and freed == [(1, [4, 5])]
+    assert t.counters.aborted == 1 and t.counters.released == 0  # its prefill hears: not read
+    with pytest.raises(ClaimLostError, match="aborted"):
+        t.claim(1, B, "d1")
+
+
+async def test_giving_up_takes_only_a_free_claim_and_never_another_consumers():
+    t, freed = table()
+    t.publish(2, np.array([4]), consumers=2)
+    t.claim(2, A, "d0")
+    assert not t.give_up(2, B).freed  # B never reached this rank: one of the free claims ends
+    with pytest.raises(RoomClaimedError):
+        t.claim(2, C, "d2")  # none left
+    with pytest.raises(ClaimLostError):
+        t.give_up(2, C)  # nothing of its own to give up: A's claim stays
+    assert t.release(2, A).freed and t.state(2).status is RoomStatus.RELEASED  # one consumer read it
+    assert t.counters.released == 1 and t.counters.aborted == 0
+
+
+async def test_a_room_given_up_before_it_was_published_is_refused_when_it_is():
+    t, freed = table()
+    assert not t.give_up(3, A).freed
+    with pytest.raises(ConflictError, match="aborted"):
+        t.publish(3, np.array([1]))
+    assert freed == []

@@ -82,3 +82,72 @@ def test_a_scheduler_loop_exports_and_fetches_without_blocking(registry_url):
         exporter.close()
     with pytest.raises(ClosedError):
         fetcher.fetch("sync0", 3, [1])  # closed: refused at once
+
+
+def test_misuse_gets_typed_errors_and_leaves_no_thread(registry_url):
+    """Every call after close raises ClosedError; a failed construction stops its thread;
+    a close from a handle's callback (pdkv's own thread) returns at once."""
+    layout = tiny(layer_num=3)
+    before = threading.active_count()
+    for _ in range(5):
+        with pytest.raises(ValueError, match="path"):
+            SyncFetcher(DSAKVPool(layout), registry_url, path="bogus")
+    assert threading.active_count() == before  # no loop thread outlived its failed start
+
+    exporter = SyncExporter(DSAKVPool(layout), "misuse0", 0, 1, registry_url)
+    exporter.close()
+    for call in (
+        lambda: exporter.mark_ready(1, 1),
+        lambda: exporter.abort_room(1),
+        lambda: exporter.publish_room(1, np.array([1])),
+        lambda: exporter.pin(1),
+    ):
+        with pytest.raises(ClosedError):
+            call()
+
+    fetcher = SyncFetcher(DSAKVPool(layout), registry_url, lanes=1)
+    closed, returned = threading.Event(), []
+
+    def close_inside(handle):
+        t0 = time.monotonic()
+        fetcher.close()
+        returned.append(time.monotonic() - t0)
+        closed.set()
+
+    fetcher.fetch("nobody", 1, [1], timeout=0.2).on_done(close_inside)
+    assert closed.wait(30) and returned[0] < 1.0  # not its 30 s join timeout
+    end = time.monotonic() + 30
+    while threading.active_count() > before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert threading.active_count() == before  # the loop's thread ended behind the close
+    with pytest.raises(ClosedError):
+        fetcher.fetch("nobody", 1, [1])
+
+
+def test_a_cancelled_handle_stays_pending_until_its_task_has_ended():
+    """Cancelling asks the task; the handle settles only once the task has run its
+    cleanup (a fetch: once its READs ended), never at the cancel itself."""
+    import asyncio
+
+    loop = BackgroundLoop("test-cancel")
+    release = threading.Event()
+    try:
+
+        async def slow_to_stop():
+            try:
+                await asyncio.sleep(60)
+            finally:
+                await asyncio.to_thread(release.wait, 30)  # cleanup that outlives the cancel
+
+        from transfer.sync import Handle
+
+        handle = Handle(loop.submit(slow_to_stop()))
+        time.sleep(0.05)
+        handle.cancel()
+        time.sleep(0.2)
+        assert handle.poll() is FetchStatus.PENDING  # still cleaning up
+        release.set()
+        _until_done(handle)
+        assert isinstance(handle.exception(), ClosedError)
+    finally:
+        loop.stop()
