@@ -290,3 +290,58 @@ def test_layouts_the_backend_does_not_serve_are_refused_at_start(monkeypatch):
     monkeypatch.delenv("PDKV_SGLANG_LAYERS")
     with pytest.raises(LayoutError, match="layer count"):
         PdkvKVManager(_kv_args(range(2), fill=True)[0], "prefill", server_args=None, is_mla_backend=True)
+
+
+def test_the_secret_guards_every_service_sglang_starts(monkeypatch):
+    """PDKV_SECRET reaches the bootstrap server, the prefill's exporter and the decode's
+    fetcher: a decode with another secret fails with AuthError and reads nothing; one with
+    the right secret reads the room whole. PDKV_REQUIRE_SECRET refuses to start without one."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from pdkv.errors import AuthError
+    from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager, PdkvKVReceiver
+
+    monkeypatch.setenv("PDKV_SECRET", "right-secret")
+    server = PdkvKVBootstrapServer("127.0.0.1", 0)
+    rooms = {401: ([[3, 4, 5]], False)}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    prefill = ctx.Process(target=_prefill_rank, args=(server.url, 0, 1, rooms, results))
+    prefill.start()
+    _env("", 0, 1)
+    managers = []
+    try:
+        for secret in ("wrong-secret", "right-secret"):
+            monkeypatch.setenv("PDKV_SECRET", secret)
+            args, keep = _kv_args(range(LAYERS), fill=False)
+            mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+            managers.append(mgr)
+            receiver = PdkvKVReceiver(mgr, server.url, 401)
+            receiver.init(0)
+            end, state = time.monotonic() + 60, KVPoll.Bootstrapping
+            while state not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
+                state = receiver.poll()
+                if state == KVPoll.WaitingForInput:
+                    receiver.send_metadata(np.array([1, 2, 9], dtype=np.int32), aux_index=1)
+                time.sleep(0.002)
+            if secret == "wrong-secret":
+                assert state == KVPoll.Failed
+                with pytest.raises(AuthError):
+                    receiver.failure_exception()
+                assert not any(t.numpy().any() for t in keep[: 2 * LAYERS])  # nothing read
+            else:
+                assert state == KVPoll.Success
+                for layer in range(LAYERS):
+                    assert np.array_equal(keep[layer].numpy()[[1, 2, 9]], _pattern(layer, 0)[[3, 4, 5]])
+        assert results.get(timeout=60)[2][-1] == KVPoll.Success
+        monkeypatch.delenv("PDKV_SECRET")
+        monkeypatch.setenv("PDKV_REQUIRE_SECRET", "1")
+        with pytest.raises(AuthError, match="PDKV_SECRET"):
+            PdkvKVManager(_kv_args(range(LAYERS), fill=False)[0], "decode", server_args=None, is_mla_backend=True)
+    finally:
+        for mgr in managers:
+            mgr.close()
+        server.close()
+        prefill.join(30)
+        if prefill.is_alive():
+            prefill.kill()

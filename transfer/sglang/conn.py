@@ -44,7 +44,7 @@ from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.bootstrap import RegistryServer
 from transfer.engine_kv import EngineKV, buffer_infos
 from transfer.metadata import RoomStatus
-from transfer.sglang.topology import Topology, topology
+from transfer.sglang.topology import Topology, secret, topology
 from transfer.sync import BackgroundLoop, FetchStatus, Handle, SyncExporter, SyncFetcher
 
 __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer", "engine_kv_from_args"]
@@ -123,6 +123,7 @@ class PdkvKVManager(BaseKVManager):
         self.kv = engine_kv_from_args(args, self.topology.layer_num, self.topology.device)
         self.aux = AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
         self.engine_id = f"dp{int(getattr(args, 'system_dp_rank', 0) or 0)}"
+        self.secret = secret()
         self._lock = threading.Lock()
         self._finished: dict[int, RoomStatus] = {}  # prefill: rooms done, until their sender looks
         self._fetchers: dict[str, concurrent.futures.Future[SyncFetcher]] = {}  # decode: by bootstrap addr
@@ -131,7 +132,13 @@ class PdkvKVManager(BaseKVManager):
         if self.is_prefill:
             t = self.topology
             self.exporter = SyncExporter(
-                self.kv, self.engine_id, t.cp_rank, t.cp_size, t.registry_url, on_free=self._room_finished
+                self.kv,
+                self.engine_id,
+                t.cp_rank,
+                t.cp_size,
+                t.registry_url,
+                on_free=self._room_finished,
+                secret=self.secret,
             )
 
     def register_to_bootstrap(self) -> None:
@@ -157,7 +164,7 @@ class PdkvKVManager(BaseKVManager):
             started = self._fetchers.get(bootstrap_addr)
             if started is None:
                 url = bootstrap_addr if "://" in bootstrap_addr else f"http://{bootstrap_addr}"
-                started = self._starter.submit(SyncFetcher, self.kv, url)
+                started = self._starter.submit(SyncFetcher, self.kv, url, secret=self.secret)
                 self._fetchers[bootstrap_addr] = started
             return started
 
@@ -410,7 +417,7 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
 
     def __init__(self, host: str, port: int) -> None:
         self._loop = BackgroundLoop("pdkv-sglang-bootstrap")
-        self._server = RegistryServer(host=host, port=port)
+        self._server = RegistryServer(host=host, port=port, secret=secret())
         self.url = self._loop.run(self._server.start(), 30)
         logger.info("pdkv bootstrap server (registry) at %s", self.url)
 

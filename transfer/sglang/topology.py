@@ -12,6 +12,9 @@ a deployment SGLang does not describe, says it):
     PDKV_SGLANG_LAYERS     the model's layer count (default: a decode's own layers; a
                            layer-split prefill cannot see it and must be told)
     PDKV_SGLANG_DEVICE     "cpu" or "cuda" (default: cuda where there is a GPU)
+    PDKV_SECRET            the deployment's shared secret (as the demo app's): every pdkv
+                           service it starts asks for it, every request carries it
+    PDKV_REQUIRE_SECRET    "1": refuse to start without PDKV_SECRET (else a warning, once)
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from typing import Any
 
 import torch
 
-from pdkv.errors import LayoutError
+from pdkv.errors import AuthError, LayoutError
 
-__all__ = ["Topology", "topology", "environment"]
+__all__ = ["Topology", "topology", "environment", "secret"]
 
 
 def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
@@ -48,6 +51,24 @@ class Topology:
     cp_size: int
     layer_num: int
     device: torch.device
+
+
+_warned_no_secret = False
+
+
+def secret() -> str | None:
+    """The shared secret from PDKV_SECRET. Without one every pdkv service answers anyone on
+    its network, with descriptors whose keys grant READs of the prefill's memory: warned
+    once, or refused where PDKV_REQUIRE_SECRET=1."""
+    global _warned_no_secret
+    value = os.environ.get("PDKV_SECRET") or None
+    if value is None:
+        if os.environ.get("PDKV_REQUIRE_SECRET", "") not in ("", "0", "false", "no"):
+            raise AuthError("PDKV_REQUIRE_SECRET is set but PDKV_SECRET is not: pdkv refuses to start")
+        if not _warned_no_secret:
+            _warned_no_secret = True
+            logger.warning("pdkv: no PDKV_SECRET set; its services answer anyone on the network (set it on every node)")
+    return value
 
 
 def environment(registry: str, cp_rank: int, cp_size: int, layers: int, device: str) -> dict[str, str]:
