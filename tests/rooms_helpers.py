@@ -27,3 +27,21 @@ def kv_is_exact(pool: DSAKVPool, engine_id: str, room: int, n: int, pages: objec
     """True if every layer of `pages` holds exactly what `engine_id` wrote for `room`."""
     content = RequestContent(request_seed(engine_id, room), n)
     return content.mismatched_layers(pool, torch.from_numpy(np.asarray(pages))) == []
+
+
+def fetch_in_own_process(registry_url: str, engine_id: str, room: int, n: int, seed: int, out) -> None:  # type: ignore[no-untyped-def]
+    """A decode of its own (run in a spawned process): fetch `room` by claims and report
+    (freed, freed_on, bytes exact) on `out`."""
+    import asyncio
+
+    from pdkv import tiny
+    from transfer.decode import DecodeFetcher
+
+    async def run() -> None:
+        pool = DSAKVPool(tiny(size=8192))
+        async with DecodeFetcher(pool, registry_url, lanes=1) as fetcher:
+            pages = fragmented_pages(pool, n, seed)
+            result = await fetcher.fetch(engine_id, room, pages)
+            out.put((result.freed, result.freed_on, kv_is_exact(pool, engine_id, room, n, pages)))
+
+    asyncio.run(run())

@@ -26,7 +26,7 @@ from pdkv import (
     tiny,
 )
 from tests.http_probe import rss_bytes, send_big
-from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from tests.rooms_helpers import fetch_in_own_process, fragmented_pages, kv_is_exact, prefill
 from tests.wire_helpers import rank_descriptor
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.router import Deployment, DeploymentSpec
@@ -234,6 +234,33 @@ async def test_a_lease_rereads_its_room_then_learns_its_release_freed_it(deploym
         assert lease._released is True  # the last claim: the room is free on every owner
         with pytest.raises(UnknownRoomError, match="released"):
             await fetcher.fetch("prefill3", room, fragmented_pages(pool, n, 8))
+
+
+async def test_each_owner_is_freed_by_exactly_one_of_a_rooms_consumers(deployment):
+    """Three decodes in processes of their own read one room of three consumers at once:
+    each is exact, and each CP rank's last release belongs to exactly one of them
+    (`freed_on`), though no single fetch need have freed the room everywhere."""
+    import multiprocessing as mp
+
+    engine, n, room = deployment.engines[3], 900, 7_350_000
+    await prefill(deployment, engine, room, n, consumers=3)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    decodes = [
+        ctx.Process(target=fetch_in_own_process, args=(deployment.registry_url, "prefill3", room, n, 20 + i, out))
+        for i in range(3)
+    ]
+    for p in decodes:
+        p.start()
+    try:
+        results = [await asyncio.to_thread(out.get, True, 120) for _ in decodes]
+    finally:
+        for p in decodes:
+            p.join(30)
+    assert all(exact for _, _, exact in results)
+    freed_on = sorted(rank for _, ranks, _ in results for rank in ranks)
+    assert freed_on == [0, 1, 2, 3]  # every owner freed once, by one consumer
+    assert all(freed == (len(ranks) == 4) for freed, ranks, _ in results)
 
 
 async def test_bad_destination_pages_are_refused_before_anything_is_asked(deployment):

@@ -27,8 +27,14 @@ class FetchResult(msgspec.Struct, frozen=True):
     nbytes: int
     seconds: float  # from the call (`fetch`, or a lease's `read`) to its return
     owners: tuple[OwnerStats, ...]
-    freed: bool = False  # this fetch's release was the room's last on every owner: its pages are free
+    # This fetch's release was the room's last on every owner. With several consumers the
+    # last release on each owner may belong to different fetches, so none may say so:
+    # `freed_on` is the per-owner answer.
+    freed: bool = False
     control_messages: int = 0  # HTTP requests to owners (claims, polls, releases); the lookup is cached
+    # The CP ranks on which this fetch's release was the room's last (its pages freed there).
+    # Over all of a room's consumers, each rank appears in exactly one fetch's `freed_on`.
+    freed_on: tuple[int, ...] = ()
 
     @property
     def aux(self) -> bytes | None:
