@@ -291,9 +291,11 @@ class OwnerIO:
             for o in owners.values():
                 self._feed.forget(o.rank.control_url, claim.room)
         nbytes = sum(s.nbytes for s in stats)
-        freed = release and all(claim.released.get(r, False) for r in owners)
+        freed_on = tuple(sorted(r for r in owners if claim.released.get(r, False))) if release else ()
         messages = claim.messages - messages_before
-        return FetchResult(engine_id, claim.room, nbytes, time.perf_counter() - started, tuple(stats), freed, messages)
+        seconds = time.perf_counter() - started
+        freed = len(freed_on) == len(owners)
+        return FetchResult(engine_id, claim.room, nbytes, seconds, tuple(stats), freed, messages, freed_on)
 
     async def _tracked(self, work: Awaitable[T]) -> T:
         """`work` in a task that `aclose()` may cancel (the caller then gets `ClosedError`)."""
