@@ -345,3 +345,38 @@ def test_the_secret_guards_every_service_sglang_starts(monkeypatch):
         prefill.join(30)
         if prefill.is_alive():
             prefill.kill()
+
+
+def test_sglang_settings_become_pdkvs_bounds(monkeypatch):
+    """SGLang's bootstrap and waiting timeouts and its heartbeat settings, read as SGLang
+    reads them (its defaults where unset), become pdkv's Timeouts (the README's table)."""
+    from transfer.sglang.topology import sglang_timeouts
+
+    t = sglang_timeouts()
+    assert (t.pin, t.lookup, t.fetch, t.publish, t.heartbeat, t.lease) == (300, 300, 300, 300, 5.0, 10.0)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "40")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "600")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "1.5")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "4")
+    t = sglang_timeouts()
+    assert (t.pin, t.lookup, t.fetch, t.publish, t.heartbeat, t.lease) == (40, 40, 600, 600, 1.5, 6.0)
+
+
+def test_a_layer_split_prefill_reads_the_layer_count_from_the_model_config(tmp_path, monkeypatch):
+    """No PDKV_SGLANG_LAYERS: the count comes from config.json at SGLang's --model-path."""
+    import json
+    import types
+
+    from transfer.sglang.topology import topology
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 61}))
+    monkeypatch.setenv("PDKV_SGLANG_REGISTRY", "http://127.0.0.1:9")
+    monkeypatch.setenv("PDKV_SGLANG_CP_RANK", "3")
+    monkeypatch.setenv("PDKV_SGLANG_CP_SIZE", "4")
+    monkeypatch.setenv("PDKV_SGLANG_DEVICE", "cpu")
+    monkeypatch.delenv("PDKV_SGLANG_LAYERS", raising=False)
+    args, _ = _kv_args(range(2), fill=False)
+    server_args = types.SimpleNamespace(model_path=str(tmp_path), revision=None)
+    assert topology(args, True, server_args).layer_num == 61
+    monkeypatch.setenv("PDKV_SGLANG_LAYERS", "7")  # the variable stays an override
+    assert topology(args, True, server_args).layer_num == 7

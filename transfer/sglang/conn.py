@@ -44,7 +44,7 @@ from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.bootstrap import RegistryServer
 from transfer.engine_kv import EngineKV, buffer_infos
 from transfer.metadata import RoomStatus
-from transfer.sglang.topology import Topology, secret, topology
+from transfer.sglang.topology import Topology, secret, sglang_timeouts, topology
 from transfer.sync import BackgroundLoop, FetchStatus, Handle, SyncExporter, SyncFetcher
 
 __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer", "engine_kv_from_args"]
@@ -119,7 +119,8 @@ class PdkvKVManager(BaseKVManager):
         self.kv_args, self.server_args = args, server_args
         self.disaggregation_mode = disaggregation_mode
         self.is_prefill = _mode(disaggregation_mode) == "prefill"
-        self.topology: Topology = topology(args, self.is_prefill)
+        self.topology: Topology = topology(args, self.is_prefill, server_args)
+        self.timeouts = sglang_timeouts()
         self.kv = engine_kv_from_args(args, self.topology.layer_num, self.topology.device)
         self.aux = AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
         self.engine_id = f"dp{int(getattr(args, 'system_dp_rank', 0) or 0)}"
@@ -139,6 +140,7 @@ class PdkvKVManager(BaseKVManager):
                 t.registry_url,
                 on_free=self._room_finished,
                 secret=self.secret,
+                timeouts=self.timeouts,
             )
 
     def register_to_bootstrap(self) -> None:
@@ -164,7 +166,7 @@ class PdkvKVManager(BaseKVManager):
             started = self._fetchers.get(bootstrap_addr)
             if started is None:
                 url = bootstrap_addr if "://" in bootstrap_addr else f"http://{bootstrap_addr}"
-                started = self._starter.submit(SyncFetcher, self.kv, url, secret=self.secret)
+                started = self._starter.submit(SyncFetcher, self.kv, url, secret=self.secret, timeouts=self.timeouts)
                 self._fetchers[bootstrap_addr] = started
             return started
 
@@ -417,7 +419,7 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
 
     def __init__(self, host: str, port: int) -> None:
         self._loop = BackgroundLoop("pdkv-sglang-bootstrap")
-        self._server = RegistryServer(host=host, port=port, secret=secret())
+        self._server = RegistryServer(host=host, port=port, timeouts=sglang_timeouts(), secret=secret())
         self.url = self._loop.run(self._server.start(), 30)
         logger.info("pdkv bootstrap server (registry) at %s", self.url)
 

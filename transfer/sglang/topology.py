@@ -10,7 +10,8 @@ a deployment SGLang does not describe, says it):
                            a layer-split prefill's CP rank and size (default: SGLang's
                            attention CP rank and size)
     PDKV_SGLANG_LAYERS     the model's layer count (default: a decode's own layers; a
-                           layer-split prefill cannot see it and must be told)
+                           layer-split prefill reads `num_hidden_layers` from the model's
+                           config.json, by SGLang's `--model-path`)
     PDKV_SGLANG_DEVICE     "cpu" or "cuda" (default: cuda where there is a GPU)
     PDKV_SECRET            the deployment's shared secret (as the demo app's): every pdkv
                            service it starts asks for it, every request carries it
@@ -19,16 +20,19 @@ a deployment SGLang does not describe, says it):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdkv.errors import AuthError, LayoutError
+from transfer.timeouts import Timeouts
 
-__all__ = ["Topology", "topology", "environment", "secret"]
+__all__ = ["Topology", "topology", "environment", "secret", "sglang_timeouts"]
 
 
 def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
@@ -111,7 +115,34 @@ def _sglang_context() -> dict[str, Any]:
         return {}
 
 
-def topology(kv_args: Any, prefill: bool) -> Topology:
+def _model_layers(server_args: Any) -> int | None:
+    """`num_hidden_layers` of the model SGLang serves, from its config.json (a local
+    directory, or Hugging Face's cache where the hub client is installed); None if unknown."""
+    path = getattr(server_args, "model_path", None)
+    if not path:
+        return None
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json", revision=getattr(server_args, "revision", None))
+        except ImportError:
+            return None
+        if not isinstance(cached, str):
+            return None
+        config = Path(cached)
+    try:
+        body = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("cannot read %s: %s", config, exc)
+        return None
+    text = body.get("text_config") or {}
+    layers = body.get("num_hidden_layers", text.get("num_hidden_layers"))
+    return int(layers) if isinstance(layers, int) and layers > 0 else None
+
+
+def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     """This rank's place, from the environment, else SGLang's runtime context, else `kv_args`."""
     ctx = _sglang_context()
     registry = os.environ.get("PDKV_SGLANG_REGISTRY", "")
@@ -124,13 +155,47 @@ def topology(kv_args: Any, prefill: bool) -> Topology:
     cp_rank = ctx.get("cp_rank", 0) if cp_rank is None else cp_rank
     cp_size = ctx.get("cp_size", 1) if cp_size is None else cp_size
     layers = _env_int("PDKV_SGLANG_LAYERS")
+    if layers is None and prefill and cp_size > 1:
+        layers = _model_layers(server_args)
+        if layers is None:
+            raise LayoutError(
+                "a layer-split pdkv prefill needs the model's layer count: no config.json with "
+                "num_hidden_layers at SGLang's --model-path; set PDKV_SGLANG_LAYERS"
+            )
     if layers is None:
-        if prefill and cp_size > 1:
-            raise LayoutError("a layer-split pdkv prefill needs the model's layer count: set PDKV_SGLANG_LAYERS")
-        layers = len(kv_args.kv_data_ptrs)
+        layers = len(kv_args.kv_data_ptrs) - int(getattr(kv_args, "num_draft_entries", 0) or 0)
     wanted = os.environ.get("PDKV_SGLANG_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device("cuda", int(kv_args.gpu_id)) if wanted == "cuda" else torch.device("cpu")
     if not 0 <= cp_rank < cp_size:
         raise LayoutError(f"CP rank {cp_rank} outside a CP size of {cp_size}")
     _supported(kv_args, ctx)
     return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device)
+
+
+def _sglang_env(name: str, default: float) -> float:
+    """SGLang's own setting `name` (its default where unset), as SGLang reads it."""
+    try:
+        from sglang.srt.environ import envs
+
+        return float(getattr(envs, name).get())
+    except (ImportError, AttributeError):
+        value = os.environ.get(name)
+        return default if value is None else float(value)
+
+
+def sglang_timeouts(base: Timeouts = Timeouts()) -> Timeouts:
+    """pdkv's bounds from SGLang's disaggregation settings (see the README's table):
+    how long a room waits for its decode, how long a decode waits for its KV, and when
+    silence means a peer is dead."""
+    bootstrap = _sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
+    waiting = _sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
+    interval = _sglang_env("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0)
+    failures = _sglang_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)
+    return base.replace(
+        pin=bootstrap,
+        lookup=bootstrap,
+        fetch=waiting,
+        publish=waiting,
+        heartbeat=interval,
+        lease=interval * max(1.0, failures),
+    )
