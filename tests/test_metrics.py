@@ -1,11 +1,24 @@
 """Prometheus metrics (`/metrics` on every service; `transfer.metrics`)."""
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import aiohttp
 import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdkv import DSAKVPool, tiny
+from pdkv import DSAKVPool, PdkvError, tiny
 from transfer.bootstrap import RegistryServer
+from transfer.decode import DecodeFetcher
 from transfer.prefill import PrefillExporter
 
 
@@ -38,3 +51,225 @@ async def test_an_exporters_rooms_are_scraped_without_the_secret():
         assert ("pdkv_pinned_pages", labels) not in await _scrape(url)  # closed: no longer reported
     finally:
         await registry.aclose()
+
+
+_RATE_BUCKET = "pdkv_fetch_bytes_per_second_bucket"
+
+
+def _delta(after: dict, before: dict, name: str, **labels: str) -> float:
+    return after.get(_key(name, **labels), 0.0) - before.get(_key(name, **labels), 0.0)
+
+
+async def _wait_for(predicate, what: str, limit: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + limit
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_decodes_fetches_are_labelled_by_engine_with_rate_and_fetches_in_flight():
+    """Real fetches over loopback UCX: each histogram and the failures carry the prefill's
+    engine; the rate is the fetch's bytes over its seconds; a fetch waiting for its layers
+    is in flight until it ends."""
+    layout = tiny(layer_num=3)
+    src = DSAKVPool(layout)
+    src.slab.view(-1).copy_(torch.arange(src.slab.nbytes) % 251)
+    registry = RegistryServer()
+    url = await registry.start()
+    try:
+        async with PrefillExporter(src, "m1", 0, 1, url) as exp, DecodeFetcher(DSAKVPool(layout), url) as fetcher:
+            before = await _scrape(exp.control_url)
+            exp.publish_room(1, np.array([3, 4, 9]))
+            exp.mark_ready(1, layout.layer_num)
+            first = await fetcher.fetch("m1", 1, [1, 2, 3], timeout=20)
+
+            exp.publish_room(2, np.array([5, 6]))
+            waiting = asyncio.create_task(fetcher.fetch("m1", 2, [7, 8], timeout=20))
+
+            async def in_flight_is(n: int) -> bool:
+                return (await _scrape(exp.control_url)).get(("pdkv_fetches_in_flight", (("engine", "m1"),))) == n
+
+            await _wait_for(lambda: in_flight_is(1), "the waiting fetch in flight")
+            exp.mark_ready(2, layout.layer_num)
+            second = await waiting
+            await _wait_for(lambda: in_flight_is(0), "no fetch in flight once it returned")
+
+            exp.publish_room(3, np.array([10]))
+            doomed = asyncio.create_task(fetcher.fetch("m1", 3, [11], timeout=20))
+            await _wait_for(lambda: in_flight_is(1), "the doomed fetch in flight")
+            exp.abort_room(3)
+            with pytest.raises(PdkvError) as failed:
+                await doomed
+            await asyncio.sleep(0)  # results are observed just after the fetch returns
+            after = await _scrape(exp.control_url)
+    finally:
+        await registry.aclose()
+
+    done = (first, second)
+    m1 = {"engine": "m1"}
+    assert _delta(after, before, "pdkv_fetch_seconds_count", path="claims", **m1) == 2
+    assert _delta(after, before, "pdkv_fetch_seconds_sum", path="claims", **m1) == pytest.approx(
+        sum(r.seconds for r in done)
+    )
+    assert _delta(after, before, "pdkv_fetch_bytes_count", **m1) == 2
+    assert _delta(after, before, "pdkv_fetch_bytes_sum", **m1) == sum(r.nbytes for r in done) > 0
+    assert _delta(after, before, "pdkv_fetch_descriptors_sum", **m1) == sum(r.descriptors for r in done) > 0
+    assert _delta(after, before, "pdkv_fetch_bytes_per_second_count", **m1) == 2
+    assert _delta(after, before, "pdkv_fetch_bytes_per_second_sum", **m1) == pytest.approx(
+        sum(r.gbps for r in done) * 1e9
+    )
+    rates = [r.nbytes / r.seconds for r in done]
+    buckets = {float(dict(labels)["le"]): dict(labels)["le"] for (n, labels) in after if n == _RATE_BUCKET}
+    assert min(buckets) == 0.1e9 and max(b for b in buckets if b != float("inf")) == 2000e9
+    for bound, le in buckets.items():  # cumulative: each rate counted at every bound at or over it
+        assert _delta(after, before, _RATE_BUCKET, le=le, **m1) == sum(rate <= bound for rate in rates)
+    reads = sum(o.reads for r in done for o in r.owners)
+    assert reads >= 2 and _delta(after, before, "pdkv_read_seconds_count", lane="ucx", **m1) == reads
+    error = type(failed.value).__name__
+    assert _delta(after, before, "pdkv_fetch_failures_total", error=error, **m1) == 1
+    assert after[("pdkv_fetches_in_flight", (("engine", "m1"),))] == 0
+
+
+async def _multiprocess_child() -> None:
+    """Run with PROMETHEUS_MULTIPROC_DIR set: an exporter and a decode in this process write
+    their metrics to the directory; the parent merges them between steps said on stdout."""
+    from transfer import metrics
+
+    assert metrics.MULTIPROCESS
+    metrics.ROOM_SAMPLE_SECONDS = 0.05
+    loop = asyncio.get_running_loop()
+
+    async def step(**facts: object) -> None:
+        await asyncio.sleep(0.3)  # several samples of the rooms
+        print("PDKV " + json.dumps(facts), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+
+    layout = tiny(layer_num=3)
+    registry = RegistryServer()
+    url = await registry.start()
+    try:
+        async with PrefillExporter(DSAKVPool(layout), "mp1", 0, 1, url) as exp:
+            async with DecodeFetcher(DSAKVPool(layout), url) as fetcher:
+                exp.publish_room(1, np.array([3, 4, 9]))
+                exp.mark_ready(1, layout.layer_num)
+                first = await fetcher.fetch("mp1", 1, [1, 2, 3], timeout=20)
+                exp.publish_room(3, np.array([10]))
+                doomed = asyncio.create_task(fetcher.fetch("mp1", 3, [11], timeout=20))
+                await asyncio.sleep(0.2)
+                exp.abort_room(3)
+                error = ""
+                try:
+                    await doomed
+                except PdkvError as exc:
+                    error = type(exc).__name__
+                exp.publish_room(2, np.array([5, 6]))
+                waiting = asyncio.create_task(fetcher.fetch("mp1", 2, [7, 8], timeout=20))
+                reads = sum(o.reads for o in first.owners)
+                await step(
+                    pid=os.getpid(), nbytes=first.nbytes, descriptors=first.descriptors, reads=reads, error=error
+                )
+                exp.mark_ready(2, layout.layer_num)
+                second = await waiting
+        await step(nbytes=second.nbytes)  # the exporter closed
+    finally:
+        await registry.aclose()
+
+
+def test_room_gauges_and_fetch_metrics_merge_in_multiprocess_mode(tmp_path):
+    """As under SGLang's PROMETHEUS_MULTIPROC_DIR: an exporter's rooms and a decode's fetches,
+    written by another process, come out of MultiProcessCollector right; the rooms while the
+    exporter lives and 0 once it has closed; its live gauges gone once the process is marked dead."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "UCX_MODULES": "^ib"}
+    code = "import asyncio, tests.test_metrics as t; asyncio.run(t._multiprocess_child())"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent.parent,
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    watchdog = threading.Timer(120, child.kill)
+    watchdog.start()
+    try:
+        first = _next_step(child)
+        rank, engine = {"engine": "mp1", "cp_rank": "0"}, {"engine": "mp1"}
+        merged = _merged(tmp_path)
+        assert merged[_key("pdkv_pinned_pages", **rank)] == 2  # room 2 (room 1 released, room 3 aborted)
+        assert merged[_key("pdkv_pinned_rooms", **rank)] == 1
+        assert merged[_key("pdkv_tickets_out", **rank)] == 0
+        assert merged[_key("pdkv_rooms_published_total", **rank)] == 3
+        assert merged[_key("pdkv_rooms_released_total", **rank)] == 1
+        assert merged[_key("pdkv_rooms_aborted_total", **rank)] == 1
+        assert merged[_key("pdkv_fetches_in_flight", **engine)] == 1  # room 2's, waiting for its layers
+        assert merged[_key("pdkv_fetch_seconds_count", path="claims", **engine)] == 1
+        assert merged[_key("pdkv_fetch_bytes_sum", **engine)] == first["nbytes"] > 0
+        assert merged[_key("pdkv_fetch_descriptors_sum", **engine)] == first["descriptors"] > 0
+        assert merged[_key("pdkv_fetch_bytes_per_second_count", **engine)] == 1
+        assert merged[_key("pdkv_read_seconds_count", lane="ucx", **engine)] == first["reads"] > 0
+        assert first["error"] and merged[_key("pdkv_fetch_failures_total", error=first["error"], **engine)] == 1
+
+        child.stdin.write("\n")
+        child.stdin.flush()
+        second = _next_step(child)
+        merged = _merged(tmp_path)
+        assert merged[_key("pdkv_pinned_pages", **rank)] == 0 and merged[_key("pdkv_pinned_rooms", **rank)] == 0
+        assert merged[_key("pdkv_rooms_released_total", **rank)] == 2
+        assert merged[_key("pdkv_fetches_in_flight", **engine)] == 0
+        assert merged[_key("pdkv_fetch_bytes_sum", **engine)] == first["nbytes"] + second["nbytes"]
+        assert merged[_key("pdkv_fetch_seconds_count", path="claims", **engine)] == 2
+
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(60) == 0
+    finally:
+        watchdog.cancel()
+        child.kill()
+    mark_process_dead(first["pid"], str(tmp_path))
+    merged = _merged(tmp_path)
+    assert _key("pdkv_pinned_pages", **rank) not in merged and _key("pdkv_fetches_in_flight", **engine) not in merged
+    assert merged[_key("pdkv_rooms_published_total", **rank)] == 3  # counters outlive their process
+
+
+def _next_step(child: subprocess.Popen) -> dict:  # type: ignore[type-arg]
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("PDKV "):
+            return json.loads(line[5:])
+    raise AssertionError(f"the child ended (rc {child.wait()}) before its step")
+
+
+def _merged(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(path))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples}
+
+
+def _key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return name, tuple(sorted(labels.items()))
+
+
+def test_the_grafana_dashboard_parses_and_queries_only_pdkv_metrics_that_exist():
+    """docs/grafana-pdkv.json: Prometheus as a variable on every panel, the operator's panels,
+    and every `pdkv_` series it names is one that pdkv's registry exposes."""
+    import re
+
+    from prometheus_client import REGISTRY
+
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-pdkv.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    panels = dashboard["panels"]
+    titles = " | ".join(p["title"] for p in panels).lower()
+    for wanted in ("transfer rate", "latency p50 / p99", "failures by error", "pinned pages", "in flight"):
+        assert wanted in titles
+    for p in panels:
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
+    exposed = {f.name + s for f in REGISTRY.collect() if f.name.startswith("pdkv_") for s in suffixes[f.type]}
+    queries = [t["expr"] for p in panels for t in p["targets"]] + [variables["engine"]["query"]["query"]]
+    named = {name for q in queries for name in re.findall(r"\bpdkv_[a-z0-9_]+", q)}
+    assert {"pdkv_fetch_bytes_per_second_bucket", "pdkv_fetch_seconds_bucket", "pdkv_fetches_in_flight"} <= named
+    assert named <= exposed, f"not in pdkv's registry: {sorted(named - exposed)}"

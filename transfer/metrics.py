@@ -1,22 +1,38 @@
 """Prometheus metrics of the transfer layer, `pdkv_`-prefixed, through prometheus_client.
 
 Shaped after what serving engines already expose for KV transfer (SGLang's
-`sglang:kv_transfer_*`, vLLM's `vllm:nixl_*`): a histogram of whole-fetch latency, of the
-time inside each READ (or gather launch), of bytes and descriptors per fetch, failures by
-error class, and an exporter's pinned rooms and pages. Every service serves them at
-`GET /metrics` (open like `/health`: no room ids or addresses are exported).
+`sglang:kv_transfer_*`, vLLM's `vllm:nixl_*`): on a decode, histograms of whole-fetch
+latency, of the time inside each READ (or gather launch), of bytes, transfer rate and
+descriptors per fetch, failures by error class and the fetches in flight, each by `engine`
+(the prefill engine read from: engines are few, rooms and addresses never become labels);
+on a prefill rank, an exporter's pinned rooms, pages and tickets and its room counts. Every
+service serves them at `GET /metrics` (open like `/health`).
 
-Exporters are read when scraped, through one collector that walks the live ones: two
-exporters in one process (tests, a multi-rank worker) then share the families.
+Two modes, as prometheus_client chose when it was imported:
+
+* one process (the default): exporters are read when scraped, through one collector that
+  walks the live ones, so a scrape sees the rooms as they are; two exporters in one process
+  (tests, a multi-rank worker) share the families.
+* multiprocess (`PROMETHEUS_MULTIPROC_DIR`, as SGLang runs): each process writes mmap files
+  that the serving process's `MultiProcessCollector` merges, and a custom collector of the
+  scheduler's process is never asked. Exporters then write real Gauges and Counters, once
+  as they are tracked and then every `ROOM_SAMPLE_SECONDS` from a task on their own loop
+  (nothing outside this module changes as rooms do). The gauges merge as `livemostrecent`:
+  one exporter owns an (engine, CP rank), so a restarted rank's values replace its dead
+  predecessor's rather than add to them, and `mark_process_dead` drops them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import logging
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,32 +40,98 @@ __all__ = [
     "FETCH_SECONDS",
     "READ_SECONDS",
     "FETCH_BYTES",
+    "FETCH_RATE",
     "FETCH_DESCRIPTORS",
     "FETCH_FAILURES",
+    "FETCHES_IN_FLIGHT",
+    "MULTIPROCESS",
+    "ROOM_SAMPLE_SECONDS",
+    "fetching",
+    "fetch_engine",
     "track_exporter",
     "untrack_exporter",
 ]
 
+logger = logging.getLogger(__name__)
+
+# Decided by prometheus_client at its import (PROMETHEUS_MULTIPROC_DIR set then or not).
+MULTIPROCESS: bool = bool(getattr(values.ValueClass, "_multiprocess", False))
+# How often a tracked exporter's rooms are written in multiprocess mode.
+ROOM_SAMPLE_SECONDS = 1.0
+
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _BYTES = tuple(float(1 << p) for p in range(16, 34, 2))  # 64 KiB .. 8 GiB
 _COUNTS = tuple(float(4**p) for p in range(0, 10))  # 1 .. 262,144
+# 0.1 GB/s (a slow TCP path) .. 2 TB/s (a same-GPU gather): UCX over NICs, NVLink, HBM.
+_RATES = tuple(g * 1e9 for g in (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 400, 700, 1000, 1400, 2000))
 
 FETCH_SECONDS = Histogram(
     "pdkv_fetch_seconds",
     "Whole fetches: lookup (cached), reads from every owner, proof of the pin",
-    ["path"],  # ticket | claims
+    ["engine", "path"],  # path: ticket | claims
     buckets=_SECONDS,
 )
 READ_SECONDS = Histogram(
-    "pdkv_read_seconds", "Time inside one batched UCX READ or one gather launch", ["lane"], buckets=_SECONDS
+    "pdkv_read_seconds",
+    "Time inside one batched UCX READ or one gather launch",
+    ["engine", "lane"],  # lane: ucx | cuda_ipc
+    buckets=_SECONDS,
 )
-FETCH_BYTES = Histogram("pdkv_fetch_bytes", "Bytes a fetch moved", buckets=_BYTES)
-FETCH_DESCRIPTORS = Histogram("pdkv_fetch_descriptors", "UCX descriptors a fetch posted", buckets=_COUNTS)
-FETCH_FAILURES = Counter("pdkv_fetch_failures", "Fetches that raised, by error class", ["error"])
+FETCH_BYTES = Histogram("pdkv_fetch_bytes", "Bytes a fetch moved", ["engine"], buckets=_BYTES)
+FETCH_RATE = Histogram(
+    "pdkv_fetch_bytes_per_second",
+    "Bytes a successful fetch moved over its whole seconds (FetchResult.gbps, in bytes)",
+    ["engine"],
+    buckets=_RATES,
+)
+FETCH_DESCRIPTORS = Histogram("pdkv_fetch_descriptors", "UCX descriptors a fetch posted", ["engine"], buckets=_COUNTS)
+FETCH_FAILURES = Counter("pdkv_fetch_failures", "Fetches that raised, by error class", ["engine", "error"])
+FETCHES_IN_FLIGHT = Gauge(
+    "pdkv_fetches_in_flight", "Fetches begun and not yet ended", ["engine"], multiprocess_mode="livesum"
+)
+
+# ---- the decode: which engine a fetch reads, for what is observed inside it -------------------
+
+_engine: contextvars.ContextVar[str] = contextvars.ContextVar("pdkv_fetch_engine", default="")
+_in_flight: dict[str, Gauge] = {}  # children by engine: a fetch through the GPU lane counts microseconds
+
+
+def fetch_engine() -> str:
+    """The engine of the fetch being run ("" outside one): READs are observed under it."""
+    return _engine.get()
+
+
+class _Fetching:
+    """One fetch in flight: counted while the block runs, and its engine bound for the tasks it starts."""
+
+    __slots__ = ("_engine_id", "_gauge", "_token")
+
+    def __init__(self, engine_id: str) -> None:
+        self._engine_id = engine_id
+
+    def __enter__(self) -> None:
+        gauge = _in_flight.get(self._engine_id)
+        if gauge is None:
+            gauge = _in_flight[self._engine_id] = FETCHES_IN_FLIGHT.labels(self._engine_id)
+        self._gauge = gauge
+        gauge.inc()
+        self._token = _engine.set(self._engine_id)
+
+    def __exit__(self, *exc: object) -> None:
+        _engine.reset(self._token)
+        self._gauge.dec()
+
+
+def fetching(engine_id: str) -> _Fetching:
+    """`with fetching(engine_id):` around a fetch: in flight meanwhile, even if cancelled."""
+    return _Fetching(engine_id)
+
+
+# ---- the prefill: an exporter's rooms -----------------------------------------------------------
 
 
 class _RoomsView(Protocol):
-    """What the collector reads of an exporter."""
+    """What is read of an exporter."""
 
     engine_id: str
     cp_rank: int
@@ -70,32 +152,97 @@ _COUNTERS = {
     "aborted": ("pdkv_rooms_aborted", "Rooms aborted"),
     "expired": ("pdkv_rooms_expired", "Rooms whose pin expired before release"),
 }
+_ROOM_LABELS = ["engine", "cp_rank"]
 
 
 class _ExporterCollector(Collector):
+    """One process: the live exporters' rooms, read at each scrape."""
+
     def collect(self) -> Iterator[Metric]:
-        live = list(_exporters)
-        families: list[GaugeMetricFamily | CounterMetricFamily] = []
+        live = [((e.engine_id, str(e.cp_rank)), e.room_metrics()) for e in list(_exporters)]
         for key, (name, doc) in _GAUGES.items():
-            family = GaugeMetricFamily(name, doc, labels=["engine", "cp_rank"])
-            for e in live:
-                family.add_metric([e.engine_id, str(e.cp_rank)], e.room_metrics()[key])
-            families.append(family)
+            gauge = GaugeMetricFamily(name, doc, labels=_ROOM_LABELS)
+            for labels, rooms in live:
+                gauge.add_metric(labels, rooms[key])
+            yield gauge
         for key, (name, doc) in _COUNTERS.items():
-            counter = CounterMetricFamily(name, doc, labels=["engine", "cp_rank"])
-            for e in live:
-                counter.add_metric([e.engine_id, str(e.cp_rank)], e.room_metrics()[key])
-            families.append(counter)
-        yield from families
+            counter = CounterMetricFamily(name, doc, labels=_ROOM_LABELS)
+            for labels, rooms in live:
+                counter.add_metric(labels, rooms[key])
+            yield counter
 
 
-REGISTRY.register(_ExporterCollector())
+@dataclass
+class _Sampler:
+    """Multiprocess: one exporter's series, what its counters were last, and the task writing them."""
+
+    labels: tuple[str, str]
+    seen: dict[str, int] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+    def write(self, rooms: dict[str, int]) -> None:
+        for key, gauge in _room_gauges.items():
+            gauge.labels(*self.labels).set(rooms[key])
+        for key, counter in _room_counters.items():
+            delta = rooms[key] - self.seen.get(key, 0)
+            if delta > 0:
+                counter.labels(*self.labels).inc(delta)
+            self.seen[key] = rooms[key]
+
+    def zero(self) -> None:
+        """Gone: its gauges read 0 (series cannot be removed in multiprocess mode)."""
+        for gauge in _room_gauges.values():
+            gauge.labels(*self.labels).set(0)
+
+
+_room_gauges: dict[str, Gauge] = {}
+_room_counters: dict[str, Counter] = {}
+_samplers: weakref.WeakKeyDictionary[_RoomsView, _Sampler] = weakref.WeakKeyDictionary()
+
+if MULTIPROCESS:
+    _room_gauges = {k: Gauge(n, d, _ROOM_LABELS, multiprocess_mode="livemostrecent") for k, (n, d) in _GAUGES.items()}
+    _room_counters = {k: Counter(n, d, _ROOM_LABELS) for k, (n, d) in _COUNTERS.items()}
+else:
+    REGISTRY.register(_ExporterCollector())
+
+
+async def _sample_forever(exporter: weakref.ref[_RoomsView], sampler: _Sampler) -> None:
+    """Write the exporter's rooms every ROOM_SAMPLE_SECONDS while it lives (holding no reference)."""
+    while True:
+        await asyncio.sleep(ROOM_SAMPLE_SECONDS)
+        live = exporter()
+        if live is None:
+            sampler.zero()
+            return
+        try:
+            sampler.write(live.room_metrics())
+        except Exception:  # a bad sample must not end the sampling
+            logger.exception("exporter %s/cp%s: its rooms could not be written", *sampler.labels)
+        del live
 
 
 def track_exporter(exporter: _RoomsView) -> None:
     """Report `exporter`'s rooms while it lives (untracked when it is collected)."""
     _exporters.add(exporter)
+    if not MULTIPROCESS or exporter in _samplers:
+        return
+    sampler = _samplers[exporter] = _Sampler((exporter.engine_id, str(exporter.cp_rank)))
+    sampler.write(exporter.room_metrics())
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        logger.warning("exporter %s/cp%s tracked outside a loop: its rooms are written once", *sampler.labels)
+        return
+    sampler.task = loop.create_task(_sample_forever(weakref.ref(exporter), sampler))
 
 
 def untrack_exporter(exporter: _RoomsView) -> None:
+    """Stop reporting `exporter` (its last counts written, its gauges 0 in multiprocess mode)."""
     _exporters.discard(exporter)
+    sampler = _samplers.pop(exporter, None)
+    if sampler is None:
+        return
+    if sampler.task is not None:
+        sampler.task.cancel()
+    sampler.write(exporter.room_metrics())
+    sampler.zero()
