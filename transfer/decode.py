@@ -55,7 +55,7 @@ from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient
 from transfer.logctx import request_context
 from transfer.metadata import EngineDescriptor, RoomTicket
-from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_SECONDS
+from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_RATE, FETCH_SECONDS, fetching
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.pin_table import map_pins
 from transfer.plan import buffer_pairs, check_owners, mem_type
@@ -303,10 +303,10 @@ class DecodeFetcher(OwnerIO):
             raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
         self._enter()
         try:
-            with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
+            with request_context(engine=engine_id, room=room, consumer=self.consumer_id), fetching(engine_id):
                 result = await self._fetch(engine_id, room, dst, budget, ticket, started)
         except PdkvError as exc:
-            FETCH_FAILURES.labels(error=type(exc).__name__).inc()
+            FETCH_FAILURES.labels(engine_id, type(exc).__name__).inc()
             logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)
             raise
         finally:
@@ -453,7 +453,10 @@ class RoomLease:
         budget = _budget(f.timeouts.fetch, deadline, timeout)
         f._enter()
         try:
-            return await f._fetch_from(self._owners, self.engine_id, self._claim, dst, budget, started, release=False)
+            with fetching(self.engine_id):
+                return await f._fetch_from(
+                    self._owners, self.engine_id, self._claim, dst, budget, started, release=False
+                )
         finally:
             f._leave()
 
@@ -486,9 +489,12 @@ class RoomLease:
 
 
 def _observe(result: FetchResult) -> None:
-    FETCH_SECONDS.labels(path="claims" if result.control_messages else "ticket").observe(result.seconds)
-    FETCH_BYTES.observe(result.nbytes)
-    FETCH_DESCRIPTORS.observe(sum(o.descriptors for o in result.owners))
+    engine = result.engine_id
+    FETCH_SECONDS.labels(engine, "claims" if result.control_messages else "ticket").observe(result.seconds)
+    FETCH_BYTES.labels(engine).observe(result.nbytes)
+    FETCH_DESCRIPTORS.labels(engine).observe(result.descriptors)
+    if result.seconds > 0:
+        FETCH_RATE.labels(engine).observe(result.nbytes / result.seconds)
 
 
 def _budget(default: float, deadline: Deadline | None, timeout: float | None) -> Deadline:

@@ -43,7 +43,7 @@ from transfer.metadata import (
     TicketRelease,
     encode,
 )
-from transfer.metrics import READ_SECONDS
+from transfer.metrics import READ_SECONDS, fetch_engine
 from transfer.pin_table import MappedPins
 from transfer.plan import BufferPair, ReadTable, read_plan, read_table
 from transfer.readiness import ReadinessFeed
@@ -543,7 +543,7 @@ def _by_rank(stats: OwnerStats) -> int:
 
 
 def _observe_read(lane: str, seconds: float) -> None:
-    READ_SECONDS.labels(lane=lane).observe(seconds)
+    READ_SECONDS.labels(fetch_engine(), lane).observe(seconds)  # the engine of the fetch it belongs to
 
 
 async def _all_or_cancel(tasks: list[asyncio.Future[T]], abort: Awaitable[None] | None = None) -> list[T]:
