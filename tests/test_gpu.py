@@ -347,3 +347,44 @@ def test_lane_reads_owners_on_other_gpus(engines, decode_gpu):
                     assert kv_is_exact(pool, "prefill0", room, n, fragmented_pages(pool, n, i))
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("path", ["cuda_ipc", "ucx"])
+def test_a_cancelled_fetch_lands_no_byte_after_it_raised(path):
+    """A fetch of a 32k-token DSA room cancelled at points from before its launch to mid-read:
+    once it has raised, a sentinel written over its destination pages stays unchanged (the
+    kernel or the READs had ended before it raised)."""
+    from pdkv import dsa_v32
+
+    async def run():
+        spec = _lane_spec((4,), preset="dsa_v32", prefill_pool_tokens=73728, decode_pool_tokens=36864)
+        async with Deployment(spec) as d:
+            pool = DSAKVPool(dsa_v32(size=36864, device="cuda:0"))
+            async with DecodeFetcher(pool, d.registry_url, path=path) as fetcher:
+                warm = await prefill(d, d.engines[0], 9_400_000, 64, ticket=True)
+                await fetcher.fetch("prefill0", 9_400_000, fragmented_pages(pool, 64, 1), ticket=warm.ticket)
+                cancelled = 0
+                for k, delay in enumerate((0.0, 0.0002, 0.001, 0.005, 0.02, 0.08)):
+                    room, n = 9_400_001 + k, 32768
+                    reply = await prefill(d, d.engines[0], room, n, ticket=True)
+                    pages = torch.from_numpy(fragmented_pages(pool, n, k)).cuda()
+                    task = asyncio.create_task(fetcher.fetch("prefill0", room, pages, ticket=reply.ticket))
+                    await asyncio.sleep(delay)
+                    task.cancel()
+                    outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+                    if not isinstance(outcome, asyncio.CancelledError):
+                        continue  # it had ended first
+                    cancelled += 1
+                    rows = [
+                        buf.view(torch.uint8).reshape(pool.layout.num_pages, -1)
+                        for buf in [*pool.kv_buffer, *pool.index_buffer]
+                    ]
+                    for r in rows:
+                        r[pages] = 0x5A
+                    torch.cuda.synchronize()
+                    await asyncio.sleep(0.5)
+                    torch.cuda.synchronize()
+                    assert all(bool((r[pages] == 0x5A).all()) for r in rows), (path, delay)
+                assert cancelled >= 1
+
+    asyncio.run(run())
