@@ -58,3 +58,36 @@ def test_transfer_time_counts_overlapping_fetches_once_and_gaps_not_at_all():
     assert transfer_seconds(one) == 3.0 + 1.0  # [0, 3) and [5, 6): the gap between waits for prefill
     # Another decode worker's clock is its own: its spans add, never merge with the first's.
     assert transfer_seconds([*one, _reply("b", 0.5, 1.5)]) == 4.0 + 1.5
+
+
+def test_a_service_that_dies_at_start_up_ends_the_job_with_one_line(tmp_path):
+    """No traceback: which service, why, and where its log is (issue 29 §8)."""
+    cmd = [sys.executable, "-m", "transfer.app", "--preset", "tiny", "--engines", "2", "--requests", "4"]
+    cmd += ["--prefill-pool-tokens", "0", "--no-progress", "--workdir", str(tmp_path)]  # a pool of no pages
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("pdkv: ")]
+    assert len(lines) == 1, proc.stderr
+    assert "failed to start: exited with 1" in lines[0] and "LayoutError" in lines[0]
+    log = lines[0].rsplit("its log: ", 1)[1]
+    assert log.startswith(str(tmp_path)) and "prefill0-cp" in log and "LayoutError" in open(log).read()
+
+
+def test_the_summary_counts_failures_by_cause_and_engine_restarts():
+    from transfer.app.cli import render, summarise
+    from transfer.app.router import DeploymentSpec, RequestOutcome
+    from transfer.app.supervisor import EngineDeath
+
+    ok = RequestOutcome(1, "prefill1", 64, True, 0.1, _reply("d", 0.0, 0.01, nbytes=100))
+    peer = "PeerLostError"
+    lost = RequestOutcome(2, "prefill0", 64, False, 0.1, error=f"{peer}: x", cause=peer, engine_lost=True)
+    late = RequestOutcome(3, "prefill1", 64, False, 0.1, error="DeadlineExceeded: y", cause="DeadlineExceeded")
+    death = EngineDeath("prefill0", ("prefill0-cp1",), (-9,), at=0.0, back_after=6.5, attempts=1)
+    s = summarise([ok, lost, lost, late], 1.0, 1.0, [death], {"prefill0": 1, "prefill1": 0})
+    assert s.failures == 3 and s.lost_with_engine == 2
+    assert s.failures_by_cause == {"PeerLostError": 2, "DeadlineExceeded": 1} and s.restarts == {"prefill0": 1}
+    text = render(s, DeploymentSpec(engines=(2, 2)))
+    assert "3 (PeerLostError 2, DeadlineExceeded 1; 2 in flight on an engine that died)" in text
+    assert "engine restarts" in text and "prefill0 1" in text
+    assert "engine died: prefill0: prefill0-cp1 (exit -9); serving again 6.5 s later (after restart)" in text

@@ -5,7 +5,9 @@
 
 Starts a registry, the prefill engines and the decode workers as processes, sends the
 requests through the router with bounded concurrency, shows progress, and prints a
-summary; exits non-zero if any request failed.
+summary. A prefill engine that loses a rank is restarted whole (`--max-restarts`) while the
+others serve on. Exits non-zero if a request failed for any other reason than being in
+flight on an engine that died and came back, or a service is left dead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +28,9 @@ from tqdm import tqdm
 
 from pdkv import PRESETS
 from transfer.app.api import DecodeReply
+from transfer.app.launcher import ServiceStartError
 from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
-from transfer.app.supervisor import BROADCAST_CTAS, Host
+from transfer.app.supervisor import BROADCAST_CTAS, EngineDeath, EngineState, Host
 from transfer.timeouts import Timeouts
 
 __all__ = ["main", "Summary"]
@@ -50,6 +54,10 @@ class Summary:
     fetch_p50_ms: float
     fetch_p99_ms: float
     errors: tuple[str, ...]
+    failures_by_cause: dict[str, int] = field(default_factory=dict)  # error class -> requests
+    lost_with_engine: int = 0  # failures that were in flight on an engine when it died
+    restarts: dict[str, int] = field(default_factory=dict)  # engine -> restarts
+    engine_deaths: tuple[str, ...] = ()  # each death and what came of it
 
 
 def parse_mix(text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +93,13 @@ def transfer_seconds(replies: list[DecodeReply]) -> float:
     return total
 
 
-def summarise(outcomes: list[RequestOutcome], wall: float, copy_gbps: float = 0.0) -> Summary:
+def summarise(
+    outcomes: list[RequestOutcome],
+    wall: float,
+    copy_gbps: float = 0.0,
+    deaths: list[EngineDeath] | None = None,
+    restarts: dict[str, int] | None = None,
+) -> Summary:
     ok = [o for o in outcomes if o.ok and o.decode is not None]
     replies = [o.decode for o in ok if o.decode is not None]
     ttft = np.array([o.seconds for o in ok]) * 1e3 if ok else np.zeros(1)
@@ -105,6 +119,10 @@ def summarise(outcomes: list[RequestOutcome], wall: float, copy_gbps: float = 0.
         fetch_p50_ms=float(np.percentile(fetch, 50)),
         fetch_p99_ms=float(np.percentile(fetch, 99)),
         errors=tuple(o.error for o in outcomes if not o.ok)[:10],
+        failures_by_cause=dict(Counter(o.cause or "unknown" for o in outcomes if not o.ok).most_common()),
+        lost_with_engine=sum(1 for o in outcomes if not o.ok and o.engine_lost),
+        restarts={e: n for e, n in (restarts or {}).items() if n},
+        engine_deaths=tuple(d.describe() for d in deaths or ()),
     )
 
 
@@ -112,7 +130,8 @@ def render(s: Summary, spec: DeploymentSpec) -> str:
     rows = [
         ("deployment", f"prefill CP {','.join(map(str, spec.engines))} x {spec.decoders} decode, {spec.preset}"),
         ("requests", f"{s.requests} ({s.ok} ok)"),
-        ("failures", str(s.failures)),
+        ("failures", _failures(s)),
+        ("engine restarts", ", ".join(f"{e} {n}" for e, n in s.restarts.items()) or "none"),
         ("verified bytes", f"{s.verified_bytes / 1e9:.2f} GB"),
         ("transfer GB/s (while a fetch was in flight)", f"{s.transfer_gbps:.2f}"),
         ("machine copy GB/s (one thread, for scale)", f"{s.copy_gbps:.2f}"),
@@ -122,7 +141,16 @@ def render(s: Summary, spec: DeploymentSpec) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    return "\n".join(lines + [f"error: {e}" for e in s.errors])
+    deaths = [f"engine died: {d}" for d in s.engine_deaths]
+    return "\n".join(lines + deaths + [f"error: {e}" for e in s.errors])
+
+
+def _failures(s: Summary) -> str:
+    if not s.failures:
+        return "0"
+    causes = ", ".join(f"{cause} {n}" for cause, n in s.failures_by_cause.items())
+    lost = f"; {s.lost_with_engine} in flight on an engine that died" if s.lost_with_engine else ""
+    return f"{s.failures} ({causes}{lost})"
 
 
 async def drive(d: Deployment, args: argparse.Namespace) -> list[RequestOutcome]:
@@ -169,19 +197,27 @@ async def run(args: argparse.Namespace) -> int:
         decode_host=args.decode_host,
         owner_progress=args.owner_progress_ms / 1e3,
         broadcast_ctas=args.broadcast_ctas,
+        max_restarts=args.max_restarts,
     )
     print(f"starting: prefill CP {args.engines} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)
-    async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
-        t0 = time.perf_counter()
-        outcomes = await drive(d, args)
-        summary = summarise(outcomes, time.perf_counter() - t0, copy_bandwidth())
-        dead = d.dead_children()
+    try:
+        async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
+            t0 = time.perf_counter()
+            outcomes = await drive(d, args)
+            restarts = {e.engine_id: e.restarts for e in d.engines}
+            summary = summarise(outcomes, time.perf_counter() - t0, copy_bandwidth(), d.deaths, restarts)
+            dead = d.dead_children() + [f"{e.engine_id} (down)" for e in d.engines if e.state is not EngineState.UP]
+    except ServiceStartError as exc:  # the log has the traceback; the user needs which and where
+        print(f"pdkv: {exc.line()}", file=sys.stderr)
+        return 1
     print(render(summary, spec))
     for name in dead:
         print(f"service died during the run: {name} (logs in {d.workdir})")
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(summary), indent=2))
-    return 0 if summary.failures == 0 and not dead else 1
+    # A request in flight on an engine that died is lost with it; the run is still good if
+    # the engine came back and nothing else failed.
+    return 0 if summary.failures == summary.lost_with_engine and not dead else 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=BROADCAST_CTAS,
         help="SMs the prefill's NCCL owner broadcast may take beside compute (0: NCCL's choice)",
+    )
+    ap.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restarts of each prefill engine after one of its ranks died (the whole CP group restarts; 0: none)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

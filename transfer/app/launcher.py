@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdkv.errors import DeadlineExceeded, PeerLostError
+from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
-__all__ = ["Launcher", "Child"]
+__all__ = ["Launcher", "Child", "ServiceStartError", "ServiceExited", "ServiceNotReady"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,29 @@ class Child:
             return ""
 
 
+class ServiceStartError(PdkvError):
+    """A service that exited or did not get ready while starting. `line()` is what a user
+    needs (which service, why, where its log is); the message adds the log's tail."""
+
+    def __init__(self, child: Child, reason: str) -> None:
+        super().__init__(f"{child.name} {reason}:\n{child.log_tail()}")
+        self.service, self.reason, self.log_path = child.name, reason, child.log_path
+        self.peer = child.name  # PeerLostError's field, where this is one
+
+    def line(self) -> str:
+        last = next((ln.strip() for ln in reversed(self.args[0].splitlines()) if ln.strip()), "")
+        why = f"{self.reason} ({last})" if last and not last.startswith(self.service) else self.reason
+        return f"{self.service} failed to start: {why}; its log: {self.log_path}"
+
+
+class ServiceExited(ServiceStartError, PeerLostError):
+    """The service exited before it was ready."""
+
+
+class ServiceNotReady(ServiceStartError, DeadlineExceeded):
+    """The service did not get ready within its start timeout."""
+
+
 class Launcher:
     """Owns the child processes of a deployment and their logs under `workdir`."""
 
@@ -55,13 +78,19 @@ class Launcher:
         workdir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.children: list[Child] = []
+        self._spawned: set[str] = set()
 
     def spawn(self, name: str, module: str, args: list[str], prefix: Sequence[str] = ()) -> Child:
         """Start `python -m module args`; `prefix` goes before it (`ip netns exec NS`: on another host)."""
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
-        with open(log_path, "wb") as log:
+        again = name in self._spawned  # a restart: keep what the dead one logged, above
+        self._spawned.add(name)
+        with open(log_path, "ab" if again else "wb") as log:
+            if again:
+                log.write(f"---- {name} restarted ----\n".encode())
+                log.flush()
             popen = subprocess.Popen(
                 [*prefix, sys.executable, "-m", module, *args, "--ready-file", str(ready), "--die-with-parent"],
                 stdin=subprocess.DEVNULL,
@@ -80,11 +109,9 @@ class Launcher:
         deadline = time.monotonic() + timeout
         while not child.ready_file.exists():
             if not child.alive():
-                raise PeerLostError(
-                    f"{child.name} exited with {child.popen.returncode}:\n{child.log_tail()}", child.name
-                )
+                raise ServiceExited(child, f"exited with {child.popen.returncode}")
             if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{child.name} not ready within {timeout:.0f}s:\n{child.log_tail()}")
+                raise ServiceNotReady(child, f"not ready within {timeout:.0f}s")
             await asyncio.sleep(0.05)
         return child.ready_file.read_text()
 

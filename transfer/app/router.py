@@ -15,13 +15,14 @@ import itertools
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
 
-from pdkv.errors import CapacityError, PdkvError
+from pdkv.errors import CapacityError, PdkvError, PeerLostError
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.supervisor import DecoderEndpoint, DeploymentSpec, EngineEndpoints, Supervisor
 from transfer.deadline import Deadline
@@ -47,6 +48,8 @@ class RequestOutcome:
     seconds: float  # request to KV in decode, verified
     decode: DecodeReply | None = None
     error: str = ""
+    cause: str = ""  # the error's class: PeerLostError for any failure on an engine that died
+    engine_lost: bool = False  # failed because its engine died while it was in flight
 
 
 class TokenBudget:
@@ -80,8 +83,33 @@ def _usable(pool_tokens: int) -> int:
     return int(pool_tokens * 0.8)
 
 
+@dataclass(frozen=True)
+class _Request:
+    """What the router knows of one request, from its arrival."""
+
+    room: int
+    num_tokens: int
+    prefix_id: int
+    prefix_tokens: int
+    deadline: Deadline  # the request's end-to-end budget
+    t0: float  # time.perf_counter() at arrival
+
+
+class _EngineLost(PeerLostError):
+    """A request in flight on an engine that died."""
+
+
+class _NotSent(PeerLostError):
+    """The chosen engine went down before the request was sent to it: another may take it."""
+
+
 class Router:
-    """Routes requests over a supervised deployment, with admission by pool capacity."""
+    """Routes requests over a supervised deployment, with admission by pool capacity.
+
+    A request goes to an engine that is up. One that dies takes down only the requests in
+    flight on it (`PeerLostError`); the rest go elsewhere, or wait, within their admission
+    bound, for an engine the supervisor is restarting.
+    """
 
     def __init__(self, services: Supervisor, timeouts: Timeouts = Timeouts()) -> None:
         self.services = services
@@ -89,6 +117,7 @@ class Router:
         self.client = ControlClient(timeouts, services.spec.secret)
         self._budgets: dict[str, TokenBudget] = {}
         self._rooms = (random.getrandbits(62) + i for i in itertools.count())
+        self.in_flight: Counter[str] = Counter()  # requests sent to each engine and not yet ended
 
     def budget(self, endpoint: EngineEndpoints | DecoderEndpoint) -> TokenBudget:
         name = endpoint.engine_id if isinstance(endpoint, EngineEndpoints) else endpoint.name
@@ -98,6 +127,10 @@ class Router:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+    def _request(self, num_tokens: int, prefix_id: int, prefix_tokens: int) -> _Request:
+        deadline = Deadline.after(self.timeouts.fetch)
+        return _Request(next(self._rooms), num_tokens, prefix_id, prefix_tokens, deadline, time.perf_counter())
 
     async def submit(
         self,
@@ -109,11 +142,17 @@ class Router:
         decoder: int | None = None,
     ) -> RequestOutcome:
         """Run one request through a prefill engine and a decode worker (least busy by default)."""
-        engines = [e for e in self.services.engines if engine_id in (None, e.engine_id)]
-        engine = max(engines, key=lambda e: self.budget(e).free)
-        decoders = self.services.decoders
-        dec = decoders[decoder] if decoder is not None else max(decoders, key=lambda d: self.budget(d).free)
-        return await self.submit_to(engine, dec, num_tokens, prefix_id, prefix_tokens)
+        req = self._request(num_tokens, prefix_id, prefix_tokens)
+        engine_name = engine_id or ""
+        while True:
+            try:
+                engine = await self._pick_engine(engine_id, req.deadline)
+                engine_name = engine.engine_id
+                return await self._attempt(engine, self._pick_decoder(decoder), req)
+            except PdkvError as exc:
+                if isinstance(exc, _NotSent) and engine_id is None:
+                    continue  # nothing was sent: the next pick passes the dead engine over
+                return self._failed(req, engine_name, exc)
 
     async def submit_to(
         self,
@@ -124,47 +163,96 @@ class Router:
         prefix_tokens: int = 0,
     ) -> RequestOutcome:
         """Run one request through these two services."""
-        room = next(self._rooms)
-        need = num_tokens + _PAGE_SLACK
-        t0 = time.perf_counter()
-        deadline = Deadline.after(self.timeouts.fetch)  # the request's end-to-end budget
+        req = self._request(num_tokens, prefix_id, prefix_tokens)
         try:
-            self.services.check_alive(engine, decoder)
-            wait = deadline.left(self.timeouts.admission)
-            async with self.budget(engine).hold(need, wait), self.budget(decoder).hold(need, wait):
-                reply = await self._both_legs(engine, decoder, room, num_tokens, prefix_id, prefix_tokens, deadline)
-            return RequestOutcome(room, engine.engine_id, num_tokens, True, time.perf_counter() - t0, reply)
+            return await self._attempt(engine, decoder, req)
         except PdkvError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            return RequestOutcome(room, engine.engine_id, num_tokens, False, time.perf_counter() - t0, error=error)
+            return self._failed(req, engine.engine_id, exc)
+
+    def _failed(self, req: _Request, engine_id: str, exc: PdkvError) -> RequestOutcome:
+        cause = next(c.__name__ for c in type(exc).__mro__ if not c.__name__.startswith("_"))
+        seconds = time.perf_counter() - req.t0
+        lost = isinstance(exc, _EngineLost)
+        return RequestOutcome(
+            req.room, engine_id, req.num_tokens, False, seconds, error=f"{cause}: {exc}", cause=cause, engine_lost=lost
+        )
+
+    async def _pick_engine(self, engine_id: str | None, deadline: Deadline) -> EngineEndpoints:
+        """The named engine, or the least busy one up; with none up, one that comes back."""
+        if engine_id is not None:
+            return next(e for e in self.services.engines if e.engine_id == engine_id)
+        until = deadline.within(self.timeouts.admission)
+        while True:
+            up = self.services.routable()
+            if up:
+                return max(up, key=lambda e: self.budget(e).free)
+            if not self.services.recovering():
+                deaths = "; ".join(d.describe() for d in self.services.deaths) or "none started"
+                raise PeerLostError(f"no prefill engine to route to: {deaths}")
+            await asyncio.sleep(until.left(_LIVENESS_POLL_S * 5, "no prefill engine came back in time"))
+
+    def _pick_decoder(self, decoder: int | None) -> DecoderEndpoint:
+        if decoder is not None:
+            return self.services.decoders[decoder]
+        live = self.services.live_decoders() or self.services.decoders  # none live: the check names them
+        return max(live, key=lambda d: self.budget(d).free)
+
+    async def _attempt(self, engine: EngineEndpoints, decoder: DecoderEndpoint, req: _Request) -> RequestOutcome:
+        generation = engine.generation
+        self._unless_gone(engine, decoder, generation)
+        need = req.num_tokens + _PAGE_SLACK
+        wait = req.deadline.left(self.timeouts.admission)
+        async with self.budget(engine).hold(need, wait), self.budget(decoder).hold(need, wait):
+            self._unless_gone(engine, decoder, generation)  # it may have died while this waited
+            self.in_flight[engine.engine_id] += 1
+            try:
+                reply = await self._both_legs(engine, decoder, req, generation)
+            except PdkvError as exc:
+                raise self._blame(engine, generation, req, exc) from exc
+            finally:
+                self.in_flight[engine.engine_id] -= 1
+        return RequestOutcome(req.room, engine.engine_id, req.num_tokens, True, time.perf_counter() - req.t0, reply)
+
+    def _unless_gone(self, engine: EngineEndpoints, decoder: DecoderEndpoint, generation: int) -> None:
+        """Before anything is sent: `_NotSent` if the engine is down, `PeerLostError` for the rest."""
+        if not self.services.engine_alive(engine) or engine.generation != generation:
+            death = self.services.last_death(engine.engine_id)
+            gone = ", ".join(death.ranks) if death else engine.engine_id
+            raise _NotSent(f"cannot route: {gone} exited", gone)
+        self.services.check_alive(engine, decoder, generation)
+
+    def _blame(self, engine: EngineEndpoints, generation: int, req: _Request, exc: PdkvError) -> PdkvError:
+        """A failure on an engine that died meanwhile is that death's, whatever it looked like
+        from here (a lost owner, a collective error on a surviving rank, a reset connection)."""
+        if self.services.engine_alive(engine) and engine.generation == generation:
+            return exc
+        if isinstance(exc, PeerLostError):
+            return _EngineLost(str(exc), exc.peer)
+        return _EngineLost(
+            f"{engine.engine_id} died under room {req.room}: {type(exc).__name__}: {exc}", engine.engine_id
+        )
 
     async def _both_legs(
-        self,
-        engine: EngineEndpoints,
-        decoder: DecoderEndpoint,
-        room: int,
-        num_tokens: int,
-        prefix_id: int,
-        prefix_tokens: int,
-        deadline: Deadline,
+        self, engine: EngineEndpoints, decoder: DecoderEndpoint, req: _Request, generation: int
     ) -> DecodeReply:
-        """Both legs carry what remains of `deadline`; each worker bounds its work by it."""
+        """Both legs carry what remains of the deadline; each worker bounds its work by it."""
+        deadline = req.deadline
         budget = deadline.to_wire()
         overlap = self.services.spec.overlap
         pre = PrefillRequest(
-            room=room,
-            num_tokens=num_tokens,
-            prefix_id=prefix_id,
-            prefix_tokens=prefix_tokens,
+            room=req.room,
+            num_tokens=req.num_tokens,
+            prefix_id=req.prefix_id,
+            prefix_tokens=req.prefix_tokens,
             budget_ms=budget,
             ticket=not overlap,
         )
         dec = DecodeRequest(
             engine_id=engine.engine_id,
-            room=room,
-            num_tokens=num_tokens,
-            prefix_id=prefix_id,
-            prefix_tokens=prefix_tokens,
+            room=req.room,
+            num_tokens=req.num_tokens,
+            prefix_id=req.prefix_id,
+            prefix_tokens=req.prefix_tokens,
             budget_ms=budget,
         )
         # The client waits a little past the budget, so that a worker's own DeadlineExceeded arrives.
@@ -181,15 +269,15 @@ class Router:
                     if leg.done() and leg.exception() is not None:
                         raise leg.exception()  # type: ignore[misc]
             else:  # the prefill's reply carries the room's ticket to the decode
-                done = await self._unless_lost(prefill, engine, decoder)
+                done = await self._unless_lost(prefill, engine, decoder, generation)
                 assert done is not None
                 dec = msgspec.structs.replace(dec, ticket=done.ticket, budget_ms=deadline.to_wire())
                 decode = asyncio.create_task(self._decode(decoder, dec, deadline.left() + self.timeouts.request))
-            out = await self._unless_lost(decode, engine, decoder)
+            out = await self._unless_lost(decode, engine, decoder, generation)
             assert out is not None
             return out
         except BaseException:
-            await self.abort(engine, decoder, room)
+            await self.abort(engine, decoder, req.room)
             raise
         finally:
             legs = [leg for leg in (prefill, decode) if leg is not None]
@@ -197,7 +285,9 @@ class Router:
                 leg.cancel()
             await asyncio.gather(*legs, return_exceptions=True)
 
-    async def _unless_lost(self, leg: asyncio.Task[T], engine: EngineEndpoints, decoder: DecoderEndpoint) -> T:
+    async def _unless_lost(
+        self, leg: asyncio.Task[T], engine: EngineEndpoints, decoder: DecoderEndpoint, generation: int
+    ) -> T:
         """`leg`'s result, or `PeerLostError` as soon as a process it depends on exited.
 
         A prefill rank killed mid-request is otherwise noticed only when its CP group's
@@ -207,7 +297,7 @@ class Router:
             done, _ = await asyncio.wait([leg], timeout=_LIVENESS_POLL_S)
             if done:
                 return leg.result()
-            self.services.check_alive(engine, decoder)
+            self.services.check_alive(engine, decoder, generation)
 
     async def _decode(self, decoder: DecoderEndpoint, dec: DecodeRequest, wait: float) -> DecodeReply | None:
         return await self.client.request("POST", f"{decoder.url}/v1/decode", DecodeReply, dec, timeout=wait)
@@ -219,13 +309,15 @@ class Router:
         results = await asyncio.gather(
             *(self.client.request("POST", u, timeout=self.timeouts.request) for u in urls), return_exceptions=True
         )
+        # A dead engine's ranks cannot answer, and its restart frees everything anyway.
+        level = logging.WARNING if self.services.engine_alive(engine) else logging.INFO
         for url, r in zip(urls, results):
             if isinstance(r, BaseException):
-                logger.warning("abort %s: %s", url, r)
+                logger.log(level, "abort %s: %s", url, r)
 
     async def stats(self) -> dict[str, list[dict[str, object]]]:
         """Each prefill rank's and decode worker's /v1/stats."""
-        prefill = [self.client.get_json(f"{c}/v1/stats") for e in self.services.engines for c in e.controls]
+        prefill = [self.client.get_json(f"{c}/v1/stats") for e in self.services.routable() for c in e.controls]
         decode = [self.client.get_json(f"{d.url}/v1/stats") for d in self.services.decoders]
         return {"prefill": list(await asyncio.gather(*prefill)), "decode": list(await asyncio.gather(*decode))}
 
