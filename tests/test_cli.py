@@ -91,3 +91,46 @@ def test_the_summary_counts_failures_by_cause_and_engine_restarts():
     assert "3 (PeerLostError 2, DeadlineExceeded 1; 2 in flight on an engine that died)" in text
     assert "engine restarts" in text and "prefill0 1" in text
     assert "engine died: prefill0: prefill0-cp1 (exit -9); serving again 6.5 s later (after restart)" in text
+
+
+def _pid_of(ready_file) -> int:
+    """The service started with this ready file (each has its own)."""
+    import os
+
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if str(ready_file).encode() in f.read().split(b"\0"):
+                    return int(entry)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no process has {ready_file}")
+
+
+def test_a_rank_killed_mid_run_is_restarted_and_the_job_reports_it(tmp_path):
+    """The issue's run, small: a CP rank of one of two engines SIGKILLed once requests flow."""
+    import os
+    import signal
+    import time
+
+    out, work = tmp_path / "summary.json", tmp_path / "work"
+    cmd = [sys.executable, "-m", "transfer.app", "--preset", "tiny", "--engines", "2,2", "--requests", "200"]
+    cmd += ["--mix", "16:1,128:1,512:1", "--prefix-tokens", "64", "--no-progress", "--json", str(out)]
+    cmd += ["--prefill-pool-tokens", "4096", "--decode-pool-tokens", "4096", "--workdir", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (work / "decode0.ready").exists():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.0)  # requests flow
+        os.kill(_pid_of(work / "prefill0-cp1.ready"), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    summary = json.loads(out.read_text())
+    assert summary["requests"] == 200 and summary["failures"] == summary["lost_with_engine"] <= 2  # 2 in flight
+    assert set(summary["failures_by_cause"]) <= {"PeerLostError"}
+    assert summary["restarts"] == {"prefill0": 1} and len(summary["engine_deaths"]) == 1
+    assert "prefill0-cp1 (exit -9); serving again" in summary["engine_deaths"][0]
+    assert "engine died: prefill0: prefill0-cp1 (exit -9)" in stdout and "Traceback" not in stderr

@@ -204,8 +204,10 @@ async def run(args: argparse.Namespace) -> int:
         async with Deployment(spec, Path(args.workdir) if args.workdir else None) as d:
             t0 = time.perf_counter()
             outcomes = await drive(d, args)
+            wall = time.perf_counter() - t0
+            await d.recovered()  # an engine that died near the end: its restart's outcome counts
             restarts = {e.engine_id: e.restarts for e in d.engines}
-            summary = summarise(outcomes, time.perf_counter() - t0, copy_bandwidth(), d.deaths, restarts)
+            summary = summarise(outcomes, wall, copy_bandwidth(), d.deaths, restarts)
             dead = d.dead_children() + [f"{e.engine_id} (down)" for e in d.engines if e.state is not EngineState.UP]
     except ServiceStartError as exc:  # the log has the traceback; the user needs which and where
         print(f"pdkv: {exc.line()}", file=sys.stderr)

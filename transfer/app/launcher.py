@@ -115,8 +115,9 @@ class Launcher:
             await asyncio.sleep(0.05)
         return child.ready_file.read_text()
 
-    async def stop(self, child: Child, grace: float) -> int:
-        """SIGTERM, then SIGKILL after `grace` seconds; returns the exit code."""
+    async def stop(self, child: Child, grace: float, hang_expected: bool = False) -> int:
+        """SIGTERM, then SIGKILL after `grace` seconds; returns the exit code. `hang_expected`:
+        a rank whose CP peer died may sit in a collective; its kill is no news."""
         if child.alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGTERM)
@@ -124,7 +125,8 @@ class Launcher:
         while child.alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if child.alive():
-            logger.warning("%s ignored SIGTERM for %.0fs; killing it", child.name, grace)
+            level = logging.INFO if hang_expected else logging.WARNING
+            logger.log(level, "%s ignored SIGTERM for %.0fs; killing it", child.name, grace)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGKILL)  # also reaps anything it left in its group
         return child.popen.wait()

@@ -174,6 +174,7 @@ class Supervisor:
         self._ranks: dict[str, list[Child]] = {}  # each engine's rank processes, by CP rank
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the watcher and pending recoveries
+        self._recoveries: set[asyncio.Task[None]] = set()
         self._started = False
 
     def _spawn(self, name: str, module: str, args: list[str], host: Host) -> Child:
@@ -249,10 +250,17 @@ class Supervisor:
         self._started = True
         self._keep(self._watch())
 
-    def _keep(self, work: Coroutine[None, None, None]) -> None:
+    def _keep(self, work: Coroutine[None, None, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
+        for tasks in (self._tasks, self._recoveries):
+            task.add_done_callback(tasks.discard)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def recovered(self) -> None:
+        """Returns once no restart is pending or running (each is bounded)."""
+        while self._recoveries:
+            await asyncio.gather(*self._recoveries, return_exceptions=True)
 
     # ---- health ------------------------------------------------------------------------------
     async def _watch(self) -> None:
@@ -279,7 +287,7 @@ class Supervisor:
         self.deaths.append(death)
         if engine.restarts < self.spec.max_restarts:
             engine.state = EngineState.RECOVERING
-            self._keep(self._recover(engine, death))
+            self._recoveries.add(self._keep(self._recover(engine, death)))
         else:
             engine.state = EngineState.DOWN
             used = f"{engine.restarts} of {self.spec.max_restarts} restarts used"
@@ -353,7 +361,8 @@ class Supervisor:
             engine.state = EngineState.UP
 
     async def _stop(self, children: list[Child], grace: float) -> None:
-        await asyncio.gather(*(self.launcher.stop(c, grace) for c in children))
+        hang_expected = grace == _STOP_DEAD_GRACE_S
+        await asyncio.gather(*(self.launcher.stop(c, grace, hang_expected) for c in children))
         self.launcher.children = [c for c in self.launcher.children if c not in children]
 
     async def _registered(self, engine: EngineEndpoints) -> tuple[str, ...]:
