@@ -42,23 +42,29 @@ def _aux_row(room: int) -> bytes:
     return b"".join(np.random.default_rng(room).integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in AUX_ITEMS)
 
 
-def _kv_args(layers: range, fill: bool) -> tuple[object, list[torch.Tensor]]:
-    """SGLang's KVArgs over a tensor per layer and kind (and the aux buffers)."""
-    keep = []
-    kv = [torch.from_numpy(_pattern(x, 0) if fill else np.zeros((PAGES, KV_ITEM), np.uint8)) for x in layers]
-    index = [torch.from_numpy(_pattern(x, 1) if fill else np.zeros((PAGES, INDEX_ITEM), np.uint8)) for x in layers]
+DRAFT_BASE = 100  # a draft layer's pattern is that of layer DRAFT_BASE + its index
+
+
+def _kv_args(layers: range, fill: bool, drafts: int = 0) -> tuple[object, list[torch.Tensor]]:
+    """SGLang's KVArgs over a tensor per layer and kind (and the aux buffers); `drafts`: a
+    draft model's (MTP) layers, appended after the target's as SGLang does, with no layer
+    ids (SGLang's DSA pools report none). `keep`: latent, then indexer (target, then
+    draft), then aux."""
+    every = [*layers, *range(DRAFT_BASE, DRAFT_BASE + drafts)]
+    kv = [torch.from_numpy(_pattern(x, 0) if fill else np.zeros((PAGES, KV_ITEM), np.uint8)) for x in every]
+    index = [torch.from_numpy(_pattern(x, 1) if fill else np.zeros((PAGES, INDEX_ITEM), np.uint8)) for x in every]
     aux = [torch.zeros((AUX_ROWS, n), dtype=torch.uint8) for n in AUX_ITEMS]
-    keep += kv + index + aux
+    keep = kv + index + aux
     args = conn.KVArgs()
     args.engine_rank, args.gpu_id, args.system_dp_rank, args.pp_rank = 0, 0, 0, 0
-    args.page_size, args.num_draft_entries = PAGE, 0
+    args.page_size, args.num_draft_entries = PAGE, drafts
     args.prefill_start_layer, args.prefill_end_layer = layers.start, layers.stop
-    args.kv_layer_ids = list(layers)
+    args.kv_layer_ids = [] if drafts else list(layers)
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.nbytes for t in kv]
     args.kv_item_lens = [KV_ITEM] * len(kv)
     args.state_types = [conn.StateType.DSA]
-    args.state_layer_ids = [list(layers)]
+    args.state_layer_ids = [[] if drafts else list(layers)]
     args.state_data_ptrs = [[t.data_ptr() for t in index]]
     args.state_data_lens = [[t.nbytes for t in index]]
     args.state_item_lens = [[INDEX_ITEM] * len(index)]
@@ -74,14 +80,15 @@ def _env(registry: str, cp_rank: int, cp_size: int) -> None:
     os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu"))
 
 
-def _prefill_rank(registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue) -> None:
-    """One CP rank's scheduler: a sender per request, polled once an iteration."""
+def _prefill_rank(registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue, drafts: int = 0) -> None:
+    """One CP rank's scheduler: a sender per request, polled once an iteration; the last CP
+    rank holds the draft model's `drafts` layers, as under SGLang's layer split."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
 
     _env(registry, cp_rank, cp_size)
-    args, keep = _kv_args(_owned(cp_rank, cp_size), fill=True)
+    args, keep = _kv_args(_owned(cp_rank, cp_size), fill=True, drafts=drafts if cp_rank == cp_size - 1 else 0)
     mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
     aux = keep[-len(AUX_ITEMS) :]
     try:
@@ -277,11 +284,15 @@ def test_layouts_the_backend_does_not_serve_are_refused_at_start(monkeypatch):
     from transfer.sglang.conn import PdkvKVManager
 
     _env("http://127.0.0.1:9", 0, 1)
-    for field, value, why in (("pp_rank", 1, "pipeline"), ("num_draft_entries", 1, "draft")):
-        args, keep = _kv_args(range(LAYERS), fill=False)
-        setattr(args, field, value)
-        with pytest.raises(LayoutError, match=why):
-            PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    args, keep = _kv_args(range(LAYERS), fill=False)
+    args.pp_rank = 1
+    with pytest.raises(LayoutError, match="pipeline"):
+        PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    args, keep = _kv_args(range(LAYERS), fill=False, drafts=1)
+    for listed in (args.state_data_ptrs, args.state_data_lens, args.state_item_lens):
+        listed[0].pop()  # a draft model without a DSA indexer state
+    with pytest.raises(LayoutError, match="draft"):
+        PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
     args, keep = _kv_args(range(LAYERS), fill=False)
     args.state_types = []  # not a DSA pool
     with pytest.raises(LayoutError, match="DSA"):
@@ -380,3 +391,53 @@ def test_a_layer_split_prefill_reads_the_layer_count_from_the_model_config(tmp_p
     assert topology(args, True, server_args).layer_num == 61
     monkeypatch.setenv("PDKV_SGLANG_LAYERS", "7")  # the variable stays an override
     assert topology(args, True, server_args).layer_num == 7
+
+
+def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):
+    """MTP under the layer split: the last of two CP ranks also holds the draft model's
+    layer; the decode's receiver reads the target's layers from both ranks and the draft's
+    from the draft engine, into its own buffers, byte for byte; both senders succeed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
+
+    rooms = {501: ([[3, 4, 5], [9, 20]], False)}
+    dst = [30, 1, 2, 29, 28]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, 2, rooms, results, 1)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    _env("", 0, 1)
+    args, keep = _kv_args(range(LAYERS), fill=False, drafts=1)
+    mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+    try:
+        receiver = PdkvKVReceiver(mgr, bootstrap.url, 501)
+        receiver.init(0)
+        end, state = time.monotonic() + 60, KVPoll.Bootstrapping
+        while state not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
+            state = receiver.poll()
+            if state == KVPoll.WaitingForInput:
+                receiver.send_metadata(np.array(dst, dtype=np.int32), aux_index=501 % AUX_ROWS)
+            time.sleep(0.002)
+        assert state == KVPoll.Success, state
+        src = sum(rooms[501][0], [])
+        layers = [*range(LAYERS), DRAFT_BASE]
+        kv, index = keep[: LAYERS + 1], keep[LAYERS + 1 : 2 * (LAYERS + 1)]
+        for i, layer in enumerate(layers):
+            assert np.array_equal(kv[i].numpy()[dst], _pattern(layer, 0)[src]), layer
+            assert np.array_equal(index[i].numpy()[dst], _pattern(layer, 1)[src]), layer
+        got = b"".join(t[501 % AUX_ROWS].numpy().tobytes() for t in keep[2 * (LAYERS + 1) :])
+        assert got == _aux_row(501)
+        per_page = KV_ITEM + INDEX_ITEM
+        assert receiver.get_transfer_metric().transfer_total_bytes == len(src) * (LAYERS + 1) * per_page
+        sent = [results.get(timeout=60) for _ in ranks]
+        assert all(seen[-1] == KVPoll.Success for _, _, seen, _, _ in sent), sent
+        by_rank = {cp_rank: nbytes for cp_rank, _, _, nbytes, _ in sent}
+        assert by_rank == {0: len(src) * 2 * per_page, 1: len(src) * 3 * per_page}  # rank 1: its layers and the draft
+    finally:
+        mgr.close()
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

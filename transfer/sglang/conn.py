@@ -12,7 +12,8 @@ to the prefill:
 
 Every call returns at once: pdkv's asyncio side runs on threads of its own
 (`transfer.sync`). The bootstrap server is pdkv's registry. A room is the request's
-`bootstrap_room`; an engine is a prefill DP rank (`dp<N>`), its CP ranks the owners.
+`bootstrap_room`; an engine is a prefill DP rank (`dp<N>`), its CP ranks the owners; a
+draft model's (MTP) layers travel as the engine `dp<N>-draft` (`transfer.sglang.kvargs`).
 What is not supported is refused with a `PdkvError` through `failure_exception()`:
 a decode prefix (`decode_prefix_len` > 0), host destinations, and auxiliary buffers in
 device memory.
@@ -21,14 +22,12 @@ device memory.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import threading
 import time
 from typing import Any
 
 import numpy as np
-import torch
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -42,8 +41,10 @@ from sglang.srt.disaggregation.base.conn import (
 
 from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.bootstrap import RegistryServer
-from transfer.engine_kv import EngineKV, buffer_infos
+from transfer.engine_kv import EngineKV
 from transfer.metadata import RoomStatus
+from transfer.results import FetchResult
+from transfer.sglang.kvargs import DRAFT_SUFFIX, AuxRows, draft_kv_from_args, engine_kv_from_args
 from transfer.sglang.topology import Topology, secret, sglang_timeouts, topology
 from transfer.sync import BackgroundLoop, FetchStatus, Handle, SyncExporter, SyncFetcher
 
@@ -52,62 +53,16 @@ __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapSe
 logger = logging.getLogger(__name__)
 
 
-def engine_kv_from_args(args: KVArgs, layer_num: int, device: Any) -> EngineKV:
-    """The latent KV and the DSA indexer state that `args` lists, as pdkv's pool face."""
-    n = len(args.kv_data_ptrs)
-    layers = list(args.kv_layer_ids[:n]) if getattr(args, "kv_layer_ids", None) else None
-    if layers is None:
-        layers = list(range(args.prefill_start_layer, args.prefill_start_layer + n))
-    latent = buffer_infos(layers, args.kv_data_ptrs[:n], args.kv_data_lens[:n], args.kv_item_lens[:n])
-    kinds = [StateType(t) for t in (getattr(args, "state_types", None) or [])]
-    if StateType.DSA not in kinds:
-        raise LayoutError("pdkv moves SGLang's DSA pools: these KVArgs carry no DSA indexer state")
-    i = kinds.index(StateType.DSA)
-    index = buffer_infos(
-        args.state_layer_ids[i], args.state_data_ptrs[i], args.state_data_lens[i], args.state_item_lens[i]
-    )
-    return EngineKV(latent, index, page_size=int(args.page_size), layer_num=layer_num, device=device)
-
-
-class AuxRows:
-    """SGLang's per-request auxiliary buffers (first output token, logprobs, ...): one row
-    per request slot in each buffer, in host memory. A room carries its rows as one blob."""
-
-    def __init__(self, ptrs: list[int], lens: list[int], items: list[int]) -> None:
-        self.buffers = list(zip(map(int, ptrs), map(int, lens), map(int, items)))
-        self.row_bytes = sum(item for _, _, item in self.buffers)
-        if self.buffers and torch.cuda.is_available():  # rows are copied with the CPU: no GPU pointers
-            from transfer.cuda_ipc import CudaDriver
-
-            driver = CudaDriver.get()
-            if any(driver.is_device_memory(ptr) for ptr, _, _ in self.buffers):
-                raise LayoutError("pdkv moves SGLang's aux rows from host memory; these aux buffers are on a GPU")
-
-    def _at(self, index: int) -> list[tuple[int, int]]:
-        spots = [(ptr + index * item, item) for ptr, n, item in self.buffers]
-        if index < 0 or any(index * item + item > n for _, n, item in self.buffers):
-            raise LayoutError(f"aux row {index} outside the auxiliary buffers")
-        return spots
-
-    def read(self, index: int) -> bytes:
-        return b"".join(ctypes.string_at(addr, n) for addr, n in self._at(index))
-
-    def write(self, index: int, blob: bytes) -> None:
-        if len(blob) != self.row_bytes:
-            raise LayoutError(f"an aux row of {len(blob)} bytes where this engine's rows take {self.row_bytes}")
-        offset = 0
-        for addr, n in self._at(index):
-            ctypes.memmove(addr, blob[offset : offset + n], n)
-            offset += n
-
-
 def _mode(disaggregation_mode: Any) -> str:
     """ "prefill" or "decode" from SGLang's `DisaggregationMode` (or its value)."""
     return str(getattr(disaggregation_mode, "value", disaggregation_mode)).lower()
 
 
 class PdkvKVManager(BaseKVManager):
-    """One scheduler rank's pdkv side: an exporter on a prefill, fetchers on a decode."""
+    """One scheduler rank's pdkv side: exporters on a prefill, fetchers on a decode.
+
+    `parts` are what a room consists of here, by engine-id suffix: "" (the target model's
+    layers) and, where SGLang gave this rank a draft model's buffers, `DRAFT_SUFFIX`."""
 
     def __init__(
         self,
@@ -122,57 +77,73 @@ class PdkvKVManager(BaseKVManager):
         self.topology: Topology = topology(args, self.is_prefill, server_args)
         self.timeouts = sglang_timeouts()
         self.kv = engine_kv_from_args(args, self.topology.layer_num, self.topology.device)
+        self.parts: dict[str, EngineKV] = {"": self.kv}
+        draft = draft_kv_from_args(args, self.topology.device)
+        if draft is not None:
+            self.parts[DRAFT_SUFFIX] = draft
         self.aux = AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
         self.engine_id = f"dp{int(getattr(args, 'system_dp_rank', 0) or 0)}"
         self.secret = secret()
         self._lock = threading.Lock()
-        self._finished: dict[int, RoomStatus] = {}  # prefill: rooms done, until their sender looks
-        self._fetchers: dict[str, concurrent.futures.Future[SyncFetcher]] = {}  # decode: by bootstrap addr
+        self._finished: dict[tuple[str, int], RoomStatus] = {}  # prefill: rooms done, until their sender looks
+        self._fetchers: dict[tuple[str, str], concurrent.futures.Future[SyncFetcher]] = {}  # decode
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdkv-sglang-start")
-        self.exporter: SyncExporter | None = None
+        self.exporters: dict[str, SyncExporter] = {}
         if self.is_prefill:
-            t = self.topology
-            self.exporter = SyncExporter(
-                self.kv,
-                self.engine_id,
-                t.cp_rank,
-                t.cp_size,
-                t.registry_url,
-                on_free=self._room_finished,
-                secret=self.secret,
-                timeouts=self.timeouts,
-            )
+            for part, kv in self.parts.items():
+                self.exporters[part] = self._export(part, kv)
+
+    def _export(self, part: str, kv: EngineKV) -> SyncExporter:
+        """An exporter of one part: the target's CP rank, or the draft as an engine of one rank."""
+        t = self.topology
+        rank, size = (t.cp_rank, t.cp_size) if part == "" else (0, 1)
+        return SyncExporter(
+            kv,
+            self.engine_id + part,
+            rank,
+            size,
+            t.registry_url,
+            on_free=lambda room, pages: self._room_finished(part, room),
+            secret=self.secret,
+            timeouts=self.timeouts,
+        )
+
+    @property
+    def exporter(self) -> SyncExporter | None:
+        """The target model's exporter (prefill only)."""
+        return self.exporters.get("")
 
     def register_to_bootstrap(self) -> None:
-        """Nothing to do: the exporter registered with the bootstrap server as it started,
-        and keeps renewing."""
+        """Nothing to do: the exporters registered with the bootstrap server as they
+        started, and keep renewing."""
 
     # ---- prefill -----------------------------------------------------------------------------
-    def _room_finished(self, room: int, pages: np.ndarray) -> None:
-        assert self.exporter is not None  # runs on pdkv's thread, once the room is off the table
-        status = self.exporter.exporter.rooms.state(room).status
+    def _room_finished(self, part: str, room: int) -> None:
+        # Runs on pdkv's thread, once the room is off the table.
+        status = self.exporters[part].exporter.rooms.state(room).status
         with self._lock:
-            self._finished[room] = status
+            self._finished[(part, room)] = status
 
-    def take_finished(self, room: int) -> RoomStatus | None:
-        """How `room` ended (once), or None while it is live."""
+    def take_finished(self, part: str, room: int) -> RoomStatus | None:
+        """How `room` ended in `part` (once), or None while it is live."""
         with self._lock:
-            return self._finished.pop(room, None)
+            return self._finished.pop((part, room), None)
 
     # ---- decode ------------------------------------------------------------------------------
-    def fetcher(self, bootstrap_addr: str) -> concurrent.futures.Future[SyncFetcher]:
-        """The fetcher for the prefill behind `bootstrap_addr`, started off the scheduler."""
+    def fetcher(self, bootstrap_addr: str, part: str = "") -> concurrent.futures.Future[SyncFetcher]:
+        """The fetcher of `part` for the prefill behind `bootstrap_addr`, started off the scheduler."""
         with self._lock:
-            started = self._fetchers.get(bootstrap_addr)
+            started = self._fetchers.get((bootstrap_addr, part))
             if started is None:
                 url = bootstrap_addr if "://" in bootstrap_addr else f"http://{bootstrap_addr}"
-                started = self._starter.submit(SyncFetcher, self.kv, url, secret=self.secret, timeouts=self.timeouts)
-                self._fetchers[bootstrap_addr] = started
+                kv = self.parts[part]
+                started = self._starter.submit(SyncFetcher, kv, url, secret=self.secret, timeouts=self.timeouts)
+                self._fetchers[(bootstrap_addr, part)] = started
             return started
 
     def close(self) -> None:
-        if self.exporter is not None:
-            self.exporter.close()
+        for exporter in self.exporters.values():
+            exporter.close()
         for started in self._fetchers.values():
             if started.done() and started.exception() is None:
                 started.result().close()
@@ -212,11 +183,13 @@ class _Outcome:
 
 
 class PdkvKVSender(BaseKVSender):
-    """A prefill request's room: published at `init`, a chunk a `send`, done once read."""
+    """A prefill request's room: published at `init`, a chunk a `send`, done once read
+    (in every part this rank exports: the draft's layers too, on the last CP rank)."""
 
     def __init__(
         self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False
     ) -> None:
+        assert mgr.exporters, "a sender needs a prefill manager"
         self.kv_mgr, self.room = mgr, int(bootstrap_room)
         self._outcome = _Outcome()
         self._total = self._sent = 0
@@ -224,15 +197,12 @@ class PdkvKVSender(BaseKVSender):
         self._last = False
         self._held: np.ndarray = np.zeros(0, dtype=np.int64)
         self._handles: list[Handle[None]] = []
-
-    @property
-    def _exporter(self) -> SyncExporter:
-        assert self.kv_mgr.exporter is not None, "a sender needs a prefill manager"
-        return self.kv_mgr.exporter
+        self._ended: dict[str, RoomStatus] = {}
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._total, self._aux_index = int(num_kv_indices), aux_index
-        self._handles.append(self._exporter.publish_chunked(self.room, self._total))
+        for exporter in self.kv_mgr.exporters.values():
+            self._handles.append(exporter.publish_chunked(self.room, self._total))
         self._outcome.state = KVPoll.WaitingForInput  # a pull needs no decode handshake
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
@@ -258,7 +228,8 @@ class PdkvKVSender(BaseKVSender):
             complete = self._sent >= self._total
             chunk, self._held = (pages[:-1], pages[-1:]) if complete and len(pages) else (pages, pages[:0])
             aux = None
-        self._handles.append(self._exporter.add_chunk(self.room, chunk, aux=aux))
+        for part, exporter in self.kv_mgr.exporters.items():  # the aux row travels with the target's room
+            self._handles.append(exporter.add_chunk(self.room, chunk, aux=aux if part == "" else None))
         self._outcome.state = KVPoll.Transferring
 
     def _check_indexer_pages(self, state_indices: list[Any] | None) -> None:
@@ -277,12 +248,16 @@ class PdkvKVSender(BaseKVSender):
         for handle in self._handles:
             if handle.poll() is FetchStatus.FAILED:
                 return self._outcome.fail(handle.exception() or TransferError("refused"))
-        ended = self.kv_mgr.take_finished(self.room)
-        if ended is RoomStatus.RELEASED:
+        for part in self.kv_mgr.exporters:
+            ended = self._ended.get(part) or self.kv_mgr.take_finished(part, self.room)
+            if ended is None:
+                continue
+            self._ended[part] = ended
+            if ended is not RoomStatus.RELEASED:
+                why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
+                return self._outcome.fail(RoomAbortedError(f"room {self.room}{part} ended {why} before it was read"))
+        if len(self._ended) == len(self.kv_mgr.exporters):
             return self._outcome.succeed()
-        if ended is not None:
-            why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
-            return self._outcome.fail(RoomAbortedError(f"room {self.room} ended {why} before it was read"))
         return self._outcome.state
 
     def failure_exception(self) -> None:
@@ -290,32 +265,49 @@ class PdkvKVSender(BaseKVSender):
 
     def abort(self) -> None:
         """Free the room now; its decode hears of it on its readiness stream and stops reading."""
-        self._exporter.abort_room(self.room)
+        for exporter in self.kv_mgr.exporters.values():
+            exporter.abort_room(self.room)
         self._outcome.fail(RoomAbortedError(f"room {self.room} aborted by its prefill"))
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        layout = self.kv_mgr.kv.layout
-        per_page = len(self.kv_mgr.kv.owned) * (layout.kv_page_bytes + layout.index_page_bytes)
+        per_page = sum(
+            len(kv.owned) * (kv.layout.kv_page_bytes + kv.layout.index_page_bytes)
+            for part, kv in self.kv_mgr.parts.items()
+            if part in self.kv_mgr.exporters
+        )
         return KVTransferMetric(transfer_latency_s=self._outcome.latency(), transfer_total_bytes=self._sent * per_page)
 
 
+class _Part:
+    """One fetch of a receiver's room: the target's layers, or the draft's."""
+
+    def __init__(self, suffix: str, fetcher: concurrent.futures.Future[SyncFetcher]) -> None:
+        self.suffix, self.fetcher = suffix, fetcher
+        self.fetch: Handle[FetchResult] | None = None
+
+    @property
+    def started(self) -> SyncFetcher | None:
+        done = self.fetcher.done() and self.fetcher.exception() is None
+        return self.fetcher.result() if done else None
+
+
 class PdkvKVReceiver(BaseKVReceiver):
-    """A decode request: reads its room from every CP owner into its own pages."""
+    """A decode request: reads its room from every CP owner into its own pages (and the
+    draft's layers from the draft's engine, where this decode serves MTP)."""
 
     def __init__(self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
         self.room = int(bootstrap_room or 0)
         self._outcome = _Outcome()
-        self._fetcher: concurrent.futures.Future[SyncFetcher] | None = None
+        self._parts: list[_Part] = []
         self._engine = "dp0"
-        self._fetch: Handle[Any] | None = None
         self._aux_index: int | None = None
         self._nbytes: int | None = None
         self._aborted: PdkvError | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
         self._engine = f"dp{int(prefill_dp_rank or 0)}"
-        self._fetcher = self.kv_mgr.fetcher(self.bootstrap_addr)
+        self._parts = [_Part(part, self.kv_mgr.fetcher(self.bootstrap_addr, part)) for part in self.kv_mgr.parts]
 
     def send_metadata(
         self,
@@ -333,12 +325,15 @@ class PdkvKVReceiver(BaseKVReceiver):
                 raise TransferError("pdkv does not serve a decode prefix yet (decode_prefix_len > 0)")
             if str(getattr(destination, "value", destination)) != "device":
                 raise TransferError("pdkv fills device (pool) pages only, not host destinations")
-            if self._fetcher is None or not self._fetcher.done():
+            fetchers = [p.started for p in self._parts]
+            if not fetchers or any(f is None for f in fetchers):
                 raise TransferError("send_metadata before the receiver was bootstrapped (poll it first)")
             self._aux_index = aux_index
             self._outcome.started = time.monotonic()
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-            self._fetch = self._fetcher.result().fetch(self._engine, self.room, pages)
+            for part, fetcher in zip(self._parts, fetchers):
+                assert fetcher is not None
+                part.fetch = fetcher.fetch(self._engine + part.suffix, self.room, pages)
             self._outcome.state = KVPoll.Transferring
         except PdkvError as exc:
             self._outcome.fail(exc)
@@ -347,35 +342,44 @@ class PdkvKVReceiver(BaseKVReceiver):
         state = self._outcome.state
         if state in (KVPoll.Success, KVPoll.Failed):
             return state
+        fetches = [p.fetch for p in self._parts if p.fetch is not None]
         if self._aborted is not None:
-            if self._fetch is not None and self._fetch.poll() is FetchStatus.PENDING:
+            if any(f.poll() is FetchStatus.PENDING for f in fetches):
                 return KVPoll.Transferring  # its READs and kernels are still ending
             return self._outcome.fail(self._aborted)
-        if self._fetcher is None:
+        if not self._parts:
             return KVPoll.Bootstrapping
-        if self._fetch is None:
-            if not self._fetcher.done():
-                return KVPoll.Bootstrapping
-            if self._fetcher.exception() is not None:
-                return self._outcome.fail(self._fetcher.exception())  # type: ignore[arg-type]
-            self._outcome.state = KVPoll.WaitingForInput
-            return self._outcome.state
-        status = self._fetch.poll()
-        if status is FetchStatus.PENDING:
+        if not fetches:
+            return self._bootstrapped()
+        failed = next((f for f in fetches if f.poll() is FetchStatus.FAILED), None)
+        if failed is not None:  # one part failed: the others stop, and Failed waits for them
+            for f in fetches:
+                f.cancel()
+            if any(f.poll() is FetchStatus.PENDING for f in fetches):
+                return KVPoll.Transferring
+            return self._outcome.fail(failed.exception() or TransferError("fetch failed"))
+        if any(f.poll() is FetchStatus.PENDING for f in fetches):
             return KVPoll.Transferring
-        if status is FetchStatus.FAILED:
-            return self._outcome.fail(self._fetch.exception() or TransferError("fetch failed"))
-        return self._finish()
+        return self._finish([f.result() for f in fetches])
 
-    def _finish(self) -> int:
-        assert self._fetch is not None
-        result = self._fetch.result()
-        self._nbytes = result.nbytes
+    def _bootstrapped(self) -> int:
+        """Before `send_metadata`: Bootstrapping until every part's fetcher has started."""
+        for part in self._parts:
+            if not part.fetcher.done():
+                return KVPoll.Bootstrapping
+            if part.fetcher.exception() is not None:
+                return self._outcome.fail(part.fetcher.exception())  # type: ignore[arg-type]
+        self._outcome.state = KVPoll.WaitingForInput
+        return self._outcome.state
+
+    def _finish(self, results: list[FetchResult]) -> int:
+        self._nbytes = sum(r.nbytes for r in results)
         try:
             if self._aux_index is not None:
-                if result.aux is None:
+                aux = results[0].aux  # the target's room carries it
+                if aux is None:
                     raise TransferError(f"room {self.room} came without its aux row")
-                self.kv_mgr.aux.write(self._aux_index, result.aux)
+                self.kv_mgr.aux.write(self._aux_index, aux)
         except PdkvError as exc:
             return self._outcome.fail(exc)
         return self._outcome.succeed()
@@ -384,29 +388,30 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._outcome.raise_failure(f"room {self.room}")
 
     def abort(self) -> None:
-        """Stop the fetch and free the room on its prefill. `poll()` says Failed only once
-        every READ and kernel of the fetch has ended: SGLang reuses the pages at once then."""
+        """Stop the fetches and free the room on its prefill. `poll()` says Failed only once
+        every READ and kernel of them has ended: SGLang reuses the pages at once then."""
         if self._aborted is not None or self._outcome.state in (KVPoll.Success, KVPoll.Failed):
             return
         self._aborted = RoomAbortedError(f"room {self.room} aborted by its decode")
-        if self._fetch is not None:
-            self._fetch.cancel()  # it gives up its claims on the owners it asked
-            self._fetch.on_done(self._abandon_if_unread)
-        elif self._fetcher is not None:
-            self._fetcher.add_done_callback(lambda _: self._abandon())
+        for part in self._parts:
+            if part.fetch is not None:
+                part.fetch.cancel()  # it gives up its claims on the owners it asked
+                part.fetch.on_done(lambda fetch, part=part: self._abandon_if_unread(part, fetch))
+            else:
+                part.fetcher.add_done_callback(lambda _, part=part: self._abandon(part))
 
-    def _abandon_if_unread(self, fetch: Handle[Any]) -> None:
+    def _abandon_if_unread(self, part: _Part, fetch: Handle[FetchResult]) -> None:
         if fetch.poll() is FetchStatus.FAILED:
-            self._abandon()
+            self._abandon(part)
 
-    def _abandon(self) -> None:
+    def _abandon(self, part: _Part) -> None:
         """Every owner frees the room now, also those the fetch never reached (on pdkv's
         thread, or the starter's: nothing here blocks)."""
-        started = self._fetcher
-        if started is None or not started.done() or started.exception() is not None:
+        fetcher = part.started
+        if fetcher is None:
             return
         try:
-            started.result().abandon(self._engine, self.room)
+            fetcher.abandon(self._engine + part.suffix, self.room)
         except PdkvError as exc:  # closed meanwhile: the room's pin expires instead
             logger.info("room %d: the prefill could not be told of the abort: %s", self.room, exc)
 

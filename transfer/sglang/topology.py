@@ -41,8 +41,6 @@ def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
         raise LayoutError("pdkv's SGLang backend does not serve pipeline parallelism (PP > 1)")
     if ctx.get("tp_size", 1) > 1:
         raise LayoutError("pdkv's SGLang backend needs attention TP 1 (MLA keeps the whole latent on every TP rank)")
-    if int(getattr(kv_args, "num_draft_entries", 0) or 0):
-        raise LayoutError("pdkv's SGLang backend does not move a draft model's KV")
 
 
 logger = logging.getLogger(__name__)
