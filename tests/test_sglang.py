@@ -74,20 +74,22 @@ def _kv_args(layers: range, fill: bool, drafts: int = 0) -> tuple[object, list[t
     return args, keep
 
 
-def _env(registry: str, cp_rank: int, cp_size: int) -> None:
+def _env(registry: str, cp_rank: int, cp_size: int, tp: tuple = (0, 1)) -> None:
     from transfer.sglang.topology import environment
 
-    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu"))
+    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu", *tp))
 
 
-def _prefill_rank(registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue, drafts: int = 0) -> None:
+def _prefill_rank(
+    registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue, drafts: int = 0, tp: tuple = (0, 1)
+) -> None:
     """One CP rank's scheduler: a sender per request, polled once an iteration; the last CP
     rank holds the draft model's `drafts` layers, as under SGLang's layer split."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
 
-    _env(registry, cp_rank, cp_size)
+    _env(registry, cp_rank, cp_size, tp)
     args, keep = _kv_args(_owned(cp_rank, cp_size), fill=True, drafts=drafts if cp_rank == cp_size - 1 else 0)
     mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
     aux = keep[-len(AUX_ITEMS) :]
@@ -437,6 +439,62 @@ def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):
         assert by_rank == {0: len(src) * 2 * per_page, 1: len(src) * 3 * per_page}  # rank 1: its layers and the draft
     finally:
         mgr.close()
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 2)])
+def test_attention_tp_on_either_side_every_decode_rank_reads_the_whole_room(bootstrap, prefill_tp, decode_tp):
+    """Prefill CP=2 x TP, decode TP: MLA keeps the whole latent on every attention-TP rank,
+    so each prefill CP rank's TP rank 0 exports (the others' senders succeed with it, as
+    SGLang takes the lowest state of a TP group), and every decode TP rank reads the whole
+    room into its own buffers (the room grants one claim per decode TP rank)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
+
+    room = 600 + 10 * prefill_tp + decode_tp
+    rooms = {room: ([[3, 4], [5, 9]], False)}
+    dst = [7, 1, 30, 2]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [
+        ctx.Process(target=_prefill_rank, args=(bootstrap.url, cp, 2, rooms, results, 0, (tp, prefill_tp)))
+        for cp in range(2)
+        for tp in range(prefill_tp)
+    ]
+    for p in ranks:
+        p.start()
+    decodes = []
+    try:
+        for tp in range(decode_tp):
+            _env("", 0, 1, (tp, decode_tp))
+            args, keep = _kv_args(range(LAYERS), fill=False)
+            mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
+            receiver = PdkvKVReceiver(mgr, bootstrap.url, room)
+            receiver.init(0)
+            decodes.append((mgr, receiver, keep))
+        states = [KVPoll.Bootstrapping] * decode_tp
+        end = time.monotonic() + 60
+        while any(s not in (KVPoll.Success, KVPoll.Failed) for s in states) and time.monotonic() < end:
+            for i, (_, receiver, _) in enumerate(decodes):
+                states[i] = receiver.poll()
+                if states[i] == KVPoll.WaitingForInput:
+                    receiver.send_metadata(np.array(dst, dtype=np.int32), aux_index=room % AUX_ROWS)
+            time.sleep(0.002)
+        assert states == [KVPoll.Success] * decode_tp, states
+        src = sum(rooms[room][0], [])
+        for _, _, keep in decodes:  # every decode TP rank holds the whole room
+            for layer in range(LAYERS):
+                assert np.array_equal(keep[layer].numpy()[dst], _pattern(layer, 0)[src]), layer
+                assert np.array_equal(keep[LAYERS + layer].numpy()[dst], _pattern(layer, 1)[src]), layer
+        sent = [results.get(timeout=60) for _ in ranks]
+        assert all(seen[-1] == KVPoll.Success for _, _, seen, _, _ in sent), sent
+    finally:
+        for mgr, _, _ in decodes:
+            mgr.close()
         for p in ranks:
             p.join(30)
             if p.is_alive():

@@ -281,6 +281,7 @@ class DecodeFetcher(OwnerIO):
         deadline: Deadline | None = None,
         timeout: float | None = None,
         ticket: RoomTicket | None = None,
+        readers: int = 1,
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
@@ -292,7 +293,9 @@ class DecodeFetcher(OwnerIO):
         it reads every owner at once and proves the pin by each owner's pin word. Returns
         only when every byte of the room was read while its source pages stayed pinned
         (proved by a release, or by a pin word READ after the data); otherwise raises a
-        `PdkvError` and the destination pages hold no valid KV.
+        `PdkvError` and the destination pages hold no valid KV. `readers`: this fetch is
+        one of that many reads of the room by one group (a decode's attention-TP ranks,
+        each reading it whole by claims): the room grants at least that many claims.
         """
         started = time.perf_counter()
         if ticket is not None and self._gpu is not None:
@@ -304,7 +307,7 @@ class DecodeFetcher(OwnerIO):
         self._enter()
         try:
             with request_context(engine=engine_id, room=room, consumer=self.consumer_id), fetching(engine_id):
-                result = await self._fetch(engine_id, room, dst, budget, ticket, started)
+                result = await self._fetch(engine_id, room, dst, budget, ticket, started, readers)
         except PdkvError as exc:
             FETCH_FAILURES.labels(engine_id, type(exc).__name__).inc()
             logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)
@@ -317,7 +320,14 @@ class DecodeFetcher(OwnerIO):
         return result
 
     async def _fetch(
-        self, engine_id: str, room: int, dst: np.ndarray, budget: Deadline, ticket: RoomTicket | None, started: float
+        self,
+        engine_id: str,
+        room: int,
+        dst: np.ndarray,
+        budget: Deadline,
+        ticket: RoomTicket | None,
+        started: float,
+        readers: int,
     ) -> FetchResult:
         # A cached engine and a ticket of its owners cost no coroutine of their own: on a host
         # just woken each one is microseconds of a lane fetch that takes a fraction of a millisecond.
@@ -338,13 +348,13 @@ class DecodeFetcher(OwnerIO):
                     raise
             owners = await self._lookup(engine_id, budget)
         try:
-            return await self._fetch_from(owners, engine_id, Claim(room), dst, budget, started)
+            return await self._fetch_from(owners, engine_id, Claim(room, readers), dst, budget, started)
         except PeerLostError:
             fresh = await self._reregistered(engine_id, owners, was_cached, budget)
             if fresh is None:
                 raise
             logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, room)
-            return await self._fetch_from(fresh, engine_id, Claim(room), dst, budget, started)
+            return await self._fetch_from(fresh, engine_id, Claim(room, readers), dst, budget, started)
 
     async def _ticket_owners(
         self, engine_id: str, owners: dict[int, Owner], ticket: RoomTicket, budget: Deadline

@@ -21,6 +21,8 @@ Schema history:
   7: RoomState.aux: an engine's per-request bytes, with a chunked room's last chunk.
   8: ReleaseNotice.abort: a consumer gives its claim up unread (its fetch failed or was
      cancelled); a room no consumer read ends aborted, not released.
+  9: ClaimRequest.readers: how many reads the claimant's group makes of the room (a
+     decode's attention-TP ranks each read it whole); the room grants at least that many.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -289,11 +291,15 @@ class TicketRelease(_Wire):
 
 
 class ClaimRequest(_Wire):
-    """A consumer asks for one of the room's claims; `claim` is a fresh random token."""
+    """A consumer asks for one of the room's claims; `claim` is a fresh random token.
+    `readers`: the claimant is one of that many readers of the room (a decode whose
+    attention-TP ranks each hold the whole latent KV), so the room grants at least that
+    many claims."""
 
     room: U63
     consumer_id: Name
     claim: ClaimToken
+    readers: Annotated[int, Meta(ge=1, le=1024)] = 1
 
 
 class ReleaseNotice(_Wire):

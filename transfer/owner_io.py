@@ -83,6 +83,7 @@ class Claim:
     """One fetch's (or lease's) claim on a room: a random token, and where it stands."""
 
     room: int
+    readers: int = 1  # the claimant's group reads the room this many times (`ClaimRequest.readers`)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     asked: set[int] = field(default_factory=set)  # cp ranks a claim request went to
     granted: set[int] = field(default_factory=set)  # cp ranks that granted it
@@ -328,7 +329,7 @@ class OwnerIO:
         """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
         r = owner.rank
         url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
-        ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token)
+        ask = ClaimRequest(room=claim.room, consumer_id=self.consumer_id, claim=claim.token, readers=claim.readers)
         unknown_until = time.monotonic() + self.timeouts.publish
         claim.asked.add(r.cp_rank)  # from here on it may be granted there, answered or not
         while True:

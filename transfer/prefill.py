@@ -359,7 +359,7 @@ class PrefillExporter:
         if ask.room != room:
             raise MetadataError(f"claim names room {ask.room}, path names {room}")
         await self.rooms.wait(room, -1, self.timeouts.poll)  # until it is published
-        return reply(self.rooms.claim(room, ask.claim, ask.consumer_id), self.pool.layout.fingerprint)
+        return reply(self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers), self.pool.layout.fingerprint)
 
     async def _release(self, request: web.Request) -> web.Response:
         room = path_int(request, "room")

@@ -215,8 +215,11 @@ class RoomTable:
                 break
         return self.state(room)
 
-    def claim(self, room: int, token: str, consumer: str) -> RoomState:
+    def claim(self, room: int, token: str, consumer: str, readers: int = 1) -> RoomState:
         """Grant `token` one of the room's claims (idempotent for a token already granted).
+        `readers`: the claimant's group reads the room that many times (each reader claims
+        once), so the room grants at least that many claims: the first claim of a group
+        raises it before any of the group's releases can free the room.
 
         A room not published yet answers UNKNOWN and grants nothing: ask again.
         """
@@ -228,6 +231,7 @@ class RoomTable:
             if status is RoomStatus.ABORTED:
                 raise RoomAbortedError(f"room {room} was aborted (or its pin expired) on this rank")
             raise UnknownRoomError(f"room {room} is {status.value} on this rank")
+        r.consumers = max(r.consumers, readers)
         if token not in r.open_claims:
             if r.granted >= r.consumers:
                 raise RoomClaimedError(

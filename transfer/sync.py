@@ -225,13 +225,14 @@ class SyncFetcher:
         *,
         ticket: RoomTicket | None = None,
         timeout: float | None = None,
+        readers: int = 1,
     ) -> Handle[FetchResult]:
         """Start `DecodeFetcher.fetch` on pdkv's loop; returns a handle at once.
 
         `dst_pages` is copied here, so the caller may reuse its list or array.
         """
         pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
-        coro = self.fetcher.fetch(engine_id, room, pages, ticket=ticket, timeout=timeout)
+        coro = self.fetcher.fetch(engine_id, room, pages, ticket=ticket, timeout=timeout, readers=readers)
         return Handle(self._bg.submit(coro))
 
     def abandon(self, engine_id: str, room: int) -> Handle[None]:

@@ -88,8 +88,8 @@ class PdkvKVManager(BaseKVManager):
         self._finished: dict[tuple[str, int], RoomStatus] = {}  # prefill: rooms done, until their sender looks
         self._fetchers: dict[tuple[str, str], concurrent.futures.Future[SyncFetcher]] = {}  # decode
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdkv-sglang-start")
-        self.exporters: dict[str, SyncExporter] = {}
-        if self.is_prefill:
+        self.exporters: dict[str, SyncExporter] = {}  # none on a prefill's TP ranks but the first
+        if self.is_prefill and self.topology.exports:
             for part, kv in self.parts.items():
                 self.exporters[part] = self._export(part, kv)
 
@@ -189,7 +189,7 @@ class PdkvKVSender(BaseKVSender):
     def __init__(
         self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False
     ) -> None:
-        assert mgr.exporters, "a sender needs a prefill manager"
+        assert mgr.is_prefill, "a sender needs a prefill manager"
         self.kv_mgr, self.room = mgr, int(bootstrap_room)
         self._outcome = _Outcome()
         self._total = self._sent = 0
@@ -256,7 +256,9 @@ class PdkvKVSender(BaseKVSender):
             if ended is not RoomStatus.RELEASED:
                 why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
                 return self._outcome.fail(RoomAbortedError(f"room {self.room}{part} ended {why} before it was read"))
-        if len(self._ended) == len(self.kv_mgr.exporters):
+        if len(self._ended) == len(self.kv_mgr.exporters) and self._outcome.state != KVPoll.Bootstrapping:
+            # Every part read; on a TP rank that exports nothing, at once (TP rank 0's
+            # sender carries the room, and SGLang takes the lowest state of its TP group).
             return self._outcome.succeed()
         return self._outcome.state
 
@@ -333,7 +335,8 @@ class PdkvKVReceiver(BaseKVReceiver):
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
             for part, fetcher in zip(self._parts, fetchers):
                 assert fetcher is not None
-                part.fetch = fetcher.fetch(self._engine + part.suffix, self.room, pages)
+                readers = self.kv_mgr.topology.tp_size  # each decode TP rank reads the whole room
+                part.fetch = fetcher.fetch(self._engine + part.suffix, self.room, pages, readers=readers)
             self._outcome.state = KVPoll.Transferring
         except PdkvError as exc:
             self._outcome.fail(exc)

@@ -12,6 +12,8 @@ a deployment SGLang does not describe, says it):
     PDKV_SGLANG_LAYERS     the model's layer count (default: a decode's own layers; a
                            layer-split prefill reads `num_hidden_layers` from the model's
                            config.json, by SGLang's `--model-path`)
+    PDKV_SGLANG_TP_RANK, PDKV_SGLANG_TP_SIZE
+                           this rank's attention TP rank and size (default: SGLang's)
     PDKV_SGLANG_DEVICE     "cpu" or "cuda" (default: cuda where there is a GPU)
     PDKV_SECRET            the deployment's shared secret (as the demo app's): every pdkv
                            service it starts asks for it, every request carries it
@@ -39,8 +41,6 @@ def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
     """Refuse the layouts pdkv's SGLang backend does not serve (see the README)."""
     if int(getattr(kv_args, "pp_rank", 0) or 0) or ctx.get("pp_size", 1) > 1:
         raise LayoutError("pdkv's SGLang backend does not serve pipeline parallelism (PP > 1)")
-    if ctx.get("tp_size", 1) > 1:
-        raise LayoutError("pdkv's SGLang backend needs attention TP 1 (MLA keeps the whole latent on every TP rank)")
 
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,14 @@ class Topology:
     cp_size: int
     layer_num: int
     device: torch.device
+    # Attention TP: MLA keeps the whole latent on every TP rank. On a prefill only TP rank 0
+    # exports; on a decode every TP rank reads the whole room (one of `tp_size` readers).
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def exports(self) -> bool:
+        return self.tp_rank == 0
 
 
 _warned_no_secret = False
@@ -73,7 +81,9 @@ def secret() -> str | None:
     return value
 
 
-def environment(registry: str, cp_rank: int, cp_size: int, layers: int, device: str) -> dict[str, str]:
+def environment(
+    registry: str, cp_rank: int, cp_size: int, layers: int, device: str, tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, str]:
     """The variables above, as a launcher (or a test) sets them for one rank."""
     return {
         "PDKV_SGLANG_REGISTRY": registry,
@@ -81,6 +91,8 @@ def environment(registry: str, cp_rank: int, cp_size: int, layers: int, device: 
         "PDKV_SGLANG_CP_SIZE": str(cp_size),
         "PDKV_SGLANG_LAYERS": str(layers),
         "PDKV_SGLANG_DEVICE": device,
+        "PDKV_SGLANG_TP_RANK": str(tp_rank),
+        "PDKV_SGLANG_TP_SIZE": str(tp_size),
     }
 
 
@@ -106,6 +118,7 @@ def _sglang_context() -> dict[str, Any]:
             "cp_rank": parallel.attn_cp_rank if parallel.enable_dsa_cache_layer_split else 0,
             "cp_size": parallel.attn_cp_size if parallel.enable_dsa_cache_layer_split else 1,
             "tp_size": parallel.attn_tp_size,
+            "tp_rank": parallel.attn_tp_rank,
             "pp_size": parallel.pp_size,
         }
     except Exception as exc:  # not set (a test, a tool): the environment must say it
@@ -166,8 +179,13 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     device = torch.device("cuda", int(kv_args.gpu_id)) if wanted == "cuda" else torch.device("cpu")
     if not 0 <= cp_rank < cp_size:
         raise LayoutError(f"CP rank {cp_rank} outside a CP size of {cp_size}")
+    tp_rank, tp_size = _env_int("PDKV_SGLANG_TP_RANK"), _env_int("PDKV_SGLANG_TP_SIZE")
+    tp_rank = ctx.get("tp_rank", 0) if tp_rank is None else tp_rank
+    tp_size = ctx.get("tp_size", 1) if tp_size is None else tp_size
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"attention TP rank {tp_rank} outside a TP size of {tp_size}")
     _supported(kv_args, ctx)
-    return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device)
+    return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device, tp_rank, tp_size)
 
 
 def _sglang_env(name: str, default: float) -> float:
