@@ -183,3 +183,13 @@ async def test_a_room_given_up_before_it_was_published_is_refused_when_it_is():
     with pytest.raises(ConflictError, match="aborted"):
         t.publish(3, np.array([1]))
     assert freed == []
+
+
+async def test_a_claim_for_a_group_of_readers_raises_the_rooms_claims_to_that_many():
+    t, freed = table()
+    t.publish(4, np.array([4, 5]))  # published for one consumer
+    t.claim(4, A, "tp0", readers=2)  # a decode of two attention-TP ranks, each reading it whole
+    t.claim(4, B, "tp1", readers=2)
+    assert not t.release(4, A).freed and t.release(4, B).freed  # freed by the group's last read
+    with pytest.raises(UnknownRoomError, match="released"):
+        t.claim(4, C, "d2", readers=2)
