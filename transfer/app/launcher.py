@@ -21,9 +21,30 @@ from pathlib import Path
 
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
-__all__ = ["Launcher", "Child", "ServiceStartError", "ServiceExited", "ServiceNotReady"]
+__all__ = ["Launcher", "Child", "Host", "ServiceStartError", "ServiceExited", "ServiceNotReady"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a service runs: a network namespace (None: this one) and the address it binds.
+
+    Namespaces stand in for separate machines (tests and benchmarks of the path between
+    hosts); entering one needs root.
+    """
+
+    netns: str | None = None
+    address: str = "127.0.0.1"
+
+    @classmethod
+    def parse(cls, text: str) -> Host:
+        """`ADDRESS` or `NETNS@ADDRESS`."""
+        netns, _, address = text.rpartition("@")
+        return cls(netns or None, address)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns] if self.netns else []
 
 
 @dataclass
@@ -114,6 +135,20 @@ class Launcher:
                 raise ServiceNotReady(child, f"not ready within {timeout:.0f}s")
             await asyncio.sleep(0.05)
         return child.ready_file.read_text()
+
+    async def all_ready(self, children: list[Child], timeout: float) -> list[str]:
+        """Each child's ready-file content; the first failure ends the wait for all of them."""
+        waits = [asyncio.ensure_future(self.wait_ready(c, timeout)) for c in children]
+        try:
+            return list(await asyncio.gather(*waits))
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def stop_some(self, children: list[Child], grace: float, hang_expected: bool = False) -> None:
+        """Stop these children and forget them."""
+        await asyncio.gather(*(self.stop(c, grace, hang_expected) for c in children))
+        self.children = [c for c in self.children if c not in children]
 
     async def stop(self, child: Child, grace: float, hang_expected: bool = False) -> int:
         """SIGTERM, then SIGKILL after `grace` seconds; returns the exit code. `hang_expected`:

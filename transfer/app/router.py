@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import msgspec
 
-from pdkv.errors import CapacityError, PdkvError, PeerLostError
+from pdkv.errors import CapacityError, PdkvError, PeerLostError, UnknownEngineError
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.supervisor import DecoderEndpoint, DeploymentSpec, EngineEndpoints, Supervisor
 from transfer.deadline import Deadline
@@ -180,7 +180,10 @@ class Router:
     async def _pick_engine(self, engine_id: str | None, deadline: Deadline) -> EngineEndpoints:
         """The named engine, or the least busy one up; with none up, one that comes back."""
         if engine_id is not None:
-            return next(e for e in self.services.engines if e.engine_id == engine_id)
+            named = [e for e in self.services.engines if e.engine_id == engine_id]
+            if not named:
+                raise UnknownEngineError(f"no prefill engine {engine_id!r} in this deployment")
+            return named[0]
         until = deadline.within(self.timeouts.admission)
         while True:
             up = self.services.routable()

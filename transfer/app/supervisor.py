@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdkv.errors import NotReadyError, PeerLostError
-from transfer.app.launcher import Child, Launcher
+from transfer.app.launcher import Child, Host, Launcher, ServiceStartError
 from transfer.deadline import Deadline, retry_until
 from transfer.registry_client import registry_client
 from transfer.timeouts import Timeouts
@@ -38,27 +38,6 @@ _WATCH_S = 0.05  # how often the supervisor looks for dead engine ranks between 
 _MAX_BACKOFF_S = 30.0
 _STOP_GRACE_S = 5.0  # a healthy engine leaves the registry and frees its pins on SIGTERM
 _STOP_DEAD_GRACE_S = 1.0  # what is left of a dead one may hang in a collective: kill it soon
-
-
-@dataclass(frozen=True)
-class Host:
-    """Where a service runs: a network namespace (None: this one) and the address it binds.
-
-    Namespaces stand in for separate machines (tests and benchmarks of the path between
-    hosts); entering one needs root.
-    """
-
-    netns: str | None = None
-    address: str = "127.0.0.1"
-
-    @classmethod
-    def parse(cls, text: str) -> Host:
-        """`ADDRESS` or `NETNS@ADDRESS`."""
-        netns, _, address = text.rpartition("@")
-        return cls(netns or None, address)
-
-    def prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns] if self.netns else []
 
 
 @dataclass(frozen=True)
@@ -181,22 +160,13 @@ class Supervisor:
         args = [*args, "--host", host.address, "--log-level", self.spec.log_level]
         return self.launcher.spawn(name, module, args, host.prefix())
 
-    async def _all_ready(self, children: list[Child]) -> list[str]:
-        """Each child's ready-file text; the first failure ends the wait for all of them."""
-        waits = [asyncio.ensure_future(self.launcher.wait_ready(c, self.spec.start_timeout)) for c in children]
-        try:
-            return list(await asyncio.gather(*waits))
-        finally:
-            for w in waits:
-                w.cancel()
-
     async def _start_registry(self, port: int = 0) -> None:
         if self.spec.registry is not None:
             self.registry_url = self.spec.registry
             return
         args = ["--lease", str(self.spec.lease), "--port", str(port)]
         registry = self._spawn("registry", "transfer.app.registry", args, self.spec.registry_host)
-        self.registry_url = (await self._all_ready([registry]))[0]
+        self.registry_url = (await self.launcher.all_ready([registry], self.spec.start_timeout))[0]
 
     def _spawn_engine(self, engine_id: str, cp: int) -> list[Child]:
         s = self.spec
@@ -215,8 +185,7 @@ class Supervisor:
             "--owner-progress": s.owner_progress,
             "--broadcast-ctas": s.broadcast_ctas,
         }
-        args = [str(x) for kv in flags.items() for x in kv]
-        module = "transfer.app.prefill_worker"
+        args, module = _flatten(flags), "transfer.app.prefill_worker"
         return [
             self._spawn(f"{engine_id}-cp{r}", module, [*args, "--cp-rank", str(r)], s.prefill_host) for r in range(cp)
         ]
@@ -232,15 +201,15 @@ class Supervisor:
             "--lanes": s.decode_lanes,
             "--seed": d + 1,
         }
-        args = [str(x) for kv in flags.items() for x in kv]
-        return self._spawn(f"decode{d}", "transfer.app.decode_worker", args, s.decode_host)
+        return self._spawn(f"decode{d}", "transfer.app.decode_worker", _flatten(flags), s.decode_host)
 
     async def start(self) -> None:
         s = self.spec
         await self._start_registry()
         ranks = {f"prefill{e}": self._spawn_engine(f"prefill{e}", cp) for e, cp in enumerate(s.engines)}
         decoders = [self._spawn_decoder(d) for d in range(s.decoders)]
-        ready = iter(await self._all_ready([c for cs in ranks.values() for c in cs] + decoders))
+        children = [c for cs in ranks.values() for c in cs] + decoders
+        ready = iter(await self.launcher.all_ready(children, s.start_timeout))
         for engine_id, children in ranks.items():
             texts = [json.loads(next(ready)) for _ in children]
             intake, controls = texts[0]["intake"], [t["control"] for t in texts]
@@ -321,7 +290,8 @@ class Supervisor:
                 await self._restart(engine)
             except Exception as exc:  # whatever failed, the next attempt starts from nothing
                 engine.state = EngineState.RECOVERING
-                logger.warning("restarting %s failed: %s", engine.engine_id, str(exc).splitlines()[0])
+                why = exc.line() if isinstance(exc, ServiceStartError) else str(exc).splitlines()[0]
+                logger.warning("restarting %s failed: %s", engine.engine_id, why)
                 continue
             death.back_after = time.monotonic() - death.at
             logger.warning("%s", death.describe())
@@ -345,25 +315,24 @@ class Supervisor:
 
     async def _restart(self, engine: EngineEndpoints) -> None:
         async with self._locks.setdefault(engine.engine_id, asyncio.Lock()):
-            grace = _STOP_GRACE_S if engine.state is EngineState.UP else _STOP_DEAD_GRACE_S
+            was_up = engine.state is EngineState.UP
             engine.state = EngineState.RECOVERING
             engine.generation += 1
             old = self._ranks.pop(engine.engine_id, [])
-            await self._stop(old, grace)
+            await self._stop(old, dead=not was_up)
             children = self._ranks[engine.engine_id] = self._spawn_engine(engine.engine_id, engine.cp_size)
             try:
-                ranks = [json.loads(text) for text in await self._all_ready(children)]
+                ranks = [json.loads(text) for text in await self.launcher.all_ready(children, self.spec.start_timeout)]
             except BaseException:
-                await self._stop(self._ranks.pop(engine.engine_id), _STOP_DEAD_GRACE_S)
+                await self._stop(self._ranks.pop(engine.engine_id), dead=True)
                 raise
             engine.intake, engine.controls = ranks[0]["intake"], [r["control"] for r in ranks]
             engine.incarnations = await self._registered(engine)
             engine.state = EngineState.UP
 
-    async def _stop(self, children: list[Child], grace: float) -> None:
-        hang_expected = grace == _STOP_DEAD_GRACE_S
-        await asyncio.gather(*(self.launcher.stop(c, grace, hang_expected) for c in children))
-        self.launcher.children = [c for c in self.launcher.children if c not in children]
+    async def _stop(self, children: list[Child], dead: bool = False) -> None:
+        """`dead`: what is left of a group that lost a member may hang in a collective."""
+        await self.launcher.stop_some(children, _STOP_DEAD_GRACE_S if dead else _STOP_GRACE_S, hang_expected=dead)
 
     async def _registered(self, engine: EngineEndpoints) -> tuple[str, ...]:
         """The incarnations of `engine`'s new ranks, once the registry hands them out: what a
@@ -389,7 +358,7 @@ class Supervisor:
         if self.spec.registry is not None:
             raise RuntimeError("the deployment uses an external registry: restart it where it runs")
         old = next(c for c in self.launcher.children if c.name == "registry")
-        await self._stop([old], 5.0)
+        await self._stop([old])
         await self._start_registry(port=int(self.registry_url.rsplit(":", 1)[1]))
 
     def dead_children(self) -> list[str]:
@@ -427,3 +396,7 @@ class Supervisor:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _flatten(flags: dict[str, object]) -> list[str]:
+    return [str(x) for kv in flags.items() for x in kv]
