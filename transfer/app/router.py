@@ -2,7 +2,9 @@
 
 A request gets a room; the router sends it to a prefill engine and a decode worker at
 the same time and returns the decode's answer. When either leg fails, it cancels the
-other and aborts the room on every rank, so nothing stays pinned. `Deployment` is the
+other and aborts the room on every rank, so nothing stays pinned. Only engines the
+supervisor reports up take requests: a dead engine fails just the requests in flight on
+it, and is taken back once its restart has registered. `Deployment` is the
 local deployment the main job and the tests use: the supervised processes with a router
 in front of them.
 """
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _PAGE_SLACK = 64  # tokens: a request may use part of one more page than it fills
 _LIVENESS_POLL_S = 0.01  # how often a waiting leg checks that its services still run
+_PICK_POLL_S = 0.05  # how often a request that found no engine up looks again
 
 T = TypeVar("T")
 
@@ -192,7 +195,7 @@ class Router:
             if not self.services.recovering():
                 deaths = "; ".join(d.describe() for d in self.services.deaths) or "none started"
                 raise PeerLostError(f"no prefill engine to route to: {deaths}")
-            await asyncio.sleep(until.left(_LIVENESS_POLL_S * 5, "no prefill engine came back in time"))
+            await asyncio.sleep(until.left(_PICK_POLL_S, "no prefill engine came back in time"))
 
     def _pick_decoder(self, decoder: int | None) -> DecoderEndpoint:
         if decoder is not None:
