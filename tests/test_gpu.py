@@ -388,3 +388,86 @@ def test_a_cancelled_fetch_lands_no_byte_after_it_raised(path):
                 assert cancelled >= 1
 
     asyncio.run(run())
+
+
+def _check_engine_kv(shape, bufs, src, dst) -> None:
+    from tests.engine_owners import layer_pattern
+
+    n = shape.layers
+    for layer in range(n):
+        for kind in (0, 1):
+            want = layer_pattern(shape, layer, kind)[torch.as_tensor(src, device="cuda")]
+            got = bufs[kind * n + layer][torch.as_tensor(dst, device="cuda")]
+            assert torch.equal(got, want), (layer, kind)
+
+
+def test_engine_owned_buffers_go_by_the_lane_and_vmm_owners_by_ucx_in_one_fetch():
+    """Owners whose KV is a tensor per layer and kind (SGLang's pools): the lane maps each
+    allocation and reads every layer of those owners; an owner on expandable segments (VMM,
+    which IPC handles cannot export) is read over UCX in the same fetch; byte-exact."""
+    from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
+    from transfer.bootstrap import RegistryServer
+    from transfer.metadata import RoomTicket
+
+    shape = Shape(layers=9, page_size=64, pages=129)
+    src, dst = list(range(3, 103)), list(range(120, 20, -1))
+
+    async def run():
+        registry = RegistryServer()
+        url = await registry.start()
+        procs, stop, reports = await asyncio.to_thread(start_owners, url, "eng0", 3, shape, {1: src}, (2,))
+        try:
+            assert reports[0][0] >= 1 and reports[1][0] >= 1 and reports[2][0] is None, reports
+            bufs = engine_buffers(shape, range(shape.layers), fill=False)
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path="auto") as fetcher:
+                ticket = RoomTicket(engine_id="eng0", room=1, src_pages=src, pins=[reports[r][1][1] for r in range(3)])
+                result = await fetcher.fetch("eng0", 1, dst, ticket=ticket)
+                assert [o.path for o in result.owners] == ["cuda_ipc", "cuda_ipc", "ucx"]
+                torch.cuda.synchronize()
+                _check_engine_kv(shape, bufs, src, dst)
+        finally:
+            await asyncio.to_thread(stop_owners, procs, stop)
+            await registry.aclose()
+
+    asyncio.run(run())
+
+
+def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused():
+    """Four owners of per-layer allocations, read with their ticket: one launch over every
+    allocation of every owner, byte-exact; a slab whose length the wire inflates is refused
+    when it is mapped, before any launch."""
+    from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
+    from transfer.bootstrap import RegistryServer
+    from transfer.http import ControlClient
+    from transfer.metadata import RoomTicket
+
+    shape = Shape(layers=11, page_size=64, pages=257)
+    src, dst = list(range(0, 256, 2)), list(range(1, 257, 2))
+
+    async def run():
+        registry = RegistryServer()
+        url = await registry.start()
+        procs, stop, reports = await asyncio.to_thread(start_owners, url, "eng1", 4, shape, {5: src})
+        client = ControlClient(Timeouts())
+        try:
+            bufs = engine_buffers(shape, range(shape.layers), fill=False)
+            pins = [reports[r][1][5] for r in range(4)]
+            ticket = RoomTicket(engine_id="eng1", room=5, src_pages=src, pins=pins)
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path="cuda_ipc") as fetcher:
+                result = await fetcher.fetch("eng1", 5, dst, ticket=ticket)
+                assert {o.path for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
+                torch.cuda.synchronize()
+                _check_engine_kv(shape, bufs, src, dst)
+                desc = await client.request("GET", f"{url}/v1/engines/eng1", EngineDescriptor)
+                rank = desc.ranks[0]
+                forged = [msgspec.structs.replace(s, length=s.length + (1 << 30)) for s in rank.ipc.slabs]
+                rank = msgspec.structs.replace(rank, ipc=msgspec.structs.replace(rank.ipc, slabs=forged))
+                owner = fetcher._check_engine(msgspec.structs.replace(desc, ranks=[rank, *desc.ranks[1:]]))[0]
+                with pytest.raises(TransferError, match="exceeds"):
+                    fetcher._gpu.open(owner.rank, owner.pairs)
+        finally:
+            await client.aclose()
+            await asyncio.to_thread(stop_owners, procs, stop)
+            await registry.aclose()
+
+    asyncio.run(run())

@@ -147,9 +147,12 @@ class IpcMapping:
     alloc_offset: int  # the slab's offset inside that allocation
     closed: bool = False
 
+    def holds(self, owner_addr: int, nbytes: int) -> bool:
+        return self.owner_addr <= owner_addr and owner_addr + nbytes <= self.owner_addr + self.length
+
     def translate(self, owner_addr: int, nbytes: int) -> int:
         """The local address of owner bytes [owner_addr, owner_addr + nbytes), checked."""
-        if not (self.owner_addr <= owner_addr and owner_addr + nbytes <= self.owner_addr + self.length):
+        if not self.holds(owner_addr, nbytes):
             raise TransferError(f"[{owner_addr:#x}, +{nbytes}) lies outside the mapped slab")
         return self.mapped + self.alloc_offset + (owner_addr - self.owner_addr)
 

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from pdkv.errors import PeerLostError, TransferError
-from pdkv.layout import BufferKind
 from transfer.cuda_ipc import CudaDriver, IpcMapping, host_id
 from transfer.gather import GatherLane
 from transfer.metadata import RankDescriptor
@@ -81,7 +80,7 @@ class IpcPeer:
     agent_name: str
     cp_rank: int
     layers: range  # the layers it owns
-    mappings: dict[BufferKind, IpcMapping]
+    mappings: list[IpcMapping]  # by owner address
     pairs: dict[int, tuple[BufferPair, BufferPair]]
     closed: bool = False
     tables: dict[tuple[int, int], GatherTable] = field(default_factory=dict)  # by layer range
@@ -132,38 +131,39 @@ class GpuLane:
         self._routes: dict[tuple[IpcPeer, ...], LaneRoute] = {}
 
     def open(self, rank: RankDescriptor, local: dict[int, tuple[BufferPair, BufferPair]]) -> IpcPeer:
-        """Map `rank`'s slabs and translate its UCX buffer pairs into mapped addresses."""
+        """Map `rank`'s slabs (each allocation once, eagerly) and translate its UCX buffer
+        pairs into mapped addresses: a pool's two slabs, or an engine's allocations."""
         assert rank.ipc is not None
-        mappings: dict[BufferKind, IpcMapping] = {}
-        opened: dict[bytes, tuple[int, int]] = {}  # one allocation may hold both kinds: map it once
+        mappings: list[IpcMapping] = []
+        opened: dict[bytes, tuple[int, int]] = {}  # one allocation may hold several slabs: map it once
         try:
-            for slab in rank.ipc.slabs:
+            for slab in sorted(rank.ipc.slabs, key=lambda s: s.addr):
                 if slab.handle not in opened:
                     opened[slab.handle] = self._driver.open(self.index, slab.handle)
                 mapped, size = opened[slab.handle]
-                mappings[slab.kind] = IpcMapping(self.index, slab.addr, slab.length, mapped, slab.alloc_offset)
+                mappings.append(IpcMapping(self.index, slab.addr, slab.length, mapped, slab.alloc_offset))
                 if slab.alloc_offset + slab.length > size:  # a forged length must not reach a kernel
                     raise TransferError(
-                        f"cp rank {rank.cp_rank}: {slab.kind.value} slab of {slab.length} bytes at "
-                        f"offset {slab.alloc_offset} exceeds the {size}-byte allocation it maps"
+                        f"cp rank {rank.cp_rank}: a slab of {slab.length} bytes at offset "
+                        f"{slab.alloc_offset} exceeds the {size}-byte allocation it maps"
                     )
             pairs = {
-                layer: (
-                    self._translate(mappings[BufferKind.LATENT], lat),
-                    self._translate(mappings[BufferKind.INDEX], idx),
-                )
+                layer: (self._translate(mappings, lat), self._translate(mappings, idx))
                 for layer, (lat, idx) in local.items()
             }
         except BaseException:
-            self._unmap(mappings.values())
+            self._unmap(mappings)
             raise
         peer = IpcPeer(rank.agent_name, rank.cp_rank, range(rank.layer_start, rank.layer_end), mappings, pairs)
         self._peers.add(peer)
         return peer
 
     @staticmethod
-    def _translate(mapping: IpcMapping, pair: BufferPair) -> BufferPair:
-        addr = mapping.translate(pair.remote_addr, pair.remote_items * pair.item_len)
+    def _translate(mappings: list[IpcMapping], pair: BufferPair) -> BufferPair:
+        """`pair` with its remote address in a mapping that holds it (checked there)."""
+        nbytes = pair.remote_items * pair.item_len
+        mapping = next((m for m in mappings if m.holds(pair.remote_addr, nbytes)), mappings[0])
+        addr = mapping.translate(pair.remote_addr, nbytes)
         return BufferPair(
             pair.local_addr, addr, pair.item_len, pair.local_items, pair.remote_items, pair.local_dev, pair.local_dev
         )
@@ -226,7 +226,7 @@ class GpuLane:
         self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
         self._routes = {k: v for k, v in self._routes.items() if peer not in k}
         await asyncio.to_thread(self._gather.stream.synchronize)
-        self._unmap(peer.mappings.values())
+        self._unmap(peer.mappings)
 
     def _unmap(self, mappings: Iterable[IpcMapping]) -> None:
         """Close each mapped allocation once, however many slabs lie in it."""

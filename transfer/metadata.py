@@ -23,6 +23,9 @@ Schema history:
      cancelled); a room no consumer read ends aborted, not released.
   9: ClaimRequest.readers: how many reads the claimant's group makes of the room (a
      decode's attention-TP ranks each read it whole); the room grants at least that many.
+ 10: IpcSlab.kind optional (None: a slab holding buffers of either kind, such as one of an
+     engine's own allocations) and IpcExport.slabs up to MAX_IPC_SLABS: an engine that keeps
+     a tensor per layer exports one slab per allocation.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ __all__ = [
     "decode",
 ]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -120,13 +123,25 @@ class LayoutSpec(_Wire):
 
 
 class IpcSlab(_Wire):
-    """One owned slab as a CUDA IPC handle: the layer buffers of its kind lie inside it."""
+    """One owned slab as a CUDA IPC handle: layer buffers of its kind (of either kind, if
+    None) lie inside it. A pool exports its two slabs; an engine that keeps a tensor per
+    layer exports a slab per allocation, spanning the buffers inside it."""
 
-    kind: BufferKind
     addr: U63  # the slab's address in the owner
     length: Positive
     alloc_offset: U63  # the slab's offset in the allocation the handle maps
     handle: Annotated[bytes, Meta(min_length=64, max_length=64)]
+    kind: BufferKind | None = None
+
+    def holds(self, b: MemoryDescriptor) -> bool:
+        return (self.kind is None or self.kind is b.kind) and self.addr <= b.addr and b.addr + b.length <= self.end
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+
+MAX_IPC_SLABS = 2 * 4096  # a slab per buffer at most
 
 
 class IpcExport(_Wire):
@@ -134,13 +149,11 @@ class IpcExport(_Wire):
 
     host_id: Annotated[str, Meta(min_length=1, max_length=256)]
     gpu_uuid: Annotated[str, Meta(min_length=1, max_length=64)]
-    slabs: Annotated[list[IpcSlab], Meta(min_length=1, max_length=2)]
+    slabs: Annotated[list[IpcSlab], Meta(min_length=1, max_length=MAX_IPC_SLABS)]
 
-    def slab(self, kind: BufferKind) -> IpcSlab:
-        for s in self.slabs:
-            if s.kind is kind:
-                return s
-        raise KeyError(kind)
+    def slab_of(self, b: MemoryDescriptor) -> IpcSlab | None:
+        """A slab that holds buffer `b` (a pool's two kinds may share one slab), or None."""
+        return next((s for s in self.slabs if s.holds(b)), None)
 
 
 class PinTable(_Wire):
@@ -203,11 +216,8 @@ class RankDescriptor(_Wire):
             self._check_ipc(self.ipc)
 
     def _check_ipc(self, ipc: IpcExport) -> None:
-        if sorted(s.kind.value for s in ipc.slabs) != sorted(k.value for k in BufferKind):
-            raise ValueError("ipc must carry one slab of each kind")
         for b in self.buffers:
-            s = ipc.slab(b.kind)
-            if not (s.addr <= b.addr and b.addr + b.length <= s.addr + s.length):
+            if ipc.slab_of(b) is None:
                 raise ValueError(f"{b.kind.value} buffer of layer {b.layer_id} lies outside its ipc slab")
 
     def buffer(self, kind: BufferKind, layer_id: int) -> MemoryDescriptor:

@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -59,6 +60,9 @@ from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport
 
+if TYPE_CHECKING:
+    from transfer.cuda_ipc import CudaDriver
+
 __all__ = ["PrefillExporter"]
 
 logger = logging.getLogger(__name__)
@@ -82,27 +86,46 @@ def _descriptors(pool: KVBuffers) -> list[MemoryDescriptor]:
 
 
 def _ipc_export(pool: KVBuffers) -> IpcExport | None:
-    """CUDA IPC handles of a GPU pool's owned slabs, for decodes on this host; else None."""
-    owned = pool.ipc_slabs()
-    if owned is None:
+    """CUDA IPC handles of a GPU pool's owned memory, for decodes on this host; else None:
+    a pool's two slabs, or, for an engine's own buffers, one slab per allocation."""
+    if pool.device.type != "cuda":
         return None
     from transfer.cuda_ipc import CudaDriver, host_id
 
     dev = device_id(pool.device)
     try:
         driver = CudaDriver.get()
-        slabs, exported = [], {}
-        for kind, slab in owned.items():
-            if slab.data_ptr() not in exported:  # both kinds lie in one slab: export it once
-                exported[slab.data_ptr()] = driver.export(dev, slab.data_ptr())
-            handle, offset = exported[slab.data_ptr()]
-            slabs.append(
-                IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle)
-            )
-    except PdkvError as exc:  # e.g. an allocator that cannot export: decodes use UCX
+        owned = pool.ipc_slabs()
+        slabs = _pool_slabs(driver, dev, owned) if owned is not None else _allocation_slabs(driver, dev, pool)
+    except PdkvError as exc:  # e.g. VMM memory (expandable segments), which IPC handles cannot export
         logger.warning("no CUDA IPC export (decodes will read over UCX): %s", exc)
         return None
     return IpcExport(host_id=host_id(), gpu_uuid=str(torch.cuda.get_device_properties(dev).uuid), slabs=slabs)
+
+
+def _pool_slabs(driver: CudaDriver, dev: int, owned: dict[BufferKind, torch.Tensor]) -> list[IpcSlab]:
+    slabs, exported = [], {}
+    for kind, slab in owned.items():
+        if slab.data_ptr() not in exported:  # both kinds lie in one slab: export it once
+            exported[slab.data_ptr()] = driver.export(dev, slab.data_ptr())
+        handle, offset = exported[slab.data_ptr()]
+        slabs.append(IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle))
+    return slabs
+
+
+def _allocation_slabs(driver: CudaDriver, dev: int, pool: KVBuffers) -> list[IpcSlab]:
+    """A slab per allocation behind the owned buffers (an engine keeps a tensor per layer
+    and kind; its allocator may put several in one allocation), spanning just them."""
+    spans: dict[int, list[int]] = {}  # allocation base -> [lowest buffer address, highest end]
+    for t in pool.registered_buffers():
+        base, _ = driver.address_range(dev, t.data_ptr())
+        span = spans.setdefault(base, [t.data_ptr(), t.data_ptr() + t.nbytes])
+        span[0], span[1] = min(span[0], t.data_ptr()), max(span[1], t.data_ptr() + t.nbytes)
+    slabs = []
+    for base, (lo, hi) in sorted(spans.items()):
+        handle, _ = driver.export(dev, base)
+        slabs.append(IpcSlab(addr=lo, length=hi - lo, alloc_offset=lo - base, handle=handle))
+    return slabs
 
 
 class PrefillExporter:
