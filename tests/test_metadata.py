@@ -220,3 +220,20 @@ def test_the_gpu_lane_says_why_it_cannot_read_an_owner():
 def test_a_fingerprint_must_match_the_layout_it_travels_with():
     with pytest.raises(MetadataError, match="fingerprint"):
         decode(_raw(rank_descriptor(), fingerprint="0" * 16), RankDescriptor)
+
+
+def test_an_engines_allocations_export_as_slabs_of_either_kind():
+    """Schema 10: a slab per allocation, of no kind, holding buffers of both kinds; every
+    buffer must still lie inside one of them."""
+    rank = rank_descriptor()
+    slabs = [
+        IpcSlab(addr=b.addr, length=b.length, alloc_offset=64 * i, handle=bytes([i % 256]) * 64)
+        for i, b in enumerate(rank.buffers)
+    ]
+    ok = msgspec.structs.replace(rank, ipc=IpcExport(host_id="h:1", gpu_uuid="GPU-1", slabs=slabs))
+    assert decode(encode(ok), RankDescriptor).ipc == ok.ipc
+    short = msgspec.to_builtins(ok.ipc, builtin_types=(bytes,))
+    for slab in short["slabs"]:
+        slab["length"] -= 1  # every buffer's last byte outside every slab
+    with pytest.raises(MetadataError, match="outside its ipc slab"):
+        decode(_raw(rank, ipc=short), RankDescriptor)

@@ -8,8 +8,9 @@ use: a layout, the owned layers, a buffer per layer and kind, and what to regist
 The layout is derived from the buffers' item lengths and the page size, so a prefill's
 and a decode's fingerprints agree exactly when the bytes of their pages do. The memory
 must outlive every exporter or fetcher that registered it. Buffers may lie anywhere (no
-slab), so the same-host GPU lane, which maps two slabs per owner, does not serve owners
-of this kind yet: decodes read them over UCX.
+slab): an exporter publishes a CUDA IPC slab per allocation behind them for the
+same-host GPU lane (`transfer.prefill`), and VMM memory, which IPC handles cannot export,
+goes over UCX.
 """
 
 from __future__ import annotations
@@ -162,5 +163,5 @@ class EngineKV:
         ]
 
     def ipc_slabs(self) -> None:
-        """No slabs to map by CUDA IPC (see the module's note)."""
+        """No slabs of its own: its allocations are exported one by one (see the module's note)."""
         return None
