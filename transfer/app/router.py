@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 _PAGE_SLACK = 64  # tokens: a request may use part of one more page than it fills
 _LIVENESS_POLL_S = 0.01  # how often a waiting leg checks that its services still run
 _PICK_POLL_S = 0.05  # how often a request that found no engine up looks again
+_EXIT_SHOWS_S = 0.5  # how long a lost peer may take to show as an exited process
 
 T = TypeVar("T")
 
@@ -214,29 +215,37 @@ class Router:
             try:
                 reply = await self._both_legs(engine, decoder, req, generation)
             except PdkvError as exc:
-                raise self._blame(engine, generation, req, exc) from exc
+                raise await self._blame(engine, generation, req, exc) from exc
             finally:
                 self.in_flight[engine.engine_id] -= 1
         return RequestOutcome(req.room, engine.engine_id, req.num_tokens, True, time.perf_counter() - req.t0, reply)
 
     def _unless_gone(self, engine: EngineEndpoints, decoder: DecoderEndpoint, generation: int) -> None:
         """Before anything is sent: `_NotSent` if the engine is down, `PeerLostError` for the rest."""
-        if not self.services.engine_alive(engine) or engine.generation != generation:
+        if not self._same(engine, generation):
             death = self.services.last_death(engine.engine_id)
             gone = ", ".join(death.ranks) if death else engine.engine_id
             raise _NotSent(f"cannot route: {gone} exited", gone)
         self.services.check_alive(engine, decoder, generation)
 
-    def _blame(self, engine: EngineEndpoints, generation: int, req: _Request, exc: PdkvError) -> PdkvError:
+    async def _blame(self, engine: EngineEndpoints, generation: int, req: _Request, exc: PdkvError) -> PdkvError:
         """A failure on an engine that died meanwhile is that death's, whatever it looked like
         from here (a lost owner, a collective error on a surviving rank, a reset connection)."""
-        if self.services.engine_alive(engine) and engine.generation == generation:
+        if isinstance(exc, PeerLostError):  # a killed rank's sockets close before its exit can be reaped
+            end = time.monotonic() + _EXIT_SHOWS_S
+            while self._same(engine, generation) and time.monotonic() < end:
+                await asyncio.sleep(_LIVENESS_POLL_S)
+        if self._same(engine, generation):
             return exc
         if isinstance(exc, PeerLostError):
             return _EngineLost(str(exc), exc.peer)
         return _EngineLost(
             f"{engine.engine_id} died under room {req.room}: {type(exc).__name__}: {exc}", engine.engine_id
         )
+
+    def _same(self, engine: EngineEndpoints, generation: int) -> bool:
+        """Whether `engine` is still the live process group of `generation`."""
+        return self.services.engine_alive(engine) and engine.generation == generation
 
     async def _both_legs(
         self, engine: EngineEndpoints, decoder: DecoderEndpoint, req: _Request, generation: int
