@@ -66,11 +66,13 @@ class TransferError(PdkvError):
 
 
 class PeerLostError(TransferError):
-    """A peer (prefill owner, registry, decode) died or stopped answering."""
+    """A peer (prefill owner, registry, decode) died or stopped answering. `owner`: the
+    (engine, CP rank) it was, once known."""
 
-    def __init__(self, message: str, peer: str = "") -> None:
+    def __init__(self, message: str, peer: str = "", owner: tuple[str, int] | None = None) -> None:
         super().__init__(message)
         self.peer = peer
+        self.owner = owner
 
 
 class UnknownRoomError(PdkvError, KeyError):

@@ -17,12 +17,14 @@ from typing import Any
 
 from aiohttp import StreamReader, web
 
+from transfer.timeouts import Timeouts
+
 __all__ = ["ConnectionGuard", "FD_RESERVE", "HEADER_TIMEOUT", "IDLE_TIMEOUT", "MAX_CONNECTIONS"]
 
 logger = logging.getLogger(__name__)
 
-HEADER_TIMEOUT = 10.0  # seconds from connect to a complete request head
-IDLE_TIMEOUT = 30.0  # seconds from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
+HEADER_TIMEOUT = Timeouts.header
+IDLE_TIMEOUT = Timeouts.idle
 MAX_CONNECTIONS = 1024  # a site's; fewer if the process's open-files limit runs out first
 FD_RESERVE = 256  # open files kept for what else a service holds (UCX, logs, its own clients)
 

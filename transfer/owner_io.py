@@ -523,10 +523,11 @@ class OwnerIO:
 
 def lost_peer(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
     """`exc` naming the engine and CP rank that was lost (once)."""
-    if str(exc).startswith(f"engine {rank.engine_id} cp rank"):
+    owner = (rank.engine_id, rank.cp_rank)
+    if exc.owner == owner:
         return exc
     return PeerLostError(
-        f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name
+        f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name, owner
     )
 
 

@@ -211,7 +211,9 @@ class Handle(Generic[T]):
 class SyncFetcher:
     """A `DecodeFetcher` driven from a synchronous scheduler thread."""
 
-    def __init__(self, pool: KVBuffers, registry_url: str, start_timeout: float = 30.0, **kwargs: Any) -> None:
+    def __init__(
+        self, pool: KVBuffers, registry_url: str, start_timeout: float = Timeouts.start, **kwargs: Any
+    ) -> None:
         self._bg = BackgroundLoop("pdkv-decode")
         self.fetcher: DecodeFetcher = _start_or_stop(
             self._bg, DecodeFetcher, start_timeout, pool, registry_url, **kwargs
@@ -239,7 +241,7 @@ class SyncFetcher:
         """Start `DecodeFetcher.abandon` (its owners free `room` now); returns at once."""
         return Handle(self._bg.submit(self.fetcher.abandon(engine_id, room)))
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = Timeouts.start) -> None:
         """End fetches in flight (they raise `ClosedError`), close, stop the thread. From a
         handle's callback (pdkv's own thread) it returns at once and closes behind."""
         self._bg.close(self.fetcher.aclose(), timeout)
@@ -255,7 +257,7 @@ class SyncExporter:
         cp_rank: int,
         cp_size: int,
         registry_url: str,
-        start_timeout: float = 30.0,
+        start_timeout: float = Timeouts.start,
         **kwargs: Any,
     ) -> None:
         self._bg = BackgroundLoop(f"pdkv-{engine_id}-cp{cp_rank}")
@@ -303,7 +305,7 @@ class SyncExporter:
         wait = self.timeouts.request if timeout is None else timeout
         return Handle(self._bg.submit(self.exporter.pin(room, wait)))
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = Timeouts.start) -> None:
         """Close the exporter and stop the thread (as `SyncFetcher.close`)."""
         self._bg.close(self.exporter.aclose(), timeout)
 

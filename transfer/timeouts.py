@@ -37,6 +37,11 @@ class Timeouts:
     # polling at 1 ms cost 2 cores 30% of their 8k fetch rate. So it is for deployments
     # that read over TCP between hosts to lower.
     ticket_progress_interval: float = 0.01
+    header: float = 10.0  # a service: from connect to a complete request head
+    idle: float = 30.0  # a service: from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
+    body: float = 30.0  # a service: receiving a request's body
+    late_read: float = 10.0  # a READ abandoned at its deadline, waited for before its handle is released
+    start: float = 30.0  # starting or closing a service or a synchronous face's thread
 
     @property
     def renew_interval(self) -> float:

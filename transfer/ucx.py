@@ -38,6 +38,7 @@ import torch
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.deadline import Deadline
 from transfer.plan import ReadPlan
+from transfer.timeouts import Timeouts
 
 __all__ = ["UcxTransport", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "load_nixl"]
 
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _POLL_SLEEP_S = (0.0, 0.0001)
-_LATE_GRACE_S = 10.0  # how long a READ abandoned at its deadline is waited for before release
+_LATE_GRACE_S = Timeouts.late_read
 _NOTIFY_DRIVE_S = 0.1  # how long the worker is driven after a notification, so that it leaves
 _NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
 _NOTIFY_POLL_MAX_S = 0.01

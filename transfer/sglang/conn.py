@@ -427,10 +427,11 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
 
     def __init__(self, host: str, port: int) -> None:
         self._loop = BackgroundLoop("pdkv-sglang-bootstrap")
-        self._server = RegistryServer(host=host, port=port, timeouts=sglang_timeouts(), secret=secret())
-        self.url = self._loop.run(self._server.start(), 30)
+        self._timeouts = sglang_timeouts()
+        self._server = RegistryServer(host=host, port=port, timeouts=self._timeouts, secret=secret())
+        self.url = self._loop.run(self._server.start(), self._timeouts.start)
         logger.info("pdkv bootstrap server (registry) at %s", self.url)
 
     def close(self) -> None:
-        self._loop.run(self._server.aclose(), 30)
+        self._loop.run(self._server.aclose(), self._timeouts.start)
         self._loop.stop()
