@@ -238,7 +238,7 @@ class Router:
         if self._same(engine, generation):
             return exc
         if isinstance(exc, PeerLostError):
-            return _EngineLost(str(exc), exc.peer)
+            return _EngineLost(str(exc), exc.peer, exc.owner)
         return _EngineLost(
             f"{engine.engine_id} died under room {req.room}: {type(exc).__name__}: {exc}", engine.engine_id
         )
