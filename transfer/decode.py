@@ -409,18 +409,26 @@ class DecodeFetcher(OwnerIO):
             self._leave()
 
     async def claim(
-        self, engine_id: str, room: int, *, deadline: Deadline | None = None, timeout: float | None = None
+        self,
+        engine_id: str,
+        room: int,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        readers: int = 1,
     ) -> RoomLease:
         """Claim `room` on every owner (waiting for it to be published) and hold the claim.
 
         The source pages stay pinned until `RoomLease.release()` (or the owners' pin
-        deadline): the lease may read the room any number of times meanwhile.
+        deadline): the lease may read the room any number of times meanwhile. Claimed
+        ahead (before the destination pages are known), a read then costs no claim.
+        `readers`: as for `fetch`.
         """
         budget = _budget(self.timeouts.fetch, deadline, timeout)
         self._enter()
         try:
             owners = await self._lookup(engine_id, budget)
-            claim = Claim(room)
+            claim = Claim(room, readers)
             try:
                 await self._tracked(self._claim_arbiter(owners, claim, budget))
                 await self._tracked(
@@ -490,6 +498,28 @@ class RoomLease:
             raise failures[0]
         self._released = all(claim.released.get(r, False) for r in self._owners)
         return self._released
+
+    async def give_up(self) -> None:
+        """Give the claim up unread (the read failed or was cancelled): as a failed fetch
+        does, so a room that no consumer read ends aborted on its owners. Idempotent."""
+        if self._released is not None:
+            return
+        self._released = False
+        await self._fetcher._release_all(self._owners, self._claim)
+
+    async def read_once(
+        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
+    ) -> FetchResult:
+        """`read`, then `release` (which proves the bytes): a fetch whose claim was taken
+        ahead. On any failure, cancellation too, the claim is given up."""
+        try:
+            result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
+            freed = await self.release()
+        except BaseException:
+            await self.give_up()
+            raise
+        freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
+        return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
 
     async def __aenter__(self) -> RoomLease:
         return self

@@ -88,6 +88,7 @@ class Claim:
     asked: set[int] = field(default_factory=set)  # cp ranks a claim request went to
     granted: set[int] = field(default_factory=set)  # cp ranks that granted it
     released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
+    states: dict[int, RoomState] = field(default_factory=dict)  # cp rank -> the room as its claim found it
     messages: int = 0  # control requests made under it (claims, polls, releases)
 
     @property
@@ -276,7 +277,7 @@ class OwnerIO:
             tasks = [
                 asyncio.create_task(
                     self._fetch_owner(
-                        o, claim, dst, deadline, release, first.get(r), group if o.ipc is not None else None
+                        o, claim, dst, deadline, release, first.get(r) or claim.states.get(r), group if o.ipc else None
                     )
                 )
                 for r, o in owners.items()
@@ -337,6 +338,7 @@ class OwnerIO:
             state = await self._control(claim, "POST", url, RoomState, ask, limit)
             if state.status is not RoomStatus.UNKNOWN:
                 claim.granted.add(r.cp_rank)
+                claim.states[r.cp_rank] = state
                 return state
             if time.monotonic() > unknown_until:
                 raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")

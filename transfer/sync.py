@@ -34,7 +34,7 @@ import torch
 
 from pdkv.errors import ClosedError
 from pdkv.pages import PageIds
-from transfer.decode import DecodeFetcher
+from transfer.decode import DecodeFetcher, RoomLease
 from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill import PrefillExporter
@@ -237,6 +237,24 @@ class SyncFetcher:
         coro = self.fetcher.fetch(engine_id, room, pages, ticket=ticket, timeout=timeout, readers=readers)
         return Handle(self._bg.submit(coro))
 
+    def claim(self, engine_id: str, room: int, *, readers: int = 1) -> Handle[RoomLease]:
+        """Start claiming `room` ahead of its read (`DecodeFetcher.claim`): it waits for the
+        room to be published; cancelling it gives up whatever it had claimed."""
+        return Handle(self._bg.submit(self.fetcher.claim(engine_id, room, readers=readers)))
+
+    def read_claimed(
+        self, claim: Handle[RoomLease], dst_pages: PageIds, *, timeout: float | None = None
+    ) -> Handle[FetchResult]:
+        """Read a room claimed ahead into `dst_pages`, then release it (`RoomLease.read_once`);
+        returns a handle at once. Cancelling it cancels the claim too if it is still pending.
+        `dst_pages` is copied here."""
+        pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
+        return Handle(self._bg.submit(_read_claimed(claim, pages, timeout)))
+
+    def give_up(self, lease: RoomLease) -> Handle[None]:
+        """Start `RoomLease.give_up`: a room claimed ahead will not be read."""
+        return Handle(self._bg.submit(lease.give_up()))
+
     def abandon(self, engine_id: str, room: int) -> Handle[None]:
         """Start `DecodeFetcher.abandon` (its owners free `room` now); returns at once."""
         return Handle(self._bg.submit(self.fetcher.abandon(engine_id, room)))
@@ -324,6 +342,15 @@ async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     obj = cls(*args, **kwargs)
     await obj.start()
     return obj
+
+
+async def _read_claimed(claim: Handle[RoomLease], pages: PageIds, timeout: float | None) -> FetchResult:
+    try:
+        lease = await asyncio.wrap_future(claim._future)
+    except asyncio.CancelledError:
+        claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
+        raise
+    return await lease.read_once(pages, timeout=timeout)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

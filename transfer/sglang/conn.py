@@ -41,6 +41,7 @@ from sglang.srt.disaggregation.base.conn import (
 
 from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.bootstrap import RegistryServer
+from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
 from transfer.metadata import RoomStatus
 from transfer.results import FetchResult
@@ -281,16 +282,28 @@ class PdkvKVSender(BaseKVSender):
 
 
 class _Part:
-    """One fetch of a receiver's room: the target's layers, or the draft's."""
+    """One fetch of a receiver's room: the target's layers, or the draft's. The room is
+    claimed ahead, as soon as the fetcher is up (`claim_ahead`): by `send_metadata` the
+    claims are usually held, and the read costs no claim round trip."""
 
     def __init__(self, suffix: str, fetcher: concurrent.futures.Future[SyncFetcher]) -> None:
         self.suffix, self.fetcher = suffix, fetcher
+        self.claim: Handle[RoomLease] | None = None
         self.fetch: Handle[FetchResult] | None = None
+        self._lock = threading.Lock()  # the fetcher's starter thread and the scheduler's race to claim
 
     @property
     def started(self) -> SyncFetcher | None:
         done = self.fetcher.done() and self.fetcher.exception() is None
         return self.fetcher.result() if done else None
+
+    def claim_ahead(self, engine_id: str, room: int, readers: int) -> Handle[RoomLease] | None:
+        """Start the claim once (the fetcher must be up); the claim, or None if it is not."""
+        with self._lock:
+            fetcher = self.started
+            if self.claim is None and fetcher is not None:
+                self.claim = fetcher.claim(engine_id, room, readers=readers)
+            return self.claim
 
 
 class PdkvKVReceiver(BaseKVReceiver):
@@ -310,6 +323,21 @@ class PdkvKVReceiver(BaseKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         self._engine = f"dp{int(prefill_dp_rank or 0)}"
         self._parts = [_Part(part, self.kv_mgr.fetcher(self.bootstrap_addr, part)) for part in self.kv_mgr.parts]
+        for part in self._parts:
+            part.fetcher.add_done_callback(lambda _, part=part: self._claim_ahead(part))
+
+    @property
+    def _readers(self) -> int:
+        return self.kv_mgr.topology.tp_size  # each decode TP rank reads the whole room
+
+    def _claim_ahead(self, part: _Part) -> Handle[RoomLease] | None:
+        if self._aborted is not None:
+            return None
+        try:
+            return part.claim_ahead(self._engine + part.suffix, self.room, self._readers)
+        except PdkvError as exc:  # the fetcher closed meanwhile: send_metadata fails instead
+            logger.info("room %d: no claim ahead: %s", self.room, exc)
+            return None
 
     def send_metadata(
         self,
@@ -335,8 +363,9 @@ class PdkvKVReceiver(BaseKVReceiver):
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
             for part, fetcher in zip(self._parts, fetchers):
                 assert fetcher is not None
-                readers = self.kv_mgr.topology.tp_size  # each decode TP rank reads the whole room
-                part.fetch = fetcher.fetch(self._engine + part.suffix, self.room, pages, readers=readers)
+                claim = self._claim_ahead(part)
+                assert claim is not None  # the fetcher is up
+                part.fetch = fetcher.read_claimed(claim, pages)
             self._outcome.state = KVPoll.Transferring
         except PdkvError as exc:
             self._outcome.fail(exc)
@@ -372,6 +401,8 @@ class PdkvKVReceiver(BaseKVReceiver):
                 return KVPoll.Bootstrapping
             if part.fetcher.exception() is not None:
                 return self._outcome.fail(part.fetcher.exception())  # type: ignore[arg-type]
+            if part.claim is not None and part.claim.poll() is FetchStatus.FAILED:  # nothing read: no wait
+                return self._outcome.fail(part.claim.exception() or TransferError("claim failed"))
         self._outcome.state = KVPoll.WaitingForInput
         return self._outcome.state
 
@@ -400,8 +431,17 @@ class PdkvKVReceiver(BaseKVReceiver):
             if part.fetch is not None:
                 part.fetch.cancel()  # it gives up its claims on the owners it asked
                 part.fetch.on_done(lambda fetch, part=part: self._abandon_if_unread(part, fetch))
+            elif part.claim is not None:  # claimed ahead, nothing read: give the claim up
+                part.claim.cancel()
+                part.claim.on_done(lambda claim, part=part: self._give_up(part, claim))
             else:
                 part.fetcher.add_done_callback(lambda _, part=part: self._abandon(part))
+
+    def _give_up(self, part: _Part, claim: Handle[RoomLease]) -> None:
+        fetcher = part.started
+        if fetcher is not None and claim.poll() is FetchStatus.DONE:
+            fetcher.give_up(claim.result())
+        self._abandon(part)  # owners the claim never reached free the room too
 
     def _abandon_if_unread(self, part: _Part, fetch: Handle[FetchResult]) -> None:
         if fetch.poll() is FetchStatus.FAILED:
