@@ -79,9 +79,11 @@ def run_owner(
     out: mp.Queue,
     stop: mp.Event,
     vmm: bool = False,
+    unpinned: frozenset[int] = frozenset(),
 ) -> None:
     """One CP rank: publish `rooms` (room -> source pages), all layers ready; report
-    (cp_rank, exported slabs or None, {room: OwnerPin}) on `out`; serve until `stop`."""
+    (cp_rank, exported slabs or None, {room: OwnerPin}) on `out`; serve until `stop`.
+    Rooms in `unpinned` get no ticket: they are read by claims."""
     if vmm:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     from transfer.prefill import PrefillExporter
@@ -96,7 +98,7 @@ def run_owner(
             for room, pages in rooms.items():
                 exporter.publish_room(room, np.array(pages))
                 exporter.mark_ready(room, owned.stop)
-            pins = {room: await exporter.pin(room, 30) for room in rooms}
+            pins = {room: await exporter.pin(room, 30) for room in rooms if room not in unpinned}
             assert exporter.descriptor is not None
             ipc = exporter.descriptor.ipc
             out.put((cp_rank, None if ipc is None else len(ipc.slabs), pins))
@@ -107,14 +109,21 @@ def run_owner(
 
 
 def start_owners(  # type: ignore[no-untyped-def]
-    registry_url: str, engine_id: str, cp_size: int, shape: Shape, rooms: dict[int, list[int]], vmm_ranks=()
+    registry_url: str,
+    engine_id: str,
+    cp_size: int,
+    shape: Shape,
+    rooms: dict[int, list[int]],
+    vmm_ranks=(),
+    unpinned: frozenset[int] = frozenset(),
 ):
     """Spawn `cp_size` owners; returns (processes, stop event, {cp_rank: (slabs, pins)})."""
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     procs = [
         ctx.Process(
-            target=run_owner, args=(registry_url, engine_id, r, cp_size, shape, rooms, out, stop, r in vmm_ranks)
+            target=run_owner,
+            args=(registry_url, engine_id, r, cp_size, shape, rooms, out, stop, r in vmm_ranks, unpinned),
         )
         for r in range(cp_size)
     ]
