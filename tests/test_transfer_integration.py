@@ -263,6 +263,28 @@ async def test_each_owner_is_freed_by_exactly_one_of_a_rooms_consumers(deploymen
     assert all(freed == (len(ranks) == 4) for freed, ranks, _ in results)
 
 
+async def test_a_room_claimed_ahead_reads_like_a_ticket_and_is_released_by_notification(deployment):
+    """A claim taken before the destination pages are known (SGLang's receiver at its
+    bootstrap) carries each owner's pin: a room found whole is then read with no control
+    request, proved by its pin words, and released by notifications; byte-exact."""
+    engine, n, room = deployment.engines[2], 1200, 7_360_000
+    await prefill(deployment, engine, room, n)
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+        lease = await fetcher.claim("prefill2", room)
+        pages = fragmented_pages(pool, n, 30)
+        result = await lease.read_once(pages)
+        assert result.control_messages == 0 and kv_is_exact(pool, "prefill2", room, n, pages)
+        for _ in range(100):  # the notifications land after the return
+            stats = [await deployment.client.get_json(f"{c}/v1/stats") for c in engine.controls]
+            if all(s["pinned_pages"] == 0 and s["released"] >= 1 for s in stats):
+                break
+            await asyncio.sleep(0.05)
+        assert all(s["pinned_pages"] == 0 for s in stats), stats
+        with pytest.raises(UnknownRoomError, match="released"):
+            await fetcher.fetch("prefill2", room, pages)
+
+
 async def test_bad_destination_pages_are_refused_before_anything_is_asked(deployment):
     engine, room = deployment.engines[1], 7_400_000
     n = 3 * tiny().page_size

@@ -41,11 +41,13 @@ import numpy as np
 import torch
 
 from pdkv.errors import (
+    ClaimLostError,
     ClosedError,
     DeadlineExceeded,
     IncompatibleLayoutError,
     PdkvError,
     PeerLostError,
+    RoomAbortedError,
     TransferError,
     UnknownRoomError,
 )
@@ -54,7 +56,7 @@ from transfer.deadline import Deadline
 from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient
 from transfer.logctx import request_context
-from transfer.metadata import EngineDescriptor, RoomTicket
+from transfer.metadata import ClaimRelease, EngineDescriptor, OwnerPin, RoomState, RoomStatus, RoomTicket, encode
 from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_RATE, FETCH_SECONDS, fetching
 from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.pin_table import map_pins
@@ -439,6 +441,8 @@ class DecodeFetcher(OwnerIO):
             except BaseException:
                 await self._release_all(owners, claim)
                 raise
+            for o in owners.values():  # the room's later states are pushed to this claim holder
+                self._feed.want(o.rank.control_url, room)
             return RoomLease(self, engine_id, owners, claim)
         finally:
             self._leave()
@@ -499,6 +503,67 @@ class RoomLease:
         self._released = all(claim.released.get(r, False) for r in self._owners)
         return self._released
 
+    def _as_ticket(self) -> RoomTicket | None:
+        """The room as a ticket names it, from the claims' answers; None unless each owner's
+        found it whole (same pages everywhere) and named its pin."""
+        states = [self._state(r, o) for r, o in self._owners.items()]
+        if any(s is None or s.pin is None or s.status is not RoomStatus.READY for s in states):
+            return None
+        pages = states[0].src_pages  # type: ignore[union-attr]
+        if any(s.src_pages != pages for s in states) or not _pinned(self._owners):  # type: ignore[union-attr]
+            return None
+        pins = [s.pin for s in states]  # type: ignore[union-attr]
+        return RoomTicket(engine_id=self.engine_id, room=self.room, src_pages=pages, pins=pins)  # type: ignore[arg-type]
+
+    def _state(self, rank: int, owner: Owner) -> RoomState | None:
+        """The room's newest state on `owner`: as its claim found it, or pushed since."""
+        pushed = self._fetcher._feed.latest(owner.rank.control_url, self.room)
+        if pushed is not None and pushed.status is not RoomStatus.PENDING:
+            return pushed
+        return self._claim.states.get(rank)
+
+    async def _read_pinned(
+        self, ticket: RoomTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
+    ) -> FetchResult:
+        f, started = self._fetcher, time.perf_counter()
+        dst = page_ids(dst_pages, f.pool.layout.num_pages, "destination pages")
+        budget = _budget(f.timeouts.fetch, deadline, timeout)
+        f._enter()
+        try:
+            with fetching(self.engine_id):
+                result = await f._fetch_ticket(self._owners, self.engine_id, ticket, dst, budget, started, self._notify)
+        except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
+            await self.give_up()
+            if isinstance(exc, RoomAbortedError):
+                raise
+            raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
+        except BaseException:
+            await self.give_up()
+            raise
+        finally:
+            f._leave()
+        states = (self._state(r, o) for r, o in sorted(self._owners.items()))
+        aux = next((s.aux for s in states if s is not None and s.aux is not None), None)
+        if aux is None:
+            return result
+        owners = (msgspec.structs.replace(result.owners[0], aux=aux), *result.owners[1:])
+        return msgspec.structs.replace(result, owners=owners)
+
+    def _notify(self, pinned: list[tuple[Owner, OwnerPin]], room: int) -> None:
+        """Release the claim on every owner by a notification (its bytes proved by the pin words)."""
+        f, claim = self._fetcher, self._claim
+        self._released = False
+        for owner, _ in pinned:
+            claim.released[owner.rank.cp_rank] = False
+        if f.transport is None:  # closed meanwhile: the pins expire
+            return
+        fp = f.pool.layout.fingerprint
+        body = encode(ClaimRelease(room=room, claim=claim.token), fp)
+        try:
+            f.transport.notify([(o.rank.agent_name, body) for o, _ in pinned])
+        except PdkvError as exc:
+            logger.info("claim release of room %d: %s (its pins expire instead)", room, exc)
+
     async def give_up(self) -> None:
         """Give the claim up unread (the read failed or was cancelled): as a failed fetch
         does, so a room that no consumer read ends aborted on its owners. Idempotent."""
@@ -511,7 +576,14 @@ class RoomLease:
         self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
     ) -> FetchResult:
         """`read`, then `release` (which proves the bytes): a fetch whose claim was taken
-        ahead. On any failure, cancellation too, the claim is given up."""
+        ahead. On any failure, cancellation too, the claim is given up.
+
+        Where every owner's claim found the room whole and named its pin, the room is read
+        as a ticket's: every owner at once, each pin word proved after the data, the claims
+        released by notifications after the return (`freed` is then unknown: False)."""
+        ticket = self._as_ticket()
+        if ticket is not None:
+            return await self._read_pinned(ticket, dst_pages, deadline, timeout)
         try:
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
             freed = await self.release()

@@ -23,6 +23,9 @@ Schema history:
      cancelled); a room no consumer read ends aborted, not released.
   9: ClaimRequest.readers: how many reads the claimant's group makes of the room (a
      decode's attention-TP ranks each read it whole); the room grants at least that many.
+ 11: RoomState.pin: a claim's answer carries the room's pin slot and nonce, so a claim
+     holder reads a finished room as a ticket holder does (its pin words proved after the
+     data) and releases by notification (ClaimRelease).
  10: IpcSlab.kind optional (None: a slab holding buffers of either kind, such as one of an
      engine's own allocations) and IpcExport.slabs up to MAX_IPC_SLABS: an engine that keeps
      a tensor per layer exports one slab per allocation.
@@ -55,6 +58,7 @@ __all__ = [
     "RoomTicket",
     "TicketRelease",
     "ClaimRequest",
+    "ClaimRelease",
     "ReleaseNotice",
     "ReleaseReply",
     "ErrorReply",
@@ -62,9 +66,10 @@ __all__ = [
     "consumer_name",
     "encode",
     "decode",
+    "decode_any",
 ]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -263,6 +268,8 @@ class RoomState(_Wire):
     # The engine's per-request auxiliary bytes (SGLang's first output token, logprobs...),
     # given with a chunked room's last chunk; sent once the room is complete.
     aux: Annotated[bytes, Meta(max_length=MAX_AUX_BYTES)] | None = None
+    # In a claim's answer, where the room holds a pin slot: its word, as a ticket names it.
+    pin: OwnerPin | None = None
 
 
 class OwnerPin(_Wire):
@@ -298,6 +305,14 @@ class TicketRelease(_Wire):
     room: U63
     slot: Count
     nonce: Annotated[int, Meta(ge=1, le=2**63 - 1)]
+
+
+class ClaimRelease(_Wire):
+    """A claim holder is done with `room` on this rank, its bytes proved by the pin word
+    (a UCX notification: no answer)."""
+
+    room: U63
+    claim: ClaimToken
 
 
 class ClaimRequest(_Wire):
@@ -403,11 +418,18 @@ def _split(data: bytes | bytearray | memoryview) -> tuple[_Head, memoryview]:
 
 def decode(data: bytes | bytearray | memoryview, kind: type[T], fingerprint: str | None = None) -> T:
     """Decode an envelope carrying a `kind`; refuse another version, kind or layout first."""
+    return decode_any(data, (kind,), fingerprint)
+
+
+def decode_any(data: bytes | bytearray | memoryview, kinds: tuple[type[T], ...], fingerprint: str | None = None) -> T:
+    """Decode an envelope carrying one of `kinds` (a channel that carries several, such as
+    an owner's notifications); refuse another version, kind or layout first."""
     env, body = _split(data)
     if env.version != SCHEMA_VERSION:
         raise MetadataError(f"schema version {env.version} is not {SCHEMA_VERSION}")
-    if env.kind != kind.__name__:
-        raise MetadataError(f"expected a {kind.__name__}, got {env.kind!r}")
+    kind = next((k for k in kinds if k.__name__ == env.kind), None)
+    if kind is None:
+        raise MetadataError(f"expected a {' or '.join(k.__name__ for k in kinds)}, got {env.kind!r}")
     if fingerprint is not None and env.fingerprint != fingerprint:
         raise IncompatibleLayoutError(
             f"layout fingerprint {env.fingerprint!r} differs from local {fingerprint!r}", ("fingerprint",)

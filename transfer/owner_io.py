@@ -19,7 +19,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -88,7 +88,9 @@ class Claim:
     asked: set[int] = field(default_factory=set)  # cp ranks a claim request went to
     granted: set[int] = field(default_factory=set)  # cp ranks that granted it
     released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
-    states: dict[int, RoomState] = field(default_factory=dict)  # cp rank -> the room as its claim found it
+    # cp rank -> the room as its claim found it, for the first read under the claim only (a
+    # later read asks again, so a room aborted meanwhile is caught at once, not at release)
+    states: dict[int, RoomState] = field(default_factory=dict)
     messages: int = 0  # control requests made under it (claims, polls, releases)
 
     @property
@@ -121,7 +123,12 @@ class OwnerIO:
         dst: np.ndarray,
         deadline: Deadline,
         started: float,
+        release: Callable[[list[tuple[Owner, OwnerPin]], int], None] | None = None,
     ) -> FetchResult:
+        """Read every owner at once and prove each pin word after the data. `release`: how
+        the room is released once proved (a ticket's notifications by default); with one,
+        the reader holds claims (their owners push an abort, which stops the READs at once)
+        and a failure releases nothing (the caller gives its claims up)."""
         src = np.asarray(ticket.src_pages, dtype=np.int64)
         if src.size != dst.size:
             raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
@@ -136,24 +143,29 @@ class OwnerIO:
             else:
                 if lane:
                     reads.append(self._read_lane_with_pins(lane, pins, room, src, dst, deadline))
-                per_task = await self._each_read(reads)
+                watch = self._feed.aborted(_owner_urls(owners), room) if release is not None else None
+                per_task = await self._each_read(reads, watch)
         except BaseException:  # every READ has ended: release at once
-            self._release_pins(every, ticket.room)
+            if release is None:
+                self._release_pins(every, ticket.room)
             raise
         # Released once every pin was proved, after the fetch returns: notifications sent
-        # while other owners were still being read slowed those reads (measured, 2 cores).
-        asyncio.get_running_loop().call_soon(self._release_pins, every, ticket.room)
+        # while other owners were still being read slowed those reads.
+        asyncio.get_running_loop().call_soon(release or self._release_pins, every, ticket.room)
         # One task (every owner in one launch) already lists its owners by CP rank.
         stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
         nbytes = sum([s.nbytes for s in stats])
         return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - started, tuple(stats), False, 0)
 
-    async def _each_read(self, reads: list[Awaitable[list[OwnerStats]]]) -> list[list[OwnerStats]]:
-        """Run owners' reads as tasks the fetcher can cancel at close; all, or the first error."""
+    async def _each_read(
+        self, reads: list[Awaitable[list[OwnerStats]]], abort: Awaitable[None] | None = None
+    ) -> list[list[OwnerStats]]:
+        """Run owners' reads as tasks the fetcher can cancel at close; all, or the first error
+        (`abort` raising counts as one)."""
         tasks = [asyncio.ensure_future(read) for read in reads]
         self._owner_tasks.update(tasks)
         try:
-            return await _all_or_cancel(tasks)
+            return await _all_or_cancel(tasks, abort)
         finally:
             self._owner_tasks.difference_update(tasks)
 
@@ -273,12 +285,11 @@ class OwnerIO:
             self._feed.want(o.rank.control_url, claim.room)
         try:
             first = await self._tracked(self._claim_arbiter(owners, claim, deadline))
+            known = {r: first.get(r) or claim.states.pop(r, None) for r in owners}
             group = self._launch_group(owners)
             tasks = [
                 asyncio.create_task(
-                    self._fetch_owner(
-                        o, claim, dst, deadline, release, first.get(r) or claim.states.get(r), group if o.ipc else None
-                    )
+                    self._fetch_owner(o, claim, dst, deadline, release, known[r], group if o.ipc is not None else None)
                 )
                 for r, o in owners.items()
             ]

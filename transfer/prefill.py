@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import torch
 from aiohttp import web
@@ -38,6 +39,7 @@ from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.logctx import request_context
 from transfer.metadata import (
+    ClaimRelease,
     ClaimRequest,
     IpcExport,
     IpcSlab,
@@ -46,10 +48,12 @@ from transfer.metadata import (
     OwnerPin,
     RankDescriptor,
     ReleaseNotice,
+    RoomState,
+    RoomStatus,
     TicketRelease,
     claim_token,
     consumer_name,
-    decode,
+    decode_any,
 )
 from transfer.metrics import track_exporter, untrack_exporter
 from transfer.pin_table import PinWords
@@ -154,7 +158,7 @@ class PrefillExporter:
         self._pins = PinWords(PIN_SLOTS)
         self._readiness = ReadinessHub()
         self.rooms = RoomTable(
-            pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._readiness.publish
+            pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push
         )
         self._client = ControlClient(timeouts, secret)
         app = make_app(secret, engine=engine_id, rank=cp_rank)
@@ -327,12 +331,18 @@ class PrefillExporter:
 
     def _on_notification(self, peer: str, message: bytes) -> None:
         try:
-            notice = decode(message, TicketRelease, self.pool.layout.fingerprint)
+            notice = decode_any(message, (TicketRelease, ClaimRelease), self.pool.layout.fingerprint)
         except PdkvError as exc:
             logger.warning("dropping a malformed notification from %s: %s", peer, exc)
             return
         with self._about(notice.room):
-            self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
+            if isinstance(notice, TicketRelease):
+                self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
+                return
+            try:
+                self.rooms.release(notice.room, notice.claim)
+            except PdkvError as exc:  # its reader proved its bytes by the pin word: nothing to answer
+                logger.info("a claim release that pins nothing: %s", exc)
 
     def _about(self, room: int) -> contextlib.AbstractContextManager[None]:
         """Log lines inside name this engine, rank and `room`."""
@@ -364,7 +374,7 @@ class PrefillExporter:
         resp = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
         try:
             await resp.prepare(request)
-            for state in self.rooms.claimed_by(consumer):
+            for state in map(self._with_pin, self.rooms.claimed_by(consumer)):
                 await resp.write(frame(state, fp))
             await resp.write(HEARTBEAT)  # the consumer knows the stream is up
             while not sub.closed.is_set():
@@ -382,7 +392,20 @@ class PrefillExporter:
         if ask.room != room:
             raise MetadataError(f"claim names room {ask.room}, path names {room}")
         await self.rooms.wait(room, -1, self.timeouts.poll)  # until it is published
-        return reply(self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers), self.pool.layout.fingerprint)
+        state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
+        return reply(self._with_pin(state), self.pool.layout.fingerprint)
+
+    def _with_pin(self, state: RoomState) -> RoomState:
+        """`state` as a claim holder gets it: with the room's pin, once it is whole, so the
+        holder may prove its read by the pin word and release by notification, as a ticket's."""
+        pin = self.rooms.pin_of(state.room) if state.status is RoomStatus.READY else None
+        if pin is None:
+            return state
+        owner = OwnerPin(cp_rank=self.cp_rank, incarnation=self.incarnation, slot=pin[0], nonce=pin[1])
+        return msgspec.structs.replace(state, pin=owner)
+
+    def _push(self, state: RoomState, consumers: set[str]) -> None:
+        self._readiness.publish(self._with_pin(state), consumers)
 
     async def _release(self, request: web.Request) -> web.Response:
         room = path_int(request, "room")

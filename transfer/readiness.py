@@ -120,6 +120,10 @@ class ReadinessFeed:
         if task is None or task.done():
             self._streams[url] = asyncio.ensure_future(self._run(url))
 
+    def latest(self, url: str, room: int) -> RoomState | None:
+        """The last state pushed of a wanted `room` by the owner at `url`, if any."""
+        return self._wanted.get((url, room))
+
     def forget(self, url: str, room: int) -> None:
         self._wanted.pop((url, room), None)
 

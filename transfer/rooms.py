@@ -240,6 +240,11 @@ class RoomTable:
             r.open_claims[token] = consumer
         return self.state(room)
 
+    def pin_of(self, room: int) -> tuple[int, int] | None:
+        """The live room's pin (slot, nonce), or None (no slot, or not live)."""
+        r = self._live.get(room)
+        return None if r is None or r.slot < 0 else (r.slot, r.nonce)
+
     def check_claim(self, room: int, token: str) -> None:
         """Raise `ClaimLostError` unless `token` is an open claim of the live `room`."""
         r = self._live.get(room)
