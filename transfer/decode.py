@@ -506,14 +506,17 @@ class RoomLease:
     def _as_ticket(self) -> RoomTicket | None:
         """The room as a ticket names it, from the claims' answers; None unless each owner's
         found it whole (same pages everywhere) and named its pin."""
-        states = [self._state(r, o) for r, o in self._owners.items()]
-        if any(s is None or s.pin is None or s.status is not RoomStatus.READY for s in states):
+        pins: list[OwnerPin] = []
+        pages: list[int] | None = None
+        for r, o in self._owners.items():
+            s = self._state(r, o)
+            if s is None or s.pin is None or s.status is not RoomStatus.READY or pages not in (None, s.src_pages):
+                return None
+            pins.append(s.pin)
+            pages = s.src_pages
+        if pages is None or not _pinned(self._owners):
             return None
-        pages = states[0].src_pages  # type: ignore[union-attr]
-        if any(s.src_pages != pages for s in states) or not _pinned(self._owners):  # type: ignore[union-attr]
-            return None
-        pins = [s.pin for s in states]  # type: ignore[union-attr]
-        return RoomTicket(engine_id=self.engine_id, room=self.room, src_pages=pages, pins=pins)  # type: ignore[arg-type]
+        return RoomTicket(engine_id=self.engine_id, room=self.room, src_pages=pages, pins=pins)
 
     def _state(self, rank: int, owner: Owner) -> RoomState | None:
         """The room's newest state on `owner`: as its claim found it, or pushed since."""
