@@ -137,7 +137,7 @@ def main() -> None:
             for _ in range(CP):
                 assert replies.get(timeout=120)[0] == "done"
             if i:
-                fetch_s.append(receiver._fetch.result().seconds)  # type: ignore[union-attr]
+                fetch_s.append(receiver._parts[0].fetch.result().seconds)  # type: ignore[union-attr]
                 seen_s.append(seen)
             room += 1
         nbytes = n * LAYERS * (KV_ITEM + INDEX_ITEM) // PAGE
