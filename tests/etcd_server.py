@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 __all__ = ["EtcdServer", "cluster_url", "etcd_binary", "etcd_cluster"]
@@ -84,6 +85,27 @@ class EtcdServer:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd did not listen on {self.port} within {timeout}s")
+
+    def wait_healthy(self, timeout: float = 20.0) -> float:
+        """Block until the member answers its health endpoint (it serves, with a leader);
+        return the `time.monotonic()` at which it first did."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=0.5) as reply:
+                    if b'"true"' in reply.read():
+                        return time.monotonic()
+            time.sleep(0.02)
+        raise RuntimeError(f"etcd on {self.port} was not healthy within {timeout}s")
+
+    def kill(self) -> None:
+        """An outage: the process dies at once (SIGKILL); its data stays for `start()`."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def ctl(self, *args: str) -> None:
         """Run `etcdctl` against this server (as root once auth is on: `root_password`)."""

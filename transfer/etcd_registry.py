@@ -7,8 +7,11 @@ etcd lease of `Timeouts.lease` seconds that the rank refreshes: a dead rank's ke
 with its lease, and a member restart keeps whatever was written (etcd persists keys and
 leases). A lookup reads the engine's keys and, while ranks are missing, watches them from
 the revision it read rather than polling. Every call is bounded: an unreachable etcd is a
-`PeerLostError` (or `DeadlineExceeded`) within the call's timeout, never a hang; bad
-credentials or a user without rights on the prefix are an `AuthError`.
+`PeerLostError` (or `DeadlineExceeded`) within the call's timeout, never a hang, and a
+lookup within `Timeouts.lookup` whatever its deadline; bad credentials or a user without
+rights on the prefix are an `AuthError`. After an outage the client's channel reconnects
+within a fraction of a second of etcd answering (gRPC's own backoff grows to minutes),
+and a lookup whose watch died with etcd reads anew and watches on the new connection.
 
 A cluster's members are listed in the URL. The client talks to one; when that one cannot
 be reached, a call moves on to the next (aetcd connects to a single endpoint), so a member
@@ -52,6 +55,12 @@ T = TypeVar("T")
 
 _MIN_ATTEMPT_S = 1.0  # the least a member gets to answer a call before the next is asked
 
+# gRPC's own reconnect backoff grows to minutes, and a client found etcd back only that late.
+_RECONNECT_BACKOFF_MS = (100, 500)  # (first, most) between connection attempts
+_RETRY_PAUSE_S = (0.05, 0.25)  # (first, most) between calls while etcd cannot be reached
+
+# etcd keeps auth tokens in memory: a restart forgets them, and one unused for a while lapses.
+_TOKEN_LAPSED = re.compile(r"invalid auth token|auth store is old")
 _AUTH_FAILURE = re.compile(r"authentication failed|user name is empty|invalid auth token|permission denied")
 
 
@@ -109,22 +118,42 @@ class EtcdRegistry:
     def _connect(self) -> aetcd.Client:
         host, port = self.endpoints[self._at]
         user, password = self._credentials
-        return aetcd.Client(host, port, username=user, password=password, connect_wait_timeout=3)
+        first, most = _RECONNECT_BACKOFF_MS
+        options = {
+            "grpc.initial_reconnect_backoff_ms": first,
+            "grpc.max_reconnect_backoff_ms": most,
+            # despite its name, the least time gRPC core gives one connection attempt
+            "grpc.min_reconnect_backoff_ms": int(self.timeouts.connect * 1e3),
+        }
+        return aetcd.Client(host, port, username=user, password=password, options=options, connect_wait_timeout=3)
 
-    async def _next_member(self, failed: aetcd.Client) -> None:
-        """Talk to the next member from now on, unless a concurrent call already moved on
-        from the `failed` client (two failing calls must not skip a healthy member)."""
+    async def _replace(self, failed: aetcd.Client, move: bool) -> aetcd.Client:
+        """A new client in place of `failed`, on the next member if `move`, unless a
+        concurrent call already replaced it (two failing calls must not skip a healthy member)."""
         if self._client is not failed:
-            return
+            return self._client
         self._retired.append(self._client)
-        self._at = (self._at + 1) % len(self.endpoints)
+        if move:
+            self._at = (self._at + 1) % len(self.endpoints)
+            logger.info("etcd: moving to member %s", self.where)
         self._client = self._connect()
-        logger.info("etcd: moving to member %s", self.where)
-        # A client left behind is closed only once as many moves have followed as there are
-        # members: closing it at once cancelled the calls and watches still waiting on it
+        # A client left behind is closed only once as many replacements have followed as there
+        # are members: closing it at once cancelled the calls and watches still waiting on it
         # (gRPC ends them with CancelledError, which would read as the caller's own).
         if len(self._retired) > len(self.endpoints):
-            await _close_quietly(self._retired.pop(0), "an etcd member left behind")
+            await _close_quietly(self._retired.pop(0), "an etcd client left behind")
+        return self._client
+
+    async def _authenticated(self, call: Callable[[aetcd.Client], Awaitable[T]], client: aetcd.Client) -> T:
+        """`call(client)`, and once more on a new client (which authenticates anew) when etcd
+        no longer knows the client's token: aetcd never asks for another."""
+        try:
+            return await call(client)
+        except aetcd.exceptions.ClientError as exc:
+            if self._credentials == (None, None) or not _TOKEN_LAPSED.search(str(exc)):
+                raise
+            logger.info("etcd %s refused this client's auth token (%s): authenticating anew", self.where, exc)
+        return await call(await self._replace(client, move=False))
 
     def _engine_key(self, engine_id: str) -> bytes:
         return f"/{self.prefix}/engines/{engine_id}/ranks/".encode()
@@ -145,7 +174,7 @@ class EtcdRegistry:
             share = min(remaining, max(remaining / (members - tried + 1), _MIN_ATTEMPT_S))
             client = self._client
             try:
-                return await asyncio.wait_for(call(client), share)
+                return await asyncio.wait_for(self._authenticated(call, client), share)
             except asyncio.TimeoutError as exc:
                 if tried == members:
                     raise DeadlineExceeded(f"{what} on {self.where}: no answer in {limit:.1f}s") from exc
@@ -153,7 +182,7 @@ class EtcdRegistry:
                 error = self._translate(exc, what)
                 if not isinstance(error, PeerLostError) or tried == members:
                     raise error from exc
-            await self._next_member(client)
+            await self._replace(client, move=True)
         raise AssertionError("unreachable")  # the last member's outcome returned or raised
 
     def _translate(self, exc: Exception, what: str) -> PdkvError:
@@ -207,11 +236,13 @@ class EtcdRegistry:
     async def _read_retrying(self, engine_id: str, deadline: Deadline) -> tuple[list[RankDescriptor], int]:
         """`_read`, retried while etcd cannot be reached (restarting, or the client's channel
         still backing off after a refused connection) until the deadline."""
+        first, cap = _RETRY_PAUSE_S
         return await retry_until(
-            lambda: self._read(engine_id, deadline), deadline, PeerLostError, "etcd not reachable", first=0.1
+            lambda: self._read(engine_id, deadline), deadline, PeerLostError, "etcd not reachable", first=first, cap=cap
         )
 
     async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
+        deadline = deadline.within(self.timeouts.lookup)
         while True:
             ranks, revision = await self._read_retrying(engine_id, deadline)
             try:

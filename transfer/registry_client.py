@@ -23,6 +23,8 @@ from transfer.timeouts import Timeouts
 
 __all__ = ["RegistryClient", "HttpRegistry", "registry_client"]
 
+_REGISTER_PAUSE_S = 0.25  # the longest pause between registration attempts while the registry is away
+
 
 class RegistryClient(Protocol):
     """What an exporter and a fetcher need of a registry."""
@@ -34,7 +36,8 @@ class RegistryClient(Protocol):
         """Take the rank's descriptor out at once."""
 
     async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
-        """The engine once every CP rank is in, waiting for the rest until `deadline`."""
+        """The engine once every CP rank is in, waiting for the rest until `deadline` or
+        `Timeouts.lookup`, whichever comes first."""
 
     async def aclose(self) -> None: ...
 
@@ -85,6 +88,7 @@ class HttpRegistry:
 
     async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
         url = f"{self.url}/v1/engines/{engine_id}"
+        deadline = deadline.within(self.timeouts.lookup)
 
         def get() -> Awaitable[EngineDescriptor]:
             return self._client.request("GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request))
@@ -98,4 +102,6 @@ class HttpRegistry:
 async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float) -> None:
     """Register, retrying with backoff while the registry is not reachable, until `deadline`
     (a `time.monotonic()` instant)."""
-    await retry_until(lambda: registry.register(descriptor), Deadline(deadline), PdkvError, "registering")
+    await retry_until(
+        lambda: registry.register(descriptor), Deadline(deadline), PdkvError, "registering", cap=_REGISTER_PAUSE_S
+    )
