@@ -312,13 +312,16 @@ class PrefillExporter:
 
     # ---- registry ----------------------------------------------------------------------------
     async def _renew_forever(self) -> None:
+        pause = self.timeouts.renew_interval
         while True:
-            await asyncio.sleep(self.timeouts.renew_interval)
+            await asyncio.sleep(pause)
             try:
                 assert self.descriptor is not None
                 await register_until(self._registry, self.descriptor, time.monotonic() + self.timeouts.renew_interval)
-            except PdkvError as exc:  # the registry may be restarting: keep trying
+                pause = self.timeouts.renew_interval
+            except PdkvError as exc:  # the registry may be restarting: keep trying at register_until's pace
                 logger.warning("lease renewal failed: %s", exc)
+                pause = 0.0
 
     async def _progress_forever(self) -> None:
         assert self.transport is not None
