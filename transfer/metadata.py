@@ -34,7 +34,7 @@ Schema history:
 from __future__ import annotations
 
 import enum
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -81,11 +81,12 @@ PageList = Annotated[list[Count], Meta(max_length=MAX_PAGES)]
 ClaimToken = Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-f]+$")]
 
 
+# Each subclass repeats frozen=True: msgspec inherits it, type checkers do not (PEP 681).
 class _Wire(Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class MemoryDescriptor(_Wire):
+class MemoryDescriptor(_Wire, frozen=True):
     """One registered buffer: a layer's latent KV or indexer pages on one rank."""
 
     kind: BufferKind
@@ -106,7 +107,7 @@ class MemoryDescriptor(_Wire):
         return self.length // self.item_len
 
 
-class LayoutSpec(_Wire):
+class LayoutSpec(_Wire, frozen=True):
     """The geometry fields of a `KVLayout` (what its fingerprint covers)."""
 
     layer_num: Annotated[int, Meta(ge=1, le=4096)]
@@ -127,7 +128,7 @@ class LayoutSpec(_Wire):
         layout.check_geometry(msgspec.structs.asdict(self))
 
 
-class IpcSlab(_Wire):
+class IpcSlab(_Wire, frozen=True):
     """One owned slab as a CUDA IPC handle: layer buffers of its kind (of either kind, if
     None) lie inside it. A pool exports its two slabs; an engine that keeps a tensor per
     layer exports a slab per allocation, spanning the buffers inside it."""
@@ -149,7 +150,7 @@ class IpcSlab(_Wire):
 MAX_IPC_SLABS = 2 * 4096  # a slab per buffer at most
 
 
-class IpcExport(_Wire):
+class IpcExport(_Wire, frozen=True):
     """What a decode needs to map a GPU rank's slabs: the same host, and which GPU."""
 
     host_id: Annotated[str, Meta(min_length=1, max_length=256)]
@@ -161,7 +162,7 @@ class IpcExport(_Wire):
         return next((s for s in self.slabs if s.holds(b)), None)
 
 
-class PinTable(_Wire):
+class PinTable(_Wire, frozen=True):
     """A rank's pin words in host memory registered with its UCX agent, one int64 a slot.
 
     A slot holds its room's random nonce while the room's pages are pinned, and is
@@ -182,7 +183,7 @@ class PinTable(_Wire):
         return self.slots * 8
 
 
-class RankDescriptor(_Wire):
+class RankDescriptor(_Wire, frozen=True):
     """What one prefill CP rank publishes: its layers, buffers and UCX connection blob."""
 
     engine_id: Name
@@ -232,7 +233,7 @@ class RankDescriptor(_Wire):
         raise KeyError((kind, layer_id))
 
 
-class EngineDescriptor(_Wire):
+class EngineDescriptor(_Wire, frozen=True):
     """All CP ranks of one prefill engine, as the registry hands them to a decode."""
 
     engine_id: Name
@@ -255,7 +256,7 @@ class RoomStatus(enum.Enum):
     UNKNOWN = "unknown"  # never published here (yet)
 
 
-class RoomState(_Wire):
+class RoomState(_Wire, frozen=True):
     """A room's source pages on one rank and how far its layers are ready."""
 
     room: U63
@@ -272,7 +273,7 @@ class RoomState(_Wire):
     pin: OwnerPin | None = None
 
 
-class OwnerPin(_Wire):
+class OwnerPin(_Wire, frozen=True):
     """Where one owner pins a room: the slot of its pin table and the nonce it holds."""
 
     cp_rank: Count
@@ -281,7 +282,7 @@ class OwnerPin(_Wire):
     nonce: Annotated[int, Meta(ge=1, le=2**63 - 1)]
 
 
-class RoomTicket(_Wire):
+class RoomTicket(_Wire, frozen=True):
     """A finished room, as its prefill hands it to the one decode that will read it.
 
     With it a decode reads every owner at once and proves the pin by each owner's pin
@@ -299,7 +300,7 @@ class RoomTicket(_Wire):
             raise ValueError("a ticket carries one pin for each CP rank 0..n-1")
 
 
-class TicketRelease(_Wire):
+class TicketRelease(_Wire, frozen=True):
     """A ticket holder is done with `room` on this rank (a UCX notification)."""
 
     room: U63
@@ -307,7 +308,7 @@ class TicketRelease(_Wire):
     nonce: Annotated[int, Meta(ge=1, le=2**63 - 1)]
 
 
-class ClaimRelease(_Wire):
+class ClaimRelease(_Wire, frozen=True):
     """A claim holder is done with `room` on this rank, its bytes proved by the pin word
     (a UCX notification: no answer)."""
 
@@ -315,7 +316,7 @@ class ClaimRelease(_Wire):
     claim: ClaimToken
 
 
-class ClaimRequest(_Wire):
+class ClaimRequest(_Wire, frozen=True):
     """A consumer asks for one of the room's claims; `claim` is a fresh random token.
     `readers`: the claimant is one of that many readers of the room (a decode whose
     attention-TP ranks each hold the whole latent KV), so the room grants at least that
@@ -327,7 +328,7 @@ class ClaimRequest(_Wire):
     readers: Annotated[int, Meta(ge=1, le=1024)] = 1
 
 
-class ReleaseNotice(_Wire):
+class ReleaseNotice(_Wire, frozen=True):
     """A claim holder is done with the room's pages on this rank; `abort`: it gives its
     claim up without having read the room (or, unclaimed yet, one of the room's claims)."""
 
@@ -337,7 +338,7 @@ class ReleaseNotice(_Wire):
     abort: bool = False
 
 
-class ReleaseReply(_Wire):
+class ReleaseReply(_Wire, frozen=True):
     """The pages stayed pinned under the claim until this release; `freed`: it was the last."""
 
     room: U63
@@ -348,7 +349,7 @@ class ReleaseReply(_Wire):
 ErrorName = Annotated[str, Meta(max_length=64)]
 
 
-class ErrorReply(_Wire):
+class ErrorReply(_Wire, frozen=True):
     code: ErrorName  # the error's class name
     message: Annotated[str, Meta(max_length=4096)]
     lineage: Annotated[list[ErrorName], Meta(max_length=16)] = []  # its pdkv ancestors, nearest first
@@ -375,7 +376,7 @@ T = TypeVar("T", bound=Struct)
 
 _encoder = msgspec.msgpack.Encoder()
 _head_decoder = msgspec.msgpack.Decoder(_Head)
-_body_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_body_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 _ARRAY_OF_4 = 0x94  # msgpack's fixarray of four: how `encode` frames every envelope
 _INT_SIZE = {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
 _STR_PREFIX = {0xD9: 1, 0xDA: 2, 0xDB: 4}

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -158,7 +158,7 @@ class OwnerIO:
         return FetchResult(engine_id, ticket.room, nbytes, time.perf_counter() - started, tuple(stats), False, 0)
 
     async def _each_read(
-        self, reads: list[Awaitable[list[OwnerStats]]], abort: Awaitable[None] | None = None
+        self, reads: Sequence[Awaitable[list[OwnerStats]]], abort: Awaitable[None] | None = None
     ) -> list[list[OwnerStats]]:
         """Run owners' reads as tasks the fetcher can cancel at close; all, or the first error
         (`abort` raising counts as one)."""
@@ -561,7 +561,7 @@ def _observe_read(lane: str, seconds: float) -> None:
     READ_SECONDS.labels(fetch_engine(), lane).observe(seconds)  # the engine of the fetch it belongs to
 
 
-async def _all_or_cancel(tasks: list[asyncio.Future[T]], abort: Awaitable[None] | None = None) -> list[T]:
+async def _all_or_cancel(tasks: Sequence[asyncio.Future[T]], abort: Awaitable[None] | None = None) -> list[T]:
     """Await every task; on the first failure (or cancellation) cancel the rest and wait.
     `abort`: raises when the work must stop (the room was aborted), as a failure would.
 
@@ -578,22 +578,22 @@ async def _all_or_cancel(tasks: list[asyncio.Future[T]], abort: Awaitable[None] 
                 t.cancel()
             # Collects every outcome; a cancel of our own arriving meanwhile propagates.
             await asyncio.gather(*tasks, return_exceptions=True)
-    if watch is not None and watch.done() and not watch.cancelled() and watch.exception() is not None:
-        raise watch.exception()  # type: ignore[misc]
+    if watch is not None and watch.done() and not watch.cancelled() and (exc := watch.exception()) is not None:
+        raise exc
     for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            raise exc
     if any(t.cancelled() for t in tasks):
         raise ClosedError("the DecodeFetcher was closed while this fetch was in flight")
     return [t.result() for t in tasks]
 
 
-async def _first_failure(tasks: list[asyncio.Future[T]], watch: asyncio.Future[None] | None) -> None:
+async def _first_failure(tasks: Sequence[asyncio.Future[T]], watch: asyncio.Future[None] | None) -> None:
     """Return once every task is done, one has failed, or `watch` has raised."""
     if watch is None:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         return
-    pending = {*tasks, watch}
+    pending: set[asyncio.Future[Any]] = {*tasks, watch}
     while True:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if any(not t.cancelled() and t.exception() is not None for t in done) or watch in done:

@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import numpy as np
@@ -157,9 +157,7 @@ class PrefillExporter:
         # Host memory whatever the pool's device: decodes check a word of it after their data.
         self._pins = PinWords(PIN_SLOTS)
         self._readiness = ReadinessHub()
-        self.rooms = RoomTable(
-            pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push
-        )
+        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push)
         self._client = ControlClient(timeouts, secret)
         app = make_app(secret, engine=engine_id, rank=cp_rank)
         app.router.add_get("/v1/rooms/{room}", self._wait)
@@ -334,7 +332,8 @@ class PrefillExporter:
 
     def _on_notification(self, peer: str, message: bytes) -> None:
         try:
-            notice = decode_any(message, (TicketRelease, ClaimRelease), self.pool.layout.fingerprint)
+            kinds = (TicketRelease, ClaimRelease)  # decoded as one of them; mypy infers only their base
+            notice = cast("TicketRelease | ClaimRelease", decode_any(message, kinds, self.pool.layout.fingerprint))
         except PdkvError as exc:
             logger.warning("dropping a malformed notification from %s: %s", peer, exc)
             return
@@ -377,8 +376,8 @@ class PrefillExporter:
         resp = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
         try:
             await resp.prepare(request)
-            for state in map(self._with_pin, self.rooms.claimed_by(consumer)):
-                await resp.write(frame(state, fp))
+            for claimed in map(self._with_pin, self.rooms.claimed_by(consumer)):
+                await resp.write(frame(claimed, fp))
             await resp.write(HEARTBEAT)  # the consumer knows the stream is up
             while not sub.closed.is_set():
                 state = await sub.next(self.timeouts.heartbeat)

@@ -11,7 +11,6 @@ engine's keys instead of polling, and etcd's own users and passwords guard the k
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -90,8 +89,11 @@ class HttpRegistry:
         url = f"{self.url}/v1/engines/{engine_id}"
         deadline = deadline.within(self.timeouts.lookup)
 
-        def get() -> Awaitable[EngineDescriptor]:
-            return self._client.request("GET", url, EngineDescriptor, timeout=deadline.left(self.timeouts.request))
+        async def get() -> EngineDescriptor:
+            limit = deadline.left(self.timeouts.request)
+            found = await self._client.request("GET", url, EngineDescriptor, timeout=limit)
+            assert found is not None  # a reply kind was given: a reply or an error
+            return found
 
         return await retry_until(get, deadline, (NotReadyError, UnknownEngineError), f"engine {engine_id}", cap=0.5)
 

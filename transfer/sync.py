@@ -156,7 +156,7 @@ class Job(Generic[T]):
         if task.cancelled():
             self.future.set_exception(ClosedError("cancelled"))
         elif task.exception() is not None:
-            self.future.set_exception(task.exception())  # type: ignore[arg-type]
+            self.future.set_exception(task.exception())
         else:
             self.future.set_result(task.result())
 

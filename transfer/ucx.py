@@ -350,12 +350,12 @@ class UcxTransport:
                 await self._load_peer(lane, agent_name, metadata)
                 loaded.append(lane)
                 # Wire up now rather than inside the first READ (tens of ms there, measured).
-                connect = lane.call(lambda lane=lane: lane.agent.make_connection(agent_name))
+                connect = lane.call(functools.partial(lane.agent.make_connection, agent_name))
                 await asyncio.wait_for(connect, self.connect_timeout)
         except Exception as exc:
             for lane in loaded:
                 with contextlib.suppress(Exception):
-                    await lane.call(lambda lane=lane: lane.agent.remove_remote_agent(agent_name))
+                    await lane.call(functools.partial(lane.agent.remove_remote_agent, agent_name))
             if isinstance(exc, TransferError):
                 raise
             if isinstance(exc, asyncio.TimeoutError):
@@ -382,7 +382,7 @@ class UcxTransport:
             return
         for lane in self._agents():
             try:
-                await lane.call(lambda lane=lane: lane.agent.remove_remote_agent(agent_name))
+                await lane.call(functools.partial(lane.agent.remove_remote_agent, agent_name))
             except Exception as exc:
                 logger.warning("removing peer %s: %s", agent_name, exc)
 
@@ -440,7 +440,7 @@ class UcxTransport:
             if isinstance(errors[0], (DeadlineExceeded, TransferError)):
                 raise errors[0]
             raise _translate(errors[0], f"READ from {peer}", peer) from errors[0]
-        seconds = max(results)
+        seconds = max(r for r in results if not isinstance(r, BaseException))
         logger.debug(
             "READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the lanes",
             peer,
@@ -532,7 +532,7 @@ class UcxTransport:
             await self.remove_peer(name)
         for lane, descs in self._registrations:
             try:
-                await lane.call(lambda lane=lane, descs=descs: lane.agent.deregister_memory(descs))
+                await lane.call(functools.partial(lane.agent.deregister_memory, descs))
             except Exception as exc:
                 logger.warning("deregistering memory: %s", exc)
         for lane in self._agents():

@@ -18,11 +18,12 @@ Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 BudgetMs = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
+# Each subclass repeats frozen=True: msgspec inherits it, type checkers do not (PEP 681).
 class _Api(Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class PrefillRequest(_Api):
+class PrefillRequest(_Api, frozen=True):
     room: Room
     num_tokens: Tokens
     prefix_id: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # -1: no shared prefix
@@ -34,14 +35,14 @@ class PrefillRequest(_Api):
     ticket: bool = True
 
 
-class PrefillReply(_Api):
+class PrefillReply(_Api, frozen=True):
     room: Room
     pages: Count
     seconds: float
     ticket: RoomTicket | None = None  # None: the room is read by claims (no pin slot free)
 
 
-class DecodeRequest(_Api):
+class DecodeRequest(_Api, frozen=True):
     engine_id: Annotated[str, Meta(min_length=1, max_length=256)]
     room: Room
     num_tokens: Tokens
@@ -51,7 +52,7 @@ class DecodeRequest(_Api):
     ticket: RoomTicket | None = None  # the prefill's, when the decode starts after it
 
 
-class DecodeReply(_Api):
+class DecodeReply(_Api, frozen=True):
     room: Room
     nbytes: Annotated[int, Meta(ge=0)]
     descriptors: Count

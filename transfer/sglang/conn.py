@@ -22,9 +22,11 @@ device memory.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,11 @@ logger = logging.getLogger(__name__)
 def _mode(disaggregation_mode: Any) -> str:
     """ "prefill" or "decode" from SGLang's `DisaggregationMode` (or its value)."""
     return str(getattr(disaggregation_mode, "value", disaggregation_mode)).lower()
+
+
+def _ignoring_future(fn: Callable[[], object]) -> Callable[[object], object]:
+    """`fn` as a future's done-callback, which is handed the future (unused here)."""
+    return lambda _: fn()
 
 
 class PdkvKVManager(BaseKVManager):
@@ -324,7 +331,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._engine = f"dp{int(prefill_dp_rank or 0)}"
         self._parts = [_Part(part, self.kv_mgr.fetcher(self.bootstrap_addr, part)) for part in self.kv_mgr.parts]
         for part in self._parts:
-            part.fetcher.add_done_callback(lambda _, part=part: self._claim_ahead(part))
+            part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._claim_ahead, part)))
 
     @property
     def _readers(self) -> int:
@@ -430,12 +437,12 @@ class PdkvKVReceiver(BaseKVReceiver):
         for part in self._parts:
             if part.fetch is not None:
                 part.fetch.cancel()  # it gives up its claims on the owners it asked
-                part.fetch.on_done(lambda fetch, part=part: self._abandon_if_unread(part, fetch))
+                part.fetch.on_done(functools.partial(self._abandon_if_unread, part))
             elif part.claim is not None:  # claimed ahead, nothing read: give the claim up
                 part.claim.cancel()
-                part.claim.on_done(lambda claim, part=part: self._give_up(part, claim))
+                part.claim.on_done(functools.partial(self._give_up, part))
             else:
-                part.fetcher.add_done_callback(lambda _, part=part: self._abandon(part))
+                part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._abandon, part)))
 
     def _give_up(self, part: _Part, claim: Handle[RoomLease]) -> None:
         fetcher = part.started

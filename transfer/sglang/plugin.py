@@ -119,7 +119,7 @@ def require_in_charge(cls: type) -> None:
 def _guard(base: type) -> None:
     """Check every construction of `base`'s subclasses. `__new__`, not `__init__`: pdkv's and
     SGLang's backends do not all call their base's `__init__`, and none has a `__new__` of its own."""
-    inherited = base.__new__
+    inherited: Callable[..., Any] = base.__new__  # object.__new__, or a base's own
     if getattr(inherited, "_pdkv_guard", False):
         return  # register() ran before in this process
 
