@@ -8,7 +8,10 @@ the decode's receiver gets its pages and is polled until Success. The fetch's ow
 (`FetchResult.seconds`) is set against what the polling scheduler sees. Needs sglang
 (scripts/sglang-cpu.txt).
 
-    python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10]
+    python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda]
+
+With `--device cuda` every KV buffer is a CUDA tensor (one per layer and kind, as SGLang's
+pools): the decode reads the prefill's through the same-host GPU lane.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdkv.sharding import ShardPlan  # noqa: E402
 
 LAYERS, PAGE, CP = 61, 64, 4
+DEVICE = os.environ.get("PDKV_BENCH_DEVICE", "cpu")  # set by --device, for the prefill processes too
 KV_ITEM, INDEX_ITEM, AUX_ITEMS = 656 * PAGE, 132 * PAGE, (64, 64)
 
 
 def _kv_args(layers: range, pages: int, conn) -> tuple[object, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
-    kv = [torch.ones((pages, KV_ITEM), dtype=torch.uint8) for _ in layers]
-    index = [torch.ones((pages, INDEX_ITEM), dtype=torch.uint8) for _ in layers]
+    kv = [torch.ones((pages, KV_ITEM), dtype=torch.uint8, device=DEVICE) for _ in layers]
+    index = [torch.ones((pages, INDEX_ITEM), dtype=torch.uint8, device=DEVICE) for _ in layers]
     aux = [torch.zeros((16, n), dtype=torch.uint8) for n in AUX_ITEMS]
     a = conn.KVArgs()
     a.gpu_id, a.system_dp_rank, a.page_size, a.num_draft_entries = 0, 0, PAGE, 0
@@ -58,7 +62,7 @@ def _kv_args(layers: range, pages: int, conn) -> tuple[object, list[torch.Tensor
 def _env(registry: str, cp_rank: int, cp_size: int) -> None:
     from transfer.sglang.topology import environment
 
-    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu"))
+    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, DEVICE))
 
 
 def _timed(holds: list[float], fn, *args):  # type: ignore[no-untyped-def]
@@ -96,7 +100,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = os.environ["PDKV_BENCH_DEVICE"] = args.device
     from sglang.srt.disaggregation.base import conn
 
     from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager, PdkvKVReceiver
@@ -153,7 +160,7 @@ def main() -> None:
     mgr.close()
     server.close()
 
-    print(f"pdkv through SGLang's interface: CP={CP} prefill processes, DSA-61, {args.runs} runs after a warm-up")
+    print(f"pdkv through SGLang's interface: CP={CP} prefill processes, DSA-61 on {DEVICE}, {args.runs} runs")
     head = ("tokens", "MB", "fetch ms", "via adapter", "added ms", "fetch GB/s", "adapter GB/s")
     print("".join(f"{h:>13}" for h in head))
     for n, nbytes, fetch_s, seen_s in rows:

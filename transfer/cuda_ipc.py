@@ -83,8 +83,10 @@ class CudaDriver:
     def _on(self, device: int, fn: Callable[[], int], what: str) -> None:
         """Run driver call `fn` with `device`'s primary context current on this thread.
 
-        torch's device guard makes the runtime set that context current (CUDA 12+ does
-        so eagerly); the check below makes sure of it rather than trusting it.
+        torch's device guard makes the runtime set that context current, but not on a
+        thread torch has not used for that device (it skips setting the device it already
+        takes as current): pdkv's own loop thread, under an engine's synchronous face. There
+        the primary context is made current by the driver; the check below makes sure.
         """
         import torch
 
@@ -92,12 +94,22 @@ class CudaDriver:
             torch.cuda.init()
             ctx = ctypes.c_void_p()
             self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            if not ctx.value:
+                ctx = self._primary(device)
             current = ctypes.c_int(-1)
             if ctx.value:
                 self.check(self.lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
             if current.value != device:
                 raise TransferError(f"no CUDA context of device {device} current (got {current.value})")
             self.check(fn(), what)
+
+    def _primary(self, device: int) -> ctypes.c_void_p:
+        """Make `device`'s primary context (the one torch uses) current on this thread."""
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        return ctx
 
     def address_range(self, device: int, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation holding `ptr`."""
