@@ -402,14 +402,19 @@ class PdkvKVReceiver(BaseKVReceiver):
         return self._finish([f.result() for f in fetches])
 
     def _bootstrapped(self) -> int:
-        """Before `send_metadata`: Bootstrapping until every part's fetcher has started."""
+        """Before `send_metadata`: Bootstrapping until every part's fetcher has started and
+        holds its claim on the room (which waits for the prefill to publish it)."""
         for part in self._parts:
             if not part.fetcher.done():
                 return KVPoll.Bootstrapping
             if part.fetcher.exception() is not None:
                 return self._outcome.fail(part.fetcher.exception())  # type: ignore[arg-type]
-            if part.claim is not None and part.claim.poll() is FetchStatus.FAILED:  # nothing read: no wait
-                return self._outcome.fail(part.claim.exception() or TransferError("claim failed"))
+            claim = part.claim or self._claim_ahead(part)
+            status = FetchStatus.PENDING if claim is None else claim.poll()
+            if claim is not None and status is FetchStatus.FAILED:  # nothing read: no wait
+                return self._outcome.fail(claim.exception() or TransferError("claim failed"))
+            if status is FetchStatus.PENDING:  # bootstrapped once the room is claimed: a read then asks nobody
+                return KVPoll.Bootstrapping
         self._outcome.state = KVPoll.WaitingForInput
         return self._outcome.state
 
