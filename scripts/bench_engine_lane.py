@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners  # noqa: E402
 from transfer.app.synthetic import fragmented_page_order  # noqa: E402
-from transfer.bootstrap import RegistryServer  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
 from transfer.metadata import RoomTicket  # noqa: E402
+from transfer.registry.server import RegistryServer  # noqa: E402
 from transfer.results import FetchResult  # noqa: E402
 
 LAYERS, PAGE, CP = 61, 64, 4

@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import DSAKVPool, tiny  # noqa: E402
-from transfer.bootstrap import RegistryServer  # noqa: E402
 from transfer.metadata import RoomTicket  # noqa: E402
+from transfer.registry.server import RegistryServer  # noqa: E402
 from transfer.sync import BackgroundLoop, FetchStatus, SyncExporter, SyncFetcher  # noqa: E402
 
 

@@ -10,10 +10,10 @@ import torch
 
 from pdkv import DSAKVPool, IncompatibleLayoutError, dsa_v32
 from pdkv.errors import LayoutError
-from transfer.bootstrap import RegistryServer
 from transfer.decode import DecodeFetcher
 from transfer.engine_kv import EngineKV, buffer_infos
 from transfer.metadata import OwnerPin, RoomTicket, decode, encode
+from transfer.registry.server import RegistryServer
 
 LAYERS, PAGE, PAGES = 5, 64, 40
 KV_ITEM, INDEX_ITEM = 656 * PAGE, 132 * PAGE  # DeepSeek-V3.2's page of latent and of indexer

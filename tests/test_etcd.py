@@ -16,7 +16,7 @@ from tests.etcd_server import EtcdServer, cluster_url, etcd_binary, etcd_cluster
 from tests.wire_helpers import rank_descriptor
 from transfer.deadline import Deadline
 from transfer.metadata import RankDescriptor
-from transfer.registry_client import register_until, registry_client
+from transfer.registry import register_until, registry_client
 from transfer.timeouts import Timeouts
 
 T = TypeVar("T")

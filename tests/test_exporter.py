@@ -9,10 +9,10 @@ import torch
 from pdkv import DSAKVPool, TransferError, tiny
 from pdkv.buffers import LAYER_ALIGN
 from pdkv.layout import BufferKind
-from transfer.bootstrap import RegistryServer
 from transfer.deadline import Deadline
 from transfer.plan import ReadPlan
 from transfer.prefill import PrefillExporter
+from transfer.registry.server import RegistryServer
 from transfer.ucx import UcxTransport
 
 

@@ -406,8 +406,8 @@ def test_engine_owned_buffers_go_by_the_lane_and_vmm_owners_by_ucx_in_one_fetch(
     allocation and reads every layer of those owners; an owner on expandable segments (VMM,
     which IPC handles cannot export) is read over UCX in the same fetch; byte-exact."""
     from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
-    from transfer.bootstrap import RegistryServer
     from transfer.metadata import RoomTicket
+    from transfer.registry.server import RegistryServer
 
     shape = Shape(layers=9, page_size=64, pages=129)
     src, dst = list(range(3, 103)), list(range(120, 20, -1))
@@ -437,9 +437,9 @@ def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused(
     allocation of every owner, byte-exact; a slab whose length the wire inflates is refused
     when it is mapped, before any launch."""
     from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
-    from transfer.bootstrap import RegistryServer
     from transfer.http import ControlClient
     from transfer.metadata import RoomTicket
+    from transfer.registry.server import RegistryServer
 
     shape = Shape(layers=11, page_size=64, pages=257)
     src, dst = list(range(0, 256, 2)), list(range(1, 257, 2))

@@ -17,9 +17,9 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdkv import DSAKVPool, PdkvError, tiny
-from transfer.bootstrap import RegistryServer
 from transfer.decode import DecodeFetcher
 from transfer.prefill import PrefillExporter
+from transfer.registry.server import RegistryServer
 
 
 async def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -6,9 +6,9 @@ import pytest
 
 from pdkv import AuthError, MetadataError, NotReadyError, UnknownEngineError
 from tests.wire_helpers import rank_descriptor
-from transfer.bootstrap import RegistryServer
 from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor
+from transfer.registry.server import RegistryServer
 from transfer.timeouts import Timeouts
 
 
@@ -72,7 +72,7 @@ async def test_garbage_bodies_get_metadata_errors_and_the_server_keeps_serving()
 
 
 def test_an_etcd_url_lists_a_clusters_members_with_credentials_and_a_prefix():
-    from transfer.etcd_registry import etcd_target
+    from transfer.registry.etcd import etcd_target
 
     members, prefix, user, password = etcd_target("etcd://ann:p%40ss@10.0.0.1:2379,10.0.0.2,etcd-3:32379/kv/a")
     assert members == [("10.0.0.1", 2379), ("10.0.0.2", 2379), ("etcd-3", 32379)]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdkv import ClosedError, DSAKVPool, UnknownRoomError, tiny
-from transfer.bootstrap import RegistryServer
 from transfer.metadata import RoomTicket
+from transfer.registry.server import RegistryServer
 from transfer.sync import BackgroundLoop, FetchStatus, SyncExporter, SyncFetcher
 
 

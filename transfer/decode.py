@@ -62,7 +62,7 @@ from transfer.owner_io import Claim, Owner, OwnerIO, lost_peer
 from transfer.pin_table import map_pins
 from transfer.plan import buffer_pairs, check_owners, mem_type
 from transfer.readiness import ReadinessFeed
-from transfer.registry_client import registry_client
+from transfer.registry import registry_client
 from transfer.results import FetchResult, OwnerStats
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport, default_lanes

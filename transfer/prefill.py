@@ -59,7 +59,7 @@ from transfer.metrics import track_exporter, untrack_exporter
 from transfer.pin_table import PinWords
 from transfer.plan import device_id, mem_type
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
-from transfer.registry_client import register_until, registry_client
+from transfer.registry import register_until, registry_client
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
 from transfer.ucx import UcxTransport

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from transfer.app.service import add_service_flags, announce, secret_from_env, setup_process, wait_for_signal
-from transfer.bootstrap import RegistryServer
+from transfer.registry.server import RegistryServer
 from transfer.timeouts import Timeouts
 
 __all__ = ["main"]

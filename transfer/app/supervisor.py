@@ -22,7 +22,7 @@ from pathlib import Path
 from pdkv.errors import NotReadyError, PeerLostError
 from transfer.app.launcher import Child, Host, Launcher, ServiceStartError
 from transfer.deadline import Deadline, retry_until
-from transfer.registry_client import registry_client
+from transfer.registry import registry_client
 from transfer.timeouts import Timeouts
 
 # SMs a prefill's NCCL owner broadcast may take: on two H200s 8 broadcast a layer as fast as

@@ -42,10 +42,10 @@ from sglang.srt.disaggregation.base.conn import (
 )
 
 from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
-from transfer.bootstrap import RegistryServer
 from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
 from transfer.metadata import RoomStatus
+from transfer.registry.server import RegistryServer
 from transfer.results import FetchResult
 from transfer.sglang.kvargs import DRAFT_SUFFIX, AuxRows, draft_kv_from_args, engine_kv_from_args
 from transfer.sglang.topology import Topology, secret, sglang_timeouts, topology

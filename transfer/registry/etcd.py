@@ -44,7 +44,7 @@ from pdkv.errors import (
 )
 from transfer.deadline import Deadline, retry_until
 from transfer.metadata import EngineDescriptor, RankDescriptor, decode, encode
-from transfer.registry_client import assemble
+from transfer.registry.base import assemble
 from transfer.timeouts import Timeouts
 
 __all__ = ["EtcdRegistry"]
