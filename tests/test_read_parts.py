@@ -19,10 +19,10 @@ def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
-    lengths=st.lists(st.integers(1, 10**7), min_size=1, max_size=60),
-    limit=st.integers(2, 5 * 10**6),
+    lengths=st.lists(st.integers(1, 10**6), min_size=1, max_size=60),
+    limit=st.integers(4096, 5 * 10**6),  # rows split into at most ~500 pieces: the test stays quick
     seed=st.integers(0, 2**32 - 1),
 )
 def test_parts_cover_the_plan_once_and_stay_under_the_bound(lengths, limit, seed):
