@@ -349,6 +349,8 @@ async def _read_claimed(claim: Handle[RoomLease], pages: PageIds, timeout: float
         lease = await asyncio.wrap_future(claim._future)
     except asyncio.CancelledError:
         claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
+        if claim.poll() is FetchStatus.DONE:  # granted as this read was cancelled: give it up here
+            await claim.result().give_up()
         raise
     return await lease.read_once(pages, timeout=timeout)
 
