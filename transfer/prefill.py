@@ -324,7 +324,12 @@ class PrefillExporter:
     async def _progress_forever(self) -> None:
         assert self.transport is not None
         while True:
-            for peer, messages in (await self.transport.progress()).items():
+            try:
+                arrived = await self.transport.progress()
+            except Exception as exc:  # a target must keep progressing: log and go on, never die silently
+                logger.error("UCX progress failed: %s", exc)
+                arrived = {}
+            for peer, messages in arrived.items():
                 for message in messages:
                     self._on_notification(peer, message)
             busy = self.rooms.tickets_out > 0

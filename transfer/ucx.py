@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _POLL_SLEEP_S = (0.0, 0.0001)
 _LATE_GRACE_S = Timeouts.late_read
+_STALL_S = Timeouts.read_stall
 _NOTIFY_DRIVE_S = 0.1  # how long the worker is driven after a notification, so that it leaves
 _NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
 _NOTIFY_POLL_MAX_S = 0.01
@@ -190,12 +191,16 @@ class _Lane:
             "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
         )
         state = "PROC"
+        stalled = time.monotonic() + _STALL_S
         try:
             state = agent.transfer(handle)
             sleep = _POLL_SLEEP_S[0]
             while state == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
+                if now > stalled:
+                    raise PeerLostError(f"READ from {peer}: a part of it made no end in {_STALL_S:.0f}s", peer)
                 time.sleep(sleep)
                 sleep = _POLL_SLEEP_S[1]
                 state = agent.check_xfer_state(handle)
