@@ -468,11 +468,7 @@ class RoomLease:
         The bytes are the room's only if `release()` then succeeds: until then a reader
         must not hand them on.
         """
-        if self._released is not None:
-            raise ClosedError(f"lease on room {self.room} was already released")
-        f, started = self._fetcher, time.perf_counter()
-        dst = page_ids(dst_pages, f.pool.layout.num_pages, "destination pages")
-        budget = _budget(f.timeouts.fetch, deadline, timeout)
+        f, (started, dst, budget) = self._fetcher, self._begin(dst_pages, deadline, timeout)
         f._enter()
         try:
             with fetching(self.engine_id):
@@ -525,12 +521,23 @@ class RoomLease:
             return pushed
         return self._claim.states.get(rank)
 
+    def _begin(
+        self, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
+    ) -> tuple[float, np.ndarray, Deadline]:
+        """A read's start: its clock, its checked destination pages and its budget."""
+        if self._released is not None:
+            raise ClosedError(f"lease on room {self.room} was already released")
+        started, f = time.perf_counter(), self._fetcher
+        return (
+            started,
+            page_ids(dst_pages, f.pool.layout.num_pages, "destination pages"),
+            _budget(f.timeouts.fetch, deadline, timeout),
+        )
+
     async def _read_pinned(
         self, ticket: RoomTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
     ) -> FetchResult:
-        f, started = self._fetcher, time.perf_counter()
-        dst = page_ids(dst_pages, f.pool.layout.num_pages, "destination pages")
-        budget = _budget(f.timeouts.fetch, deadline, timeout)
+        f, (started, dst, budget) = self._fetcher, self._begin(dst_pages, deadline, timeout)
         f._enter()
         try:
             with fetching(self.engine_id):
