@@ -128,6 +128,24 @@ def _prefill_rank(
         mgr.close()
 
 
+def _receive(mgr, url: str, room: int, dst: list[int], aux_index: int):  # type: ignore[no-untyped-def]
+    """A decode scheduler's loop for one receiver: bootstrap, send its pages once it waits
+    for them, poll until it ends (60 s at most). Returns the receiver and its last state."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVReceiver
+
+    receiver = PdkvKVReceiver(mgr, url, room)
+    receiver.init(0)
+    end, state = time.monotonic() + 60, KVPoll.Bootstrapping
+    while state not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
+        state = receiver.poll()
+        if state == KVPoll.WaitingForInput:
+            receiver.send_metadata(np.array(dst, dtype=np.int32), aux_index=aux_index)
+        time.sleep(0.002)
+    return receiver, state
+
+
 @pytest.fixture(autouse=True)
 def _own_environment():
     """The PDKV_SGLANG_* variables a test sets in this process end with it."""
@@ -312,7 +330,7 @@ def test_the_secret_guards_every_service_sglang_starts(monkeypatch):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from pdkv.errors import AuthError
-    from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager, PdkvKVReceiver
+    from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager
 
     monkeypatch.setenv("PDKV_SECRET", "right-secret")
     server = PdkvKVBootstrapServer("127.0.0.1", 0)
@@ -329,14 +347,7 @@ def test_the_secret_guards_every_service_sglang_starts(monkeypatch):
             args, keep = _kv_args(range(LAYERS), fill=False)
             mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
             managers.append(mgr)
-            receiver = PdkvKVReceiver(mgr, server.url, 401)
-            receiver.init(0)
-            end, state = time.monotonic() + 60, KVPoll.Bootstrapping
-            while state not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
-                state = receiver.poll()
-                if state == KVPoll.WaitingForInput:
-                    receiver.send_metadata(np.array([1, 2, 9], dtype=np.int32), aux_index=1)
-                time.sleep(0.002)
+            receiver, state = _receive(mgr, server.url, 401, [1, 2, 9], aux_index=1)
             if secret == "wrong-secret":
                 assert state == KVPoll.Failed
                 with pytest.raises(AuthError):
@@ -401,7 +412,7 @@ def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):
     from the draft engine, into its own buffers, byte for byte; both senders succeed."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
+    from transfer.sglang.conn import PdkvKVManager
 
     rooms = {501: ([[3, 4, 5], [9, 20]], False)}
     dst = [30, 1, 2, 29, 28]
@@ -414,14 +425,7 @@ def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):
     args, keep = _kv_args(range(LAYERS), fill=False, drafts=1)
     mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
     try:
-        receiver = PdkvKVReceiver(mgr, bootstrap.url, 501)
-        receiver.init(0)
-        end, state = time.monotonic() + 60, KVPoll.Bootstrapping
-        while state not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
-            state = receiver.poll()
-            if state == KVPoll.WaitingForInput:
-                receiver.send_metadata(np.array(dst, dtype=np.int32), aux_index=501 % AUX_ROWS)
-            time.sleep(0.002)
+        receiver, state = _receive(mgr, bootstrap.url, 501, dst, aux_index=501 % AUX_ROWS)
         assert state == KVPoll.Success, state
         src = sum(rooms[501][0], [])
         layers = [*range(LAYERS), DRAFT_BASE]
