@@ -275,6 +275,7 @@ async def test_a_room_claimed_ahead_reads_like_a_ticket_and_is_released_by_notif
         pages = fragmented_pages(pool, n, 30)
         result = await lease.read_once(pages)
         assert result.control_messages == 0 and kv_is_exact(pool, "prefill2", room, n, pages)
+        assert all(r != room for _, r in fetcher._feed._wanted)  # its pushed states are not kept on
         for _ in range(100):  # the notifications land after the return
             stats = [await deployment.client.get_json(f"{c}/v1/stats") for c in engine.controls]
             if all(s["pinned_pages"] == 0 and s["released"] >= 1 for s in stats):

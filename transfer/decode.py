@@ -488,6 +488,7 @@ class RoomLease:
             return self._released
         f, claim = self._fetcher, self._claim
         self._released = False
+        self._forget()
         ranks = claim.open_ranks
         outcomes = await asyncio.gather(
             *(f._release(o, claim, f.timeouts.request) for o in self._owners.values() if o.rank.cp_rank in ranks),
@@ -580,7 +581,13 @@ class RoomLease:
         if self._released is not None:
             return
         self._released = False
+        self._forget()
         await self._fetcher._release_all(self._owners, self._claim)
+
+    def _forget(self) -> None:
+        """Stop keeping the room's pushed states (wanted since the claim)."""
+        for o in self._owners.values():
+            self._fetcher._feed.forget(o.rank.control_url, self.room)
 
     async def read_once(
         self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
@@ -592,14 +599,16 @@ class RoomLease:
         as a ticket's: every owner at once, each pin word proved after the data, the claims
         released by notifications after the return (`freed` is then unknown: False)."""
         ticket = self._as_ticket()
-        if ticket is not None:
-            return await self._read_pinned(ticket, dst_pages, deadline, timeout)
         try:
+            if ticket is not None:
+                return await self._read_pinned(ticket, dst_pages, deadline, timeout)
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
             freed = await self.release()
         except BaseException:
             await self.give_up()
             raise
+        finally:
+            self._forget()
         freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
         return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
 
