@@ -9,7 +9,23 @@ release; `--claims`: a claim and a release over HTTP per owner instead), and (c)
 in-process copy of the same pages between two pools (the limit). Medians over --runs
 after a warm-up; prints a table.
 
+`--engine-buffers` (issue 31; formerly scripts/bench_engine_lane.py): then, in the same
+call, owners whose KV lies in buffers of their own as SGLang's DSA pools allocate it (CP=4
+processes, each a CUDA tensor per layer and kind of DeepSeek-V3.2's 61 layers: latent 656
+and indexer 132 bytes a token, pages of 64; `tests/engine_owners.py`), read by a decode
+over an `EngineKV` of its own per-layer tensors with `path="auto"`. Each room is read once,
+back to back (rooms published beforehand), three ways: with its ticket; by claims (a
+decode with no ticket); and claimed ahead, then read and released (`RoomLease.read_once`,
+SGLang's receiver: the claims taken at its bootstrap, the read timed from `send_metadata`).
+Source and destination pages are runs of geometric length (mean 4) in a shuffled order;
+every (size, read) is checked byte-exact after its warm-up. The table compares each row
+with the pool lane's back-to-back fetches of this call ("b2b"; on a CPU, the pool's UCX
+fetch) and gives the path that moved the bytes (`OwnerStats.path`). `--vmm` adds rows from
+owners on expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, VMM
+memory): until VMM export lands, those are read over UCX, and their rows say so.
+
     .venv/bin/python scripts/bench_fetch.py [--sizes 1024,8192,32768] [--runs 5] [--claims]
+    .venv/bin/python scripts/bench_fetch.py --device cuda --engine-buffers [--vmm] --sizes 8192,32768
 """
 
 from __future__ import annotations
@@ -22,7 +38,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 
@@ -33,12 +51,18 @@ from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 from transfer.app.supervisor import Host  # noqa: E402
-from transfer.app.synthetic import fragmented_allocator  # noqa: E402
+from transfer.app.synthetic import fragmented_allocator, fragmented_page_order  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
-from transfer.metadata import EngineDescriptor, RoomState  # noqa: E402
+from transfer.metadata import EngineDescriptor, RoomState, RoomTicket  # noqa: E402
 from transfer.plan import BufferPair, buffer_pairs, build_read_plan, mem_type  # noqa: E402
+from transfer.registry.server import RegistryServer  # noqa: E402
+from transfer.results import FetchResult  # noqa: E402
 from transfer.timeouts import Timeouts  # noqa: E402
-from transfer.ucx import load_nixl  # noqa: E402
+
+try:  # transfer/ is being split into packages: the UCX lane's module moves
+    from transfer.ucx import load_nixl  # noqa: E402
+except ImportError:  # pragma: no cover
+    from transfer.lanes.ucx.transport import load_nixl  # type: ignore[no-redef]  # noqa: E402
 
 
 class RawNixl:
@@ -177,6 +201,11 @@ async def bench(args: argparse.Namespace) -> None:
                     )
                 )
     print_table(rows, args)
+    if args.engine_buffers:
+        engine_rows = await engine_bench(args, vmm=False)
+        if args.vmm:
+            engine_rows += await engine_bench(args, vmm=True)
+        print_engine_table(rows, engine_rows, args)
 
 
 async def _prefill(d, engine, room: int, n: int, consumers: int, tickets: bool) -> PrefillReply:
@@ -234,20 +263,21 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
                 samples["lane_copy"].append(kernels.read_seconds)
                 samples["ctl_lane"].append(through_lane.control_messages)
     if lane is not None and tickets:
-        samples["lane_b2b"] = await _back_to_back(d, engine, lane, alloc, n, runs)
+        samples["lane_b2b"], samples["path_b2b"] = await _back_to_back(d, engine, lane, alloc, n, runs)
     return n, nbytes, desc_unmerged, desc_merged, samples
 
 
-async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> list[float]:
+async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> tuple[list[float], list[str]]:
     """Lane fetches one after another, as a loaded decode runs them: `runs` rooms are
     prefilled first, then read into the same pages with nothing in between (after an
     idle wait, this machine's CPUs run the next millisecond of code several times slower)."""
     tickets = [(await _prefill(d, engine, (n << 20) + (1 << 18) + i, n, 1, True)).ticket for i in range(runs)]
     dst = alloc.alloc(len(tickets[0].src_pages))
     try:
-        return [(await lane.fetch("prefill0", t.room, dst, ticket=t)).seconds for t in tickets]
+        results = [await lane.fetch("prefill0", t.room, dst, ticket=t) for t in tickets]
     finally:
         alloc.free(dst)
+    return [r.seconds for r in results], sorted({o.path for r in results for o in r.owners})
 
 
 def print_table(rows, args) -> None:
@@ -312,7 +342,7 @@ def print_table(rows, args) -> None:
 
 def _rates(nbytes: int, samples: dict, timed: str) -> tuple[dict, tuple[float, float]]:
     """GB/s of every sample series (medians), and the p50 / p99 ms of the `timed` one."""
-    g = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items() if not k.startswith("ctl")}
+    g = {k: nbytes / statistics.median(v) / 1e9 for k, v in samples.items() if not k.startswith(("ctl", "path"))}
     lat = np.array(samples[timed]) * 1e3
     return g, (np.percentile(lat, 50), np.percentile(lat, 99))
 
@@ -321,6 +351,179 @@ def _row(counts: tuple, rates: tuple, messages: float) -> None:
     """One table row; `messages`: control requests per fetch (claims, polls, releases)."""
     cells = [f"{v:>12.0f}" for v in counts] + [f"{v:>12.2f}" for v in rates] + [f"{messages:>12.0f}"]
     print("".join(cells))
+
+
+# ---- --engine-buffers: owners holding SGLang-shaped per-layer allocations (issue 31) -----------
+ENGINE_LAYERS, ENGINE_PAGE, ENGINE_CP = 61, 64, 4
+ENGINE_MODES = ("ticket", "claims", "ahead")
+
+
+class EngineRow(NamedTuple):
+    owners: str  # "engine" (per-layer allocations) or "engine vmm" (on expandable segments)
+    tokens: int
+    nbytes: int
+    read: str  # one of ENGINE_MODES
+    paths: str  # what moved the bytes, from OwnerStats.path (several: comma-separated)
+    seconds: list[float]
+    copy_gbps: float  # one contiguous copy of as many bytes on the same device
+
+
+def contiguous_copy_gbps(nbytes: int, device: str) -> float:
+    """One contiguous copy of `nbytes` on `device`, best of a few, in GB/s."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    cuda = a.is_cuda
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(a.device)
+
+    b.copy_(a)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    sync()
+    return nbytes * 5 / (time.perf_counter() - t0) / 1e9
+
+
+def _engine_room(mode: str, tokens: int, run: int) -> int:
+    return ENGINE_MODES.index(mode) * 10**7 + 1000 * (tokens // ENGINE_PAGE) + run
+
+
+async def _engine_read(
+    fetcher: DecodeFetcher, engine_id: str, mode: str, room: int, src: list, dst: list, reports: dict
+) -> FetchResult:
+    """One read of `room` the way `mode` says, timed from the call that starts it."""
+    if mode == "ticket":
+        pins = [reports[c][1][room] for c in range(ENGINE_CP)]
+        if any(p is None for p in pins):
+            raise SystemExit(f"room {room}: an owner gave no pin ({pins}): the ticket rows would read by claims")
+        ticket = RoomTicket(engine_id=engine_id, room=room, src_pages=src, pins=pins)
+        return await fetcher.fetch(engine_id, room, dst, ticket=ticket)
+    if mode == "claims":
+        return await fetcher.fetch(engine_id, room, dst)
+    lease = await fetcher.claim(engine_id, room)  # at the receiver's bootstrap, before the pages are known
+    t0 = time.perf_counter()
+    result = await lease.read_once(dst)
+    return msgspec.structs.replace(result, seconds=time.perf_counter() - t0)
+
+
+def _check_engine_bytes(shape, bufs: list[torch.Tensor], src: list[int], dst: list[int], what: str) -> None:
+    """Every layer and kind of the decode's buffers holds, in `dst`, the owners' pattern of `src`."""
+    from tests.engine_owners import layer_pattern
+
+    device = bufs[0].device
+    s, d = torch.as_tensor(src, device=device), torch.as_tensor(dst, device=device)
+    for layer in range(shape.layers):
+        for kind in (0, 1):
+            want = layer_pattern(shape, layer, kind, str(device))[s]
+            if not torch.equal(bufs[kind * shape.layers + layer][d], want):
+                raise SystemExit(f"{what}: layer {layer} kind {kind} not byte-exact")
+
+
+async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
+    """Every size read every way from CP=4 owners of per-layer allocations (on expandable
+    segments if `vmm`), into a decode's own per-layer tensors, on `args.device`."""
+    from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
+
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    pages = max(args.sizes) // ENGINE_PAGE
+    shape = Shape(layers=ENGINE_LAYERS, page_size=ENGINE_PAGE, pages=pages + 8)
+    rng = np.random.default_rng(7)
+    order = np.arange(pages + 7)
+    src = {n: fragmented_page_order(order, rng)[: n // ENGINE_PAGE].tolist() for n in args.sizes}
+    dst = {n: fragmented_page_order(order, rng)[: n // ENGINE_PAGE].tolist() for n in args.sizes}
+    rooms = {_engine_room(m, n, r): src[n] for m in ENGINE_MODES for n in args.sizes for r in range(args.runs + 1)}
+    unpinned = frozenset(room for room in rooms if room // 10**7 != ENGINE_MODES.index("ticket"))
+    engine_id, label = ("engine-vmm", "engine vmm") if vmm else ("engine", "engine")
+    registry = RegistryServer()
+    url = await registry.start()
+    vmm_ranks = tuple(range(ENGINE_CP)) if vmm else ()
+    procs, stop, reports = await asyncio.to_thread(
+        start_owners, url, engine_id, ENGINE_CP, shape, rooms, vmm_ranks, unpinned, device
+    )
+    rows = []
+    try:
+        slabs = [reports[r][0] for r in range(ENGINE_CP)]
+        print(
+            f"{label} owners: CP={ENGINE_CP}, {ENGINE_LAYERS} layers on {device}, exported IPC slabs per owner {slabs}"
+            " (None: not exportable, read over UCX)"
+        )
+        lane_expected = device == "cuda" and not vmm
+        if lane_expected and any(s is None for s in slabs):
+            raise SystemExit(f"owners of per-layer CUDA allocations exported no IPC handles: {slabs}")
+        bufs = engine_buffers(shape, range(ENGINE_LAYERS), fill=False, device=device)
+        kv = engine_kv(shape, range(ENGINE_LAYERS), bufs, device=device)
+        async with DecodeFetcher(kv, url, path="auto") as fetcher:
+            for n in args.sizes:
+                copy = contiguous_copy_gbps(
+                    n // ENGINE_PAGE * ENGINE_LAYERS * (shape.kv_item + shape.index_item), device
+                )
+                for mode in ENGINE_MODES:
+                    seconds, nbytes, paths = [], 0, set()
+                    for r in range(args.runs + 1):
+                        if r == 0:
+                            for b in bufs:  # poison: the warm-up read is checked byte-exact
+                                b.fill_(0x5A)
+                        result = await _engine_read(
+                            fetcher, engine_id, mode, _engine_room(mode, n, r), src[n], dst[n], reports
+                        )
+                        if r == 0:
+                            if device == "cuda":
+                                torch.cuda.synchronize()
+                            _check_engine_bytes(shape, bufs, src[n], dst[n], f"{label} {n} tokens {mode}")
+                        else:  # the first is a warm-up
+                            seconds.append(result.seconds)
+                        nbytes = result.nbytes
+                        paths |= {o.path for o in result.owners}
+                    if lane_expected and paths != {"cuda_ipc"}:
+                        raise SystemExit(f"{label} {n} tokens {mode}: read by {sorted(paths)}, not the lane (cuda_ipc)")
+                    rows.append(EngineRow(label, n, nbytes, mode, ",".join(sorted(paths)), seconds, copy))
+    finally:
+        await asyncio.to_thread(stop_owners, procs, stop)
+        await registry.aclose()
+    return rows
+
+
+def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
+    """Engine-buffer rows against the pool lane of this call (on a CPU: the pool's UCX fetch)."""
+    pool: dict[int, tuple[float, str, str]] = {}  # tokens -> (GB/s, path, which series)
+    for n, nbytes, _, _, s in pool_rows:
+        if "lane_b2b" in s:
+            pool[n] = (nbytes / statistics.median(s["lane_b2b"]) / 1e9, ",".join(s["path_b2b"]), "pool lane b2b")
+        elif "lane" in s:
+            pool[n] = (nbytes / statistics.median(s["lane"]) / 1e9, "cuda_ipc", "pool lane")
+        else:
+            pool[n] = (nbytes / statistics.median(s["pdkv"]) / 1e9, "ucx", "pool pdkv")
+    print(
+        f"engine-owned buffers (a tensor per layer and kind, {ENGINE_LAYERS} layers, CP={ENGINE_CP}, "
+        f"pages of {ENGINE_PAGE}), each room read once back to back, {args.runs} runs after a checked warm-up, "
+        "medians; x pool: against the pool row of the same size"
+    )
+    head = ("owners", "tokens", "MB", "read", "path", "GB/s", "p50 ms", "p99 ms", "copy GB/s", "x copy", "x pool")
+    widths = (12, 8, 8, 8, 10, 9, 9, 9, 10, 8, 8)
+    print("".join(f"{h:>{w}}" for h, w in zip(head, widths)))
+
+    def line(cells: tuple) -> None:
+        print("".join(f"{c:>{w}}" if isinstance(c, str) else f"{c:>{w}.2f}" for c, w in zip(cells, widths)))
+
+    for n in args.sizes:
+        ref = pool.get(n)
+        if ref is not None:
+            p = [r for r in pool_rows if r[0] == n][0]
+            line(("pool", str(n), f"{p[1] / 1e6:.0f}", "ticket", ref[1], ref[0], "", "", "", "", 1.0))
+        for row in (r for r in engine_rows if r.tokens == n):
+            lat = np.array(row.seconds) * 1e3
+            gbps = row.nbytes / statistics.median(row.seconds) / 1e9
+            x_pool = gbps / ref[0] if ref is not None else float("nan")
+            line(
+                (row.owners, str(n), f"{row.nbytes / 1e6:.0f}", row.read, row.paths, gbps)
+                + (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), row.copy_gbps)
+                + (gbps / row.copy_gbps, x_pool)
+            )
+    kinds = sorted({v[2] for v in pool.values()})
+    print(f"pool: {', '.join(kinds)} (tickets); path: what moved the bytes (OwnerStats.path: cuda_ipc, the lane; ucx)")
 
 
 def main() -> None:
@@ -346,7 +549,26 @@ def main() -> None:
         default=Timeouts().ticket_progress_interval * 1e3,
         help="how often owners drive their UCX worker while a ticket is out",
     )
-    asyncio.run(bench(ap.parse_args()))
+    ap.add_argument(
+        "--engine-buffers",
+        action="store_true",
+        help="also read CP=4 owners of SGLang-shaped per-layer allocations (61 layers, latent and indexer) "
+        "ticket / claims / claimed ahead, against the pool lane of this call",
+    )
+    ap.add_argument(
+        "--vmm",
+        action="store_true",
+        help="with --engine-buffers: add rows from owners on expandable segments (VMM memory); "
+        "the path column says how they were read",
+    )
+    args = ap.parse_args()
+    if args.vmm and not args.engine_buffers:
+        ap.error("--vmm needs --engine-buffers")
+    if args.vmm and not args.device.startswith("cuda"):
+        ap.error("--vmm needs --device cuda (expandable segments are CUDA memory)")
+    if args.engine_buffers and (args.prefill_device or args.decode_device or args.prefill_host != Host()):
+        ap.error("--engine-buffers reads owners and a decode on this host's --device: no --prefill-*/--decode-device")
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":

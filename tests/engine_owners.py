@@ -1,6 +1,7 @@
 """Prefill owners whose KV lies in buffers of their own, one tensor per layer and kind, as
 SGLang's DSA pools allocate it: each a process of its own (spawned), exporting through
-`PrefillExporter` over an `EngineKV`. Shared by the GPU tests and scripts/bench_engine_lane.py.
+`PrefillExporter` over an `EngineKV`. Shared by the GPU tests and scripts/bench_fetch.py
+(`--engine-buffers`).
 
 `vmm`: the owner's allocator uses expandable segments (VMM memory), which CUDA IPC handles
 cannot export: its decodes read it over UCX.
@@ -80,25 +81,32 @@ def run_owner(
     stop: mp.Event,
     vmm: bool = False,
     unpinned: frozenset[int] = frozenset(),
+    device: str = "cuda",
+    partial: frozenset[int] = frozenset(),
 ) -> None:
     """One CP rank: publish `rooms` (room -> source pages), all layers ready; report
     (cp_rank, exported slabs or None, {room: OwnerPin}) on `out`; serve until `stop`.
-    Rooms in `unpinned` get no ticket: they are read by claims."""
+    Rooms in `unpinned` get no ticket: they are read by claims. Rooms in `partial` are a
+    prefill not finished: only the first half of the owned layers (at least one) is marked
+    ready and no more ever is; they get no ticket, and a fetch of one waits."""
     if vmm:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     from transfer.prefill import PrefillExporter
 
     owned = range(*get_layer_shard_range(cp_rank, cp_size, shape.layers))
-    buffers = engine_buffers(shape, owned, fill=True)
-    torch.cuda.synchronize()
-    kv = engine_kv(shape, owned, buffers)
+    buffers = engine_buffers(shape, owned, fill=True, device=device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    kv = engine_kv(shape, owned, buffers, device=device)
 
     async def serve() -> None:
         async with PrefillExporter(kv, engine_id, cp_rank, cp_size, registry_url) as exporter:
             for room, pages in rooms.items():
                 exporter.publish_room(room, np.array(pages))
-                exporter.mark_ready(room, owned.stop)
-            pins = {room: await exporter.pin(room, 30) for room in rooms if room not in unpinned}
+                half = owned.start + max(1, len(owned) // 2)
+                exporter.mark_ready(room, half if room in partial else owned.stop)
+            waiting = unpinned | partial
+            pins = {room: await exporter.pin(room, 30) for room in rooms if room not in waiting}
             assert exporter.descriptor is not None
             ipc = exporter.descriptor.ipc
             out.put((cp_rank, None if ipc is None else len(ipc.slabs), pins))
@@ -116,14 +124,18 @@ def start_owners(  # type: ignore[no-untyped-def]
     rooms: dict[int, list[int]],
     vmm_ranks=(),
     unpinned: frozenset[int] = frozenset(),
+    device: str = "cuda",
+    partial: frozenset[int] = frozenset(),
 ):
-    """Spawn `cp_size` owners; returns (processes, stop event, {cp_rank: (slabs, pins)})."""
+    """Spawn `cp_size` owners (see `run_owner`); returns (processes, stop event,
+    {cp_rank: (slabs, pins)})."""
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
+    rest = (unpinned, device, partial)
     procs = [
         ctx.Process(
             target=run_owner,
-            args=(registry_url, engine_id, r, cp_size, shape, rooms, out, stop, r in vmm_ranks, unpinned),
+            args=(registry_url, engine_id, r, cp_size, shape, rooms, out, stop, r in vmm_ranks, *rest),
         )
         for r in range(cp_size)
     ]
