@@ -471,3 +471,46 @@ def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused(
             await registry.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("path", ["cuda_ipc", "auto"])
+def test_engine_owner_killed_while_a_fetch_waits_for_its_prefill_is_peer_lost_within_5s(path):
+    """Owners of per-layer allocations (SGLang's pools); the decode reads through the lane,
+    by claims, a room whose prefill is not finished (the first half of each owner's layers
+    ready, the rest never): the fetch reads what is ready and waits. One owner SIGKILLed
+    meanwhile must end the fetch in `PeerLostError` within 5 s, well before its own deadline."""
+    from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
+    from transfer.registry.server import RegistryServer
+
+    shape = Shape(layers=9, page_size=64, pages=129)
+    src, dst = list(range(3, 103)), list(range(120, 20, -1))
+    whole, unfinished = 1, 2
+
+    async def run():
+        registry = RegistryServer()
+        url = await registry.start()
+        procs, stop, reports = await asyncio.to_thread(
+            start_owners, url, "eng3", 4, shape, {whole: src, unfinished: src}, (), frozenset({whole}), "cuda",
+            frozenset({unfinished}),
+        )  # fmt: skip
+        try:
+            assert all(reports[r][0] is not None for r in range(4)), reports  # every owner exported its allocations
+            bufs = engine_buffers(shape, range(shape.layers), fill=False)
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path=path) as fetcher:
+                warm = await fetcher.fetch("eng3", whole, dst)  # looked up, mapped, read whole by claims
+                assert {o.path for o in warm.owners} == {"cuda_ipc"}
+                torch.cuda.synchronize()
+                _check_engine_kv(shape, bufs, src, dst)
+                fetch = asyncio.create_task(fetcher.fetch("eng3", unfinished, dst, timeout=60))
+                await asyncio.sleep(1.0)  # the ready layers read; the fetch waits for the rest
+                assert not fetch.done(), fetch
+                t0 = time.monotonic()
+                os.kill(procs[1].pid, signal.SIGKILL)
+                with pytest.raises(PeerLostError):
+                    await fetch
+                assert time.monotonic() - t0 < 5.0
+        finally:
+            await asyncio.to_thread(stop_owners, procs, stop)
+            await registry.aclose()
+
+    asyncio.run(run())
