@@ -57,11 +57,9 @@ _LAYER_BYTES = 6 << 20  # a DSA layer's broadcast, about
 
 
 def _kernel_module():  # type: ignore[no-untyped-def]
-    """pdkv's gather kernel module (it moves under transfer/lanes/ in the restructure)."""
-    try:
-        from transfer.lanes.cuda_ipc import kernel
-    except ImportError:
-        from transfer import gather_kernel as kernel  # type: ignore[no-redef]
+    """pdkv's gather kernel module."""
+    from transfer.lanes.cuda_ipc import kernel
+
     return kernel
 
 

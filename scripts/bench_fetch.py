@@ -53,16 +53,14 @@ from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 from transfer.app.supervisor import Host  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator, fragmented_page_order  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
+from transfer.decode.owners import buffer_pairs  # noqa: E402
+from transfer.lanes.pages import BufferPair, mem_type  # noqa: E402
+from transfer.lanes.ucx.plan import build_read_plan  # noqa: E402
+from transfer.lanes.ucx.transport import load_nixl  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState, RoomTicket  # noqa: E402
-from transfer.plan import BufferPair, buffer_pairs, build_read_plan, mem_type  # noqa: E402
 from transfer.registry.server import RegistryServer  # noqa: E402
 from transfer.results import FetchResult  # noqa: E402
 from transfer.timeouts import Timeouts  # noqa: E402
-
-try:  # transfer/ is being split into packages: the UCX lane's module moves
-    from transfer.ucx import load_nixl  # noqa: E402
-except ImportError:  # pragma: no cover
-    from transfer.lanes.ucx.transport import load_nixl  # type: ignore[no-redef]  # noqa: E402
 
 
 class RawNixl:
@@ -173,13 +171,13 @@ async def bench(args: argparse.Namespace) -> None:
             for ps, qs in zip(pairs, owner_pairs(source_copy, desc))
         ]
         async with (
-            DecodeFetcher(decode_pool, d.registry_url, lanes=args.lanes or None, path="ucx") as fetcher,
+            DecodeFetcher(decode_pool, d.registry_url, ucx_workers=args.ucx_workers or None, path="ucx") as fetcher,
             DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane,
             # The kernels alone (copy GB/s), from fetches of rooms of their own: timing them
             # costs the end-to-end fetch tens of microseconds, so the lane column goes untimed.
             DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx", time_kernels=True) as timed,
         ):
-            args.lanes = fetcher.transport.lanes
+            args.ucx_workers = fetcher.transport.workers
             rows = []
             for n in args.sizes:
                 slabs = (decode_pool.slab, source_copy.slab)
@@ -284,7 +282,7 @@ def print_table(rows, args) -> None:
     print(
         f"DSA layout, {'claims' if args.claims else 'tickets'}, owners on {args.prefill_device or args.device}, "
         f"decode on {args.decode_device or args.device}, "
-        f"prefill CP=4, decode lanes={args.lanes}, {args.runs} runs after a warm-up, medians"
+        f"prefill CP=4, decode UCX workers={args.ucx_workers}, {args.runs} runs after a warm-up, medians"
     )
     if args.device == "cuda":
         print("memcpy: the same pages copied device to device in one process; bandwidth: one contiguous D2D copy")
@@ -530,7 +528,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--lanes", type=int, default=0, help="decode lanes; 0: one a core, up to 8 (4 on a GPU)")
+    ap.add_argument(
+        "--ucx-workers", type=int, default=0, help="decode threads posting READs; 0: one a core, up to 8 (4 on a GPU)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--claims", action="store_true", help="fetch by claims and releases over HTTP instead of the rooms' tickets"

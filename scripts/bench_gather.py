@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.synthetic import fragmented_page_order  # noqa: E402
-from transfer.gather import GatherLane  # noqa: E402
-from transfer.plan import BufferPair, build_gather_plan  # noqa: E402
+from transfer.lanes.cuda_ipc.gather import Gatherer  # noqa: E402
+from transfer.lanes.cuda_ipc.plan import build_gather_plan
+from transfer.lanes.pages import BufferPair  # noqa: E402
 
 
 def pairs(dst: DSAKVPool, src: DSAKVPool) -> list[BufferPair]:
@@ -85,7 +86,7 @@ def main() -> None:
         contig = n_bytes / timed(lambda d=flat_d[:n_bytes], s=flat_s[:n_bytes]: _TorchCopy(d, s), args.runs)[0] / 1e9
         for block in (2048, 4096, 8192):  # the lane picks 4096 x 4 warps, or 8192 x 8 from 1 GiB
             for warps in (4, 8):
-                lane = GatherLane(torch.device("cuda:0"), (block, warps), timed=True)
+                lane = Gatherer(torch.device("cuda:0"), (block, warps), timed=True)
                 t, host = timed(lambda lane=lane, plan=plan: lane.launch(plan), args.runs)
                 gbps = plan.nbytes / t / 1e9
                 cells = (n, plan.nbytes / 1e6, block, warps, gbps, contig)

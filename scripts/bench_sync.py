@@ -36,7 +36,7 @@ def main() -> None:
     server = RegistryServer()
     url = bg.run(server.start(), 10)
     exporter = SyncExporter(DSAKVPool(layout), "bench", 0, 1, url)
-    fetcher = SyncFetcher(DSAKVPool(layout), url, lanes=1)
+    fetcher = SyncFetcher(DSAKVPool(layout), url, ucx_workers=1)
     calls: dict[str, list[float]] = defaultdict(list)
 
     def timed(name, fn, *a, **k):  # type: ignore[no-untyped-def]

@@ -39,11 +39,11 @@ class Stamps:
     def __init__(self) -> None:
         self.at: dict[str, float] = {}
 
-    def wrap(self, obj, name: str) -> None:  # type: ignore[no-untyped-def]
+    def wrap(self, obj, name: str, label: str = "") -> None:  # type: ignore[no-untyped-def]
         """Stamp `name`'s entry, and its exit once what it returns is awaited where it is an
         awaitable (a coroutine, or the lane's launch handed back by `read_route`)."""
         fn = getattr(obj, name)
-        at = self.at
+        at, name = self.at, label or name
 
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
             at[f"{name} in"] = time.perf_counter()
@@ -66,7 +66,7 @@ class Stamps:
 # The steps of a lane fetch with a ticket, in the order they happen.
 STEPS = (
     "fetch in",
-    "_fetch_ticket in",
+    "tickets.fetch in",
     "read_route in",
     "launch in",
     "launch out",
@@ -91,10 +91,10 @@ async def main() -> None:
         alloc = fragmented_allocator(pool.layout.num_pages, 1)
         async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
             stamps = Stamps()
-            stamps.wrap(fetcher, "_fetch_ticket")
-            stamps.wrap(fetcher._gpu, "read_route")
-            stamps.wrap(fetcher._gpu._gather, "launch")
-            stamps.wrap(fetcher._gpu._gather, "run")
+            stamps.wrap(fetcher._tickets, "fetch", "tickets.fetch")
+            stamps.wrap(fetcher._owners.lanes[0], "read_route")
+            stamps.wrap(fetcher._owners.lanes[0]._gather, "launch")
+            stamps.wrap(fetcher._owners.lanes[0]._gather, "run")
             rows = []
             prof = cProfile.Profile()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of the VMM path of the same-host GPU lane (transfer.cuda_vmm + transfer.fd_pass).
+"""GPU check of the same-host GPU lane's VMM path (transfer.lanes.cuda_ipc: vmm, fd_pass).
 
 An owner process, with PyTorch's expandable segments (VMM memory), allocates SGLang-shaped
 per-layer KV buffers (DSA: a 656-byte latent and a 132-byte indexer entry a token), fills
@@ -66,8 +66,8 @@ def owner(args: argparse.Namespace) -> int:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # before torch's CUDA init
     import torch
 
-    from transfer import cuda_vmm
-    from transfer.fd_pass import FdServer
+    from transfer.lanes.cuda_ipc import vmm as cuda_vmm
+    from transfer.lanes.cuda_ipc.fd_pass import FdServer
 
     dev = args.owner_device
     torch.cuda.set_device(dev)
@@ -79,7 +79,7 @@ def owner(args: argparse.Namespace) -> int:
     bufs = [(t.data_ptr(), t.numel()) for t in tensors]
     log = sys.stderr
     print(f"owner: torch {torch.__version__}, {len(bufs)} buffers, {sum(n for _, n in bufs) / 2**20:.1f} MiB", file=log)
-    vmm_all = all(cuda_vmm.is_vmm(None, dev, p) for p, _ in bufs)
+    vmm_all = all(cuda_vmm.is_vmm(dev, p) for p, _ in bufs)
     lo, hi = min(p for p, _ in bufs), max(p + n for p, n in bufs)
     try:
         exp = cuda_vmm.export_span(dev, lo, hi)
@@ -177,9 +177,9 @@ def decode(args: argparse.Namespace) -> int:
 def _decode(args: argparse.Namespace, proc: subprocess.Popen[str]) -> int:
     import torch
 
-    from transfer import cuda_vmm
     from transfer.engine_kv import view_memory
-    from transfer.fd_pass import close_fds, fetch_fds
+    from transfer.lanes.cuda_ipc import vmm as cuda_vmm
+    from transfer.lanes.cuda_ipc.fd_pass import close_fds, fetch_fds
 
     dev = args.decode_device
     torch.cuda.set_device(dev)
@@ -255,7 +255,7 @@ def _decode(args: argparse.Namespace, proc: subprocess.Popen[str]) -> int:
 
     # Negative cases, in this process (the ordinary caching allocator).
     plain = torch.empty(1 << 20, dtype=torch.uint8, device=device)
-    report("caching-allocator memory is not VMM", not cuda_vmm.is_vmm(None, dev, plain.data_ptr()))
+    report("caching-allocator memory is not VMM", not cuda_vmm.is_vmm(dev, plain.data_ptr()))
     try:
         cuda_vmm.export_span(dev, plain.data_ptr(), plain.data_ptr() + plain.numel())
         report("export of non-VMM memory refused", False)
@@ -263,7 +263,7 @@ def _decode(args: argparse.Namespace, proc: subprocess.Popen[str]) -> int:
         report("export of non-VMM memory refused", True, str(exc))
     ptr, free = cuda_vmm.create_unshareable(dev, 4 << 20)
     try:
-        report("cuMemCreate'd memory is VMM", cuda_vmm.is_vmm(None, dev, ptr))
+        report("cuMemCreate'd memory is VMM", cuda_vmm.is_vmm(dev, ptr))
         try:
             cuda_vmm.export_span(dev, ptr, ptr + (4 << 20))
             report("export without the POSIX handle type refused", False)

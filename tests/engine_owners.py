@@ -109,7 +109,7 @@ def run_owner(
             pins = {room: await exporter.pin(room, 30) for room in rooms if room not in waiting}
             assert exporter.descriptor is not None
             ipc = exporter.descriptor.ipc
-            out.put((cp_rank, None if ipc is None else len(ipc.slabs), pins))
+            out.put((cp_rank, None if ipc is None else len(ipc.slabs) + len(ipc.vmm), pins))
             while not stop.is_set():
                 await asyncio.sleep(0.05)
 

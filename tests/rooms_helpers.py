@@ -39,7 +39,7 @@ def fetch_in_own_process(registry_url: str, engine_id: str, room: int, n: int, s
 
     async def run() -> None:
         pool = DSAKVPool(tiny(size=8192))
-        async with DecodeFetcher(pool, registry_url, lanes=1) as fetcher:
+        async with DecodeFetcher(pool, registry_url, ucx_workers=1) as fetcher:
             pages = fragmented_pages(pool, n, seed)
             result = await fetcher.fetch(engine_id, room, pages)
             out.put((result.freed, result.freed_on, kv_is_exact(pool, engine_id, room, n, pages)))

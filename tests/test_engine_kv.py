@@ -120,7 +120,7 @@ async def test_a_room_moves_between_engine_tensors_of_two_processes_byte_exact(d
             _engine_tensors((KV_ITEM, INDEX_ITEM), 7, device),
             _engine_tensors((KV_ITEM, INDEX_ITEM), 1000, device),
         )
-        async with DecodeFetcher(_engine_kv(*mine), url, lanes=1) as fetcher:
+        async with DecodeFetcher(_engine_kv(*mine), url, ucx_workers=1) as fetcher:
             by_claims = [20, 21, 9, 1, 38]
             result = await fetcher.fetch("engine0", 1, by_claims, timeout=30)
             assert result.nbytes == len(by_claims) * LAYERS * (KV_ITEM + INDEX_ITEM)
@@ -138,7 +138,7 @@ async def test_a_room_moves_between_engine_tensors_of_two_processes_byte_exact(d
                 assert all(torch.equal(mine[kind][x][untouched], fresh[kind][x][untouched]) for x in range(LAYERS))
 
         other = _engine_tensors((KV_ITEM // 2, INDEX_ITEM // 2), 7, device)  # pages of 32 tokens: other bytes
-        async with DecodeFetcher(_engine_kv(*other, page=PAGE // 2), url, lanes=1) as fetcher:
+        async with DecodeFetcher(_engine_kv(*other, page=PAGE // 2), url, ucx_workers=1) as fetcher:
             with pytest.raises(IncompatibleLayoutError):
                 await fetcher.fetch("engine0", 1, [1, 2, 3, 4, 5], timeout=10)
     finally:

@@ -10,10 +10,10 @@ from pdkv import DSAKVPool, TransferError, tiny
 from pdkv.buffers import LAYER_ALIGN
 from pdkv.layout import BufferKind
 from transfer.deadline import Deadline
-from transfer.plan import ReadPlan
+from transfer.lanes.ucx.plan import ReadPlan
+from transfer.lanes.ucx.transport import UcxTransport
 from transfer.prefill import PrefillExporter
 from transfer.registry.server import RegistryServer
-from transfer.ucx import UcxTransport
 
 
 async def test_only_owned_layer_buffers_are_registered_and_described():
@@ -51,7 +51,7 @@ async def test_reads_outside_registered_regions_are_refused_before_any_read():
     src_bytes.copy_(torch.arange(src_bytes.numel()) % 251)
     registry = RegistryServer()
     url = await registry.start()
-    reader = UcxTransport("reader-test", lanes=1)
+    reader = UcxTransport("reader-test", workers=1)
     try:
         reader.register([dst_pool.slab])
         async with PrefillExporter(src_pool, "e1", 0, 1, url) as exporter:

@@ -142,7 +142,7 @@ async def test_registry_restart_ranks_reregister_and_lookups_recover(d):
 
     await _eventually(both_back, LEASE + 5, "ranks re-registered with the new registry")
     pool = DSAKVPool(tiny(size=512))  # a fresh decode: a real lookup against the new registry
-    async with DecodeFetcher(pool, d.registry_url, lanes=1) as fetcher:
+    async with DecodeFetcher(pool, d.registry_url, ucx_workers=1) as fetcher:
         with pytest.raises(DeadlineExceeded):  # the engine resolves; the room never comes
             await fetcher.fetch("prefill0", 424242, np.arange(1, 5), timeout=1.0)
         assert fetcher.transport.peer_count == 3
@@ -166,7 +166,7 @@ async def test_aborts_before_during_and_after_leave_nothing_pinned(d):
 
 async def test_expired_fetch_fails_cleanly_and_pins_nothing(d):
     pool = DSAKVPool(tiny(size=512))
-    async with DecodeFetcher(pool, d.registry_url, lanes=1, timeouts=Timeouts(poll=0.2)) as fetcher:
+    async with DecodeFetcher(pool, d.registry_url, ucx_workers=1, timeouts=Timeouts(poll=0.2)) as fetcher:
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await fetcher.fetch("prefill1", 777, np.arange(1, 5), timeout=0.5)

@@ -1,4 +1,4 @@
-"""transfer.fd_pass with real processes: a child serves descriptors of memfd files, the
+"""transfer.lanes.cuda_ipc.fd_pass with real processes: a child serves descriptors of memfd files, the
 test process fetches them and reads the files through them."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from pdkv.errors import AuthError, DeadlineExceeded, PeerLostError
-from transfer.fd_pass import (
+from transfer.lanes.cuda_ipc.fd_pass import (
     FD_BATCH,
     FdPassError,
     FdServer,
@@ -36,7 +36,7 @@ MANY = 2 * FD_BATCH + 50  # three SCM_RIGHTS batches
 # listens and never accepts, so a client's connect succeeds and then hears nothing.
 CHILD = r"""
 import asyncio, os, socket, sys
-from transfer.fd_pass import FdServer
+from transfer.lanes.cuda_ipc.fd_pass import FdServer
 
 mode, secret, directory = sys.argv[1], sys.argv[2], sys.argv[3] or None
 if mode == "silent":

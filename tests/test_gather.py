@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from pdkv.errors import ClosedError
-from transfer.gather import _Waiter, launch_split
+from transfer.lanes.cuda_ipc.gather import _Waiter, launch_split
 
 
 def test_launch_split_takes_the_fewest_ids_that_hold_a_plan_else_several_launches():

@@ -132,7 +132,8 @@ def _lane_spec(engines, **over):
 def _gather_case(word: int, pages: int, seed: int, items: int = 64, base: int = 16 * 261):
     """Two buffers (items of two lengths whose widest load is `word` bytes), random source
     bytes, poisoned destination, and a plan of `pages` random distinct pages each side."""
-    from transfer.plan import BufferPair, build_gather_plan
+    from transfer.lanes.cuda_ipc.plan import build_gather_plan
+    from transfer.lanes.pages import BufferPair
 
     gen = torch.Generator().manual_seed(seed)
     base += word % 16  # `word` divides it, no wider load does
@@ -158,12 +159,12 @@ def _expected(bufs, plans):
 
 @pytest.mark.parametrize("word", [16, 8, 4, 2, 1])
 def test_gather_kernel_copies_exactly_the_planned_pages_at_each_load_width(word):
-    from transfer.gather import GatherLane
+    from transfer.lanes.cuda_ipc.gather import Gatherer
 
     bufs, plan = _gather_case(word, pages=23, seed=word)
     assert plan.word == word
     want = _expected(bufs, [plan])
-    lane = GatherLane(torch.device("cuda:0"), timed=word % 2 == 0)  # timed kernels, and untimed
+    lane = Gatherer(torch.device("cuda:0"), timed=word % 2 == 0)  # timed kernels, and untimed
     try:
         seconds = asyncio.run(lane.run(plan))
     finally:
@@ -177,9 +178,9 @@ def test_gather_kernel_copies_exactly_the_planned_pages_at_each_load_width(word)
 def test_gather_plans_whose_page_ids_outgrow_a_launch_go_out_in_several(fill):
     """Page ids ride in a launch's parameters: a plan with more of them than the largest
     launch holds goes out in several, each with its own slice of both page lists."""
-    from transfer.gather import GatherLane
+    from transfer.lanes.cuda_ipc.gather import Gatherer
 
-    lane = GatherLane(torch.device("cuda:0"))
+    lane = Gatherer(torch.device("cuda:0"))
     pages = int(fill * lane.kernel.capacities[-1] / 2)  # two ids a page: one source list
     bufs, plan = _gather_case(16, pages=pages, seed=pages, items=pages + 7, base=16 * 4)
     want = _expected(bufs, [plan])
@@ -198,9 +199,9 @@ def test_prime_on_a_thread_without_the_gpus_context_leaves_it_as_found_and_gathe
     import ctypes
     import threading
 
-    from transfer.gather import GatherLane
+    from transfer.lanes.cuda_ipc.gather import Gatherer
 
-    lane = GatherLane(torch.device("cuda:0"))
+    lane = Gatherer(torch.device("cuda:0"))
     bufs, plan = _gather_case(16, pages=23, seed=5)
     want = _expected(bufs, [plan])
     after: list[int | None] = []
@@ -228,8 +229,8 @@ def test_gather_launches_queued_back_to_back_each_carry_their_own_page_ids():
     """Page ids ride in each launch's parameters, set in place in one buffer: a driver that
     read them after the call returned would send one launch another's pages. Queue many
     launches behind a slow one without waiting, then compare with the same plans in order."""
-    from transfer.gather import GatherLane
-    from transfer.plan import gather_plan
+    from transfer.lanes.cuda_ipc.gather import Gatherer
+    from transfer.lanes.cuda_ipc.plan import gather_plan
 
     bufs, first = _gather_case(16, pages=64, seed=1)
     gen = np.random.default_rng(2)
@@ -237,7 +238,7 @@ def test_gather_launches_queued_back_to_back_each_carry_their_own_page_ids():
         gather_plan(first.table, [gen.permutation(64)[:k]], gen.permutation(64)[:k]) for k in range(1, 40)
     ]
     want = _expected(bufs, plans)
-    lane = GatherLane(torch.device("cuda:0"))
+    lane = Gatherer(torch.device("cuda:0"))
     try:
         with torch.cuda.stream(lane.stream):
             torch.cuda._sleep(50_000_000)  # hold the lane's stream so that every copy queues behind it
@@ -278,8 +279,9 @@ def test_lane_and_ucx_owners_mix_in_one_fetch():
         async with Deployment(_lane_spec((4,))) as d:
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
             async with DecodeFetcher(pool, d.registry_url, path="auto") as fetcher:
-                lane_only_even = fetcher._open_ipc
-                fetcher._open_ipc = lambda o: o.rank.cp_rank % 2 == 0 and lane_only_even(o)
+                lane = fetcher._owners.lanes[0]
+                reach = lane.reach
+                lane.reach = lambda r: reach(r) if r.cp_rank % 2 == 0 else "odd ranks over UCX (the test's choice)"
                 room, n = 9_100_000, 1500
                 await prefill(d, d.engines[0], room, n)
                 result = await fetcher.fetch("prefill0", room, fragmented_pages(pool, n, 1))
@@ -296,7 +298,7 @@ def test_lane_owner_killed_mid_fetch_is_a_typed_error_and_its_mappings_dropped()
             async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", timeouts=Timeouts(request=2.0)) as fetcher:
                 await prefill(d, d.engines[0], 9_200_000, 64)  # looked up and mapped
                 await fetcher.fetch("prefill0", 9_200_000, fragmented_pages(pool, 64, 1))
-                owners = fetcher._engines["prefill0"]
+                owners = fetcher._owners.cached["prefill0"]
                 room = 9_200_001
                 writing = asyncio.create_task(prefill(d, d.engines[0], room, 500))
                 fetch = asyncio.create_task(fetcher.fetch("prefill0", room, fragmented_pages(pool, 500, 2), timeout=20))
@@ -307,7 +309,7 @@ def test_lane_owner_killed_mid_fetch_is_a_typed_error_and_its_mappings_dropped()
                 with pytest.raises(PeerLostError):
                     await fetch
                 assert time.monotonic() - t0 < 5.0
-                assert all(o.ipc is not None and o.ipc.closed for o in owners.values())
+                assert all(o.peer is not None and o.peer.closed for o in owners.values())
                 writing.cancel()
                 await asyncio.gather(writing, return_exceptions=True)
 
@@ -323,9 +325,9 @@ def test_a_forged_slab_length_is_refused_before_any_launch():
             forged = msgspec.structs.replace(rank, ipc=msgspec.structs.replace(rank.ipc, slabs=forged_slabs))
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
             async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
-                owner = fetcher._check_engine(msgspec.structs.replace(desc, ranks=[forged]))[0]
+                owner = fetcher._owners.check(msgspec.structs.replace(desc, ranks=[forged]))[0]
                 with pytest.raises(TransferError, match="exceeds"):
-                    fetcher._gpu.open(owner.rank, owner.pairs)
+                    fetcher._owners.lanes[0].map(owner.rank, owner.pairs)
 
     asyncio.run(run())
 
@@ -401,10 +403,11 @@ def _check_engine_kv(shape, bufs, src, dst) -> None:
             assert torch.equal(got, want), (layer, kind)
 
 
-def test_engine_owned_buffers_go_by_the_lane_and_vmm_owners_by_ucx_in_one_fetch():
+def test_engine_owned_buffers_go_by_the_lane_vmm_owners_too_in_one_fetch():
     """Owners whose KV is a tensor per layer and kind (SGLang's pools): the lane maps each
     allocation and reads every layer of those owners; an owner on expandable segments (VMM,
-    which IPC handles cannot export) is read over UCX in the same fetch; byte-exact."""
+    which IPC handles cannot export) hands its chunks' descriptors over its socket and is
+    read by the lane too, in the same fetch; byte-exact. Forced over UCX, the same bytes."""
     from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
     from transfer.metadata import RoomTicket
     from transfer.registry.server import RegistryServer
@@ -415,16 +418,18 @@ def test_engine_owned_buffers_go_by_the_lane_and_vmm_owners_by_ucx_in_one_fetch(
     async def run():
         registry = RegistryServer()
         url = await registry.start()
-        procs, stop, reports = await asyncio.to_thread(start_owners, url, "eng0", 3, shape, {1: src}, (2,))
+        procs, stop, reports = await asyncio.to_thread(start_owners, url, "eng0", 3, shape, {1: src, 2: src}, (2,))
         try:
-            assert reports[0][0] >= 1 and reports[1][0] >= 1 and reports[2][0] is None, reports
-            bufs = engine_buffers(shape, range(shape.layers), fill=False)
-            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path="auto") as fetcher:
-                ticket = RoomTicket(engine_id="eng0", room=1, src_pages=src, pins=[reports[r][1][1] for r in range(3)])
-                result = await fetcher.fetch("eng0", 1, dst, ticket=ticket)
-                assert [o.path for o in result.owners] == ["cuda_ipc", "cuda_ipc", "ucx"]
-                torch.cuda.synchronize()
-                _check_engine_kv(shape, bufs, src, dst)
+            assert all(reports[r][0] >= 1 for r in range(3)), reports
+            for room, path in ((1, "cuda_ipc"), (2, "ucx")):
+                bufs = engine_buffers(shape, range(shape.layers), fill=False)
+                async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path=path) as fetcher:
+                    pins = [reports[r][1][room] for r in range(3)]
+                    ticket = RoomTicket(engine_id="eng0", room=room, src_pages=src, pins=pins)
+                    result = await fetcher.fetch("eng0", room, dst, ticket=ticket)
+                    assert [o.path for o in result.owners] == [path] * 3
+                    torch.cuda.synchronize()
+                    _check_engine_kv(shape, bufs, src, dst)
         finally:
             await asyncio.to_thread(stop_owners, procs, stop)
             await registry.aclose()
@@ -462,9 +467,9 @@ def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused(
                 rank = desc.ranks[0]
                 forged = [msgspec.structs.replace(s, length=s.length + (1 << 30)) for s in rank.ipc.slabs]
                 rank = msgspec.structs.replace(rank, ipc=msgspec.structs.replace(rank.ipc, slabs=forged))
-                owner = fetcher._check_engine(msgspec.structs.replace(desc, ranks=[rank, *desc.ranks[1:]]))[0]
+                owner = fetcher._owners.check(msgspec.structs.replace(desc, ranks=[rank, *desc.ranks[1:]]))[0]
                 with pytest.raises(TransferError, match="exceeds"):
-                    fetcher._gpu.open(owner.rank, owner.pairs)
+                    fetcher._owners.lanes[0].map(owner.rank, owner.pairs)
         finally:
             await client.aclose()
             await asyncio.to_thread(stop_owners, procs, stop)

@@ -40,3 +40,11 @@ def test_the_library_never_imports_its_application():
     if not _have_sglang():  # the SGLang adapter imports sglang (an optional extra)
         library = [m for m in library if not m.startswith("transfer.sglang")]
     assert "transfer.decode" in library and _imported(library, "transfer.app") == ""
+
+
+def test_the_lanes_know_nothing_of_the_protocols_that_use_them():
+    """Lanes move bytes; the decode's protocols and the prefill sit above them, never below."""
+    lanes = [m for m in _modules(transfer) if m.startswith("transfer.lanes")]
+    assert "transfer.lanes.base" in lanes
+    assert _imported(lanes, "transfer.decode") == ""
+    assert _imported(lanes, "transfer.prefill") == ""

@@ -21,6 +21,7 @@ from transfer.metadata import (
     ReleaseReply,
     RoomState,
     RoomStatus,
+    VmmSpan,
     claim_token,
     decode,
     encode,
@@ -197,7 +198,7 @@ def test_ipc_slabs_must_hold_every_buffer_they_export():
     ok = msgspec.structs.replace(rank, ipc=_ipc(rank))
     assert decode(encode(ok), RankDescriptor).ipc == ok.ipc
     bad = msgspec.to_builtins(_ipc(rank, shrink=1), builtin_types=(bytes,))
-    with pytest.raises(MetadataError, match="outside its ipc slab"):
+    with pytest.raises(MetadataError, match="outside its ipc slabs"):
         decode(_raw(rank, ipc=bad), RankDescriptor)
     short = msgspec.to_builtins(_ipc(rank), builtin_types=(bytes,))
     short["slabs"][0]["handle"] = bytes(63)
@@ -208,7 +209,7 @@ def test_ipc_slabs_must_hold_every_buffer_they_export():
 def test_the_gpu_lane_says_why_it_cannot_read_an_owner():
     import torch
 
-    from transfer.gpu_lane import ipc_unreachable
+    from transfer.lanes.cuda_ipc.lane import ipc_unreachable
 
     rank = rank_descriptor()
     assert "not on a GPU" in ipc_unreachable(rank, torch.device("cpu"))
@@ -235,5 +236,30 @@ def test_an_engines_allocations_export_as_slabs_of_either_kind():
     short = msgspec.to_builtins(ok.ipc, builtin_types=(bytes,))
     for slab in short["slabs"]:
         slab["length"] -= 1  # every buffer's last byte outside every slab
-    with pytest.raises(MetadataError, match="outside its ipc slab"):
+    with pytest.raises(MetadataError, match="outside its ipc slabs"):
+        decode(_raw(rank, ipc=short), RankDescriptor)
+
+
+def test_vmm_memory_exports_as_spans_of_chunks_that_must_hold_every_buffer():
+    """Schema 12: buffers in VMM memory go as spans of chunks (their descriptors handed out
+    by the owner's socket); a buffer over a gap between chunks is refused, and so is a span
+    without the socket."""
+    rank = rank_descriptor()
+    lo = min(b.addr for b in rank.buffers)
+    hi = max(b.addr + b.length for b in rank.buffers)
+    half = (hi - lo) // 2
+    span = VmmSpan(addr=lo, chunks=[(0, half), (half, hi - lo - half)], key="k" * 32)
+    ipc = IpcExport(host_id="h:1", gpu_uuid="GPU-1", slabs=[], vmm=[span], fd_socket="@pdkv-fd-test")
+    ok = msgspec.structs.replace(rank, ipc=ipc)
+    assert decode(encode(ok), RankDescriptor).ipc == ipc
+    short = msgspec.to_builtins(ipc, builtin_types=(bytes,))
+    short["vmm"][0]["chunks"][1] = (half + 64, hi - lo - half)  # a 64-byte gap between the chunks
+    with pytest.raises(MetadataError, match="outside its ipc slabs and spans"):
+        decode(_raw(rank, ipc=short), RankDescriptor)
+    short = msgspec.to_builtins(ipc, builtin_types=(bytes,))
+    del short["fd_socket"]
+    with pytest.raises(MetadataError, match="socket"):
+        decode(_raw(rank, ipc=short), RankDescriptor)
+    short["slabs"], short["vmm"] = [], []
+    with pytest.raises(MetadataError, match="at least one"):
         decode(_raw(rank, ipc=short), RankDescriptor)

@@ -9,18 +9,16 @@ from hypothesis import strategies as st
 from pdkv import PageRangeError
 from pdkv.pages import PageAllocator, page_ids
 from transfer.app.synthetic import fragmented_page_order
-from transfer.plan import (
-    BufferPair,
-    ReadPlan,
+from transfer.lanes.cuda_ipc.plan import (
     build_gather_plan,
-    build_read_plan,
     gather_plan,
     gather_table,
     merge_gather_plans,
     merge_gather_tables,
-    page_runs,
 )
-from transfer.ucx import _split
+from transfer.lanes.pages import BufferPair, page_runs
+from transfer.lanes.ucx.plan import ReadPlan, build_read_plan
+from transfer.lanes.ucx.transport import _split
 
 
 def test_runs_merge_only_where_both_sides_are_consecutive():
@@ -164,7 +162,7 @@ def test_owners_with_the_same_source_pages_share_one_list():
 
 
 def test_the_kernels_task_table_covers_every_word_of_every_item_once():
-    from transfer.gather import _meta
+    from transfer.lanes.cuda_ipc.gather import _meta
 
     plan = build_gather_plan(
         [_pair(0, 0, item=41984), _pair(1 << 20, 1 << 21, item=8448)], np.array([2]), np.array([5])
@@ -182,7 +180,7 @@ def test_the_kernels_task_table_covers_every_word_of_every_item_once():
 
 
 async def test_a_launch_group_waits_for_every_owner_then_launches_once():
-    from transfer.gpu_lane import IpcPeer, LaunchGroup
+    from transfer.lanes.cuda_ipc.lane import IpcPeer, LaunchGroup
 
     class Lane:  # stands in for the GPU: records what would be launched
         launched = []
@@ -221,8 +219,8 @@ async def test_a_launch_group_waits_for_every_owner_then_launches_once():
 def test_owners_must_share_our_geometry_and_item_sizes():
     from pdkv import DSAKVPool, IncompatibleLayoutError
     from tests.wire_helpers import LAYOUT, rank_descriptor
+    from transfer.decode.owners import buffer_pairs, check_owners
     from transfer.metadata import EngineDescriptor
-    from transfer.plan import buffer_pairs, check_owners
 
     pool = DSAKVPool(LAYOUT)
     engine = EngineDescriptor("e0", 3, [rank_descriptor(r) for r in range(3)])

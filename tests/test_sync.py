@@ -38,7 +38,7 @@ def test_a_scheduler_loop_exports_and_fetches_without_blocking(registry_url):
     src = DSAKVPool(layout)
     src.slab.view(-1).copy_(torch.arange(src.slab.nbytes) % 241)
     exporter = SyncExporter(src, "sync0", 0, 1, registry_url)
-    fetcher = SyncFetcher(DSAKVPool(layout), registry_url, lanes=1)
+    fetcher = SyncFetcher(DSAKVPool(layout), registry_url, ucx_workers=1)
     try:
         pages = np.array([7, 3, 12, 5])
         assert _until_done(exporter.publish_room(1, pages)).poll() is FetchStatus.DONE
@@ -105,7 +105,7 @@ def test_misuse_gets_typed_errors_and_leaves_no_thread(registry_url):
         with pytest.raises(ClosedError):
             call()
 
-    fetcher = SyncFetcher(DSAKVPool(layout), registry_url, lanes=1)
+    fetcher = SyncFetcher(DSAKVPool(layout), registry_url, ucx_workers=1)
     closed, returned = threading.Event(), []
 
     def close_inside(handle):

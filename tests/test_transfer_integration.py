@@ -106,9 +106,9 @@ async def test_second_fetch_of_a_released_room_fails_clearly(deployment):
         await deployment.client.request("POST", f"{deployment.decoders[0].url}/v1/decode", DecodeReply, again)
 
 
-async def test_one_owner_read_is_split_over_lanes_byte_exact(deployment):
-    """More lanes than owners: each owner's READ is cut into pieces posted at once."""
-    engine, room, n = deployment.engines[0], 4242, 1000  # CP=1: one owner, four lanes
+async def test_one_owner_read_is_split_over_workers_byte_exact(deployment):
+    """More UCX workers than owners: each owner's READ is cut into pieces posted at once."""
+    engine, room, n = deployment.engines[0], 4242, 1000  # CP=1: one owner, four workers
     await deployment.client.request(
         "POST", f"{engine.intake}/v1/prefill", PrefillReply, PrefillRequest(room=room, num_tokens=n, ticket=False)
     )
@@ -116,7 +116,7 @@ async def test_one_owner_read_is_split_over_lanes_byte_exact(deployment):
     pages = fragmented_page_order(np.arange(pool.layout.num_pages), np.random.default_rng(3))[
         : -(-n // pool.layout.page_size)
     ]
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=4) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=4) as fetcher:
         reads = []
         inner = fetcher.transport.read
 
@@ -142,7 +142,7 @@ async def test_fetch_starts_before_the_last_layer_is_ready(deployment):
 
 async def test_decode_with_another_layout_is_refused(deployment):
     other = DSAKVPool(tiny(layer_num=LAYERS + 1, size=64))
-    async with DecodeFetcher(other, deployment.registry_url, lanes=1) as fetcher:
+    async with DecodeFetcher(other, deployment.registry_url, ucx_workers=1) as fetcher:
         with pytest.raises(IncompatibleLayoutError, match="layer_num") as info:
             await fetcher.fetch("prefill1", 12345, np.arange(1, 3), timeout=10)
     assert "layer_num" in info.value.differing
@@ -154,7 +154,7 @@ async def test_engine_missing_an_owner_is_refused(deployment):
             "PUT", f"{deployment.registry_url}/v1/engines/e0/ranks/{rank}", body=rank_descriptor(rank)
         )
     pool = DSAKVPool(tiny(layer_num=LAYERS, size=64))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=1, timeouts=Timeouts(lookup=0.5)) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1, timeouts=Timeouts(lookup=0.5)) as fetcher:
         with pytest.raises(NotReadyError, match=r"ranks \[2\] of 3"):
             await fetcher.fetch("e0", 1, np.arange(1, 3), timeout=5)
 
@@ -186,7 +186,7 @@ async def test_a_retry_under_a_new_claim_is_refused_and_the_first_stays_exact(de
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
     a, b = fragmented_pages(pool, n, 1), fragmented_pages(pool, n, 2)[::-1].copy()
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         first, second = await asyncio.gather(
             fetcher.fetch("prefill1", room, a), fetcher.fetch("prefill1", room, b), return_exceptions=True
         )
@@ -203,7 +203,7 @@ async def test_a_claim_outlived_by_its_room_is_detected_after_reuse(deployment):
     pages reused for another room, then the reader reads. It must never pass as success."""
     engine, n = deployment.engines[0], 2000  # CP=1, 125 of its 255 pages: the next room reuses some
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         await prefill(deployment, engine, 7_200_000, n)
         lease = await fetcher.claim("prefill0", 7_200_000)
         await lease.read(fragmented_pages(pool, n, 3))  # read once: these bytes are the room's
@@ -222,7 +222,7 @@ async def test_a_lease_rereads_its_room_then_learns_its_release_freed_it(deploym
     engine, n, room = deployment.engines[3], 700, 7_300_000
     await prefill(deployment, engine, room, n, consumers=2)
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         first = await fetcher.fetch("prefill3", room, fragmented_pages(pool, n, 6))
         assert not first.freed  # one of two consumers: the room stays pinned for the other
         async with await fetcher.claim("prefill3", room) as lease:
@@ -270,12 +270,12 @@ async def test_a_room_claimed_ahead_reads_like_a_ticket_and_is_released_by_notif
     engine, n, room = deployment.engines[2], 1200, 7_360_000
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         lease = await fetcher.claim("prefill2", room)
         pages = fragmented_pages(pool, n, 30)
         result = await lease.read_once(pages)
         assert result.control_messages == 0 and kv_is_exact(pool, "prefill2", room, n, pages)
-        assert all(r != room for _, r in fetcher._feed._wanted)  # its pushed states are not kept on
+        assert all(r != room for _, r in fetcher._ctx.feed._wanted)  # its pushed states are not kept on
         for _ in range(100):  # the notifications land after the return
             stats = [await deployment.client.get_json(f"{c}/v1/stats") for c in engine.controls]
             if all(s["pinned_pages"] == 0 and s["released"] >= 1 for s in stats):
@@ -291,7 +291,7 @@ async def test_bad_destination_pages_are_refused_before_anything_is_asked(deploy
     n = 3 * tiny().page_size
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
         for bad, err in [
             ([10, 11, 10], InvalidPagesError),
             ([1.7, 2, 3], InvalidPagesError),
@@ -310,7 +310,7 @@ async def test_bad_destination_pages_are_refused_before_anything_is_asked(deploy
 
 async def test_fetcher_misuse_is_typed(deployment):
     pool = DSAKVPool(tiny(size=8192))
-    fetcher = DecodeFetcher(pool, deployment.registry_url, lanes=1)
+    fetcher = DecodeFetcher(pool, deployment.registry_url, ucx_workers=1)
     with pytest.raises(ClosedError, match="not started"):
         await fetcher.fetch("prefill0", 1, [1])
     room = 7_500_000  # never prefilled
@@ -363,7 +363,7 @@ async def test_a_complete_room_read_by_claims_costs_one_claim_and_one_release_pe
     engine, n, room = deployment.engines[2], 300, 7_600_000  # CP=3
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
         result = await fetcher.fetch("prefill2", room, fragmented_pages(pool, n, 12))
     assert result.control_messages == 2 * 3 and kv_is_exact(pool, "prefill2", room, n, fragmented_pages(pool, n, 12))
 
@@ -382,7 +382,7 @@ async def test_a_ticket_fetch_asks_nobody_and_its_release_rides_on_the_pin_read(
         assert reply.ticket is not None and len(reply.ticket.pins) == len(engine.controls)
         pool = DSAKVPool(tiny(size=8192))
         pages = fragmented_pages(pool, n, 13)
-        async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+        async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
             result = await fetcher.fetch(engine.engine_id, room, pages, ticket=reply.ticket)
         assert result.control_messages == 0 and all(o.reads == 1 for o in result.owners)
         assert kv_is_exact(pool, engine.engine_id, room, n, pages)
@@ -401,7 +401,7 @@ async def test_a_ticket_whose_pages_were_reused_never_passes(deployment):
     await deployment.client.request("POST", f"{engine.controls[0]}/v1/rooms/7800000/abort")
     await prefill(deployment, engine, 7_800_001, n)
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         with pytest.raises(ClaimLostError, match="freed"):
             await fetcher.fetch("prefill0", 7_800_000, fragmented_pages(pool, n, 14), ticket=old.ticket)
         await fetcher.fetch("prefill0", 7_800_001, fragmented_pages(pool, n, 15))  # the new room is intact
@@ -414,7 +414,7 @@ async def test_a_forged_or_replayed_ticket_is_refused_and_frees_nothing(deployme
     assert ticket is not None
     forged = msgspec.structs.replace(ticket, pins=[msgspec.structs.replace(p, nonce=p.nonce ^ 1) for p in ticket.pins])
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         with pytest.raises(ClaimLostError):
             await fetcher.fetch("prefill1", room, fragmented_pages(pool, n, 16), ticket=forged)
         await asyncio.sleep(0.1)  # its release notifications (with the wrong nonce) arrive
@@ -432,15 +432,15 @@ async def test_a_forged_or_replayed_ticket_is_refused_and_frees_nothing(deployme
 
 async def test_pin_words_are_read_over_ucx_where_the_table_cannot_be_mapped(deployment, monkeypatch):
     """As for an owner on another host: the pin word travels by a UCX READ."""
-    import transfer.decode
+    import transfer.decode.owners
 
-    monkeypatch.setattr(transfer.decode, "map_pins", lambda table: None)
+    monkeypatch.setattr(transfer.decode.owners, "map_pins", lambda table: None)
     engine, n = deployment.engines[2], 600  # CP=3
     good = await prefill(deployment, engine, 8_000_000, n, ticket=True)
     gone = await prefill(deployment, engine, 8_000_001, n, ticket=True)
     await deployment.client.request("POST", f"{engine.controls[1]}/v1/rooms/8000001/abort")
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=2) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
         reads = []
         inner = fetcher.transport.read_host
 
@@ -472,7 +472,7 @@ async def test_fetches_are_counted_in_metrics_and_every_service_serves_them(depl
         sample("pdkv_fetch_failures_total", engine="prefill0", error="ClaimLostError"),
     )
     pool = DSAKVPool(tiny(size=8192))
-    async with DecodeFetcher(pool, deployment.registry_url, lanes=1) as fetcher:
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
         with pytest.raises(ClaimLostError):
             await fetcher.fetch("prefill0", 8_200_000, fragmented_pages(pool, n, 40), ticket=forged)
         result = await fetcher.fetch("prefill0", 8_200_000, fragmented_pages(pool, n, 41), ticket=good.ticket)

@@ -29,6 +29,8 @@ Schema history:
  10: IpcSlab.kind optional (None: a slab holding buffers of either kind, such as one of an
      engine's own allocations) and IpcExport.slabs up to MAX_IPC_SLABS: an engine that keeps
      a tensor per layer exports one slab per allocation.
+ 12: IpcExport.vmm and fd_socket: owned buffers in VMM memory (expandable segments) as
+     spans of chunks whose file descriptors the owner hands out over a Unix socket.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "LayoutSpec",
     "IpcSlab",
     "IpcExport",
+    "VmmSpan",
     "RankDescriptor",
     "EngineDescriptor",
     "RoomState",
@@ -69,7 +72,7 @@ __all__ = [
     "decode_any",
 ]
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -148,18 +151,52 @@ class IpcSlab(_Wire, frozen=True):
 
 
 MAX_IPC_SLABS = 2 * 4096  # a slab per buffer at most
+MAX_VMM_CHUNKS = 1 << 16  # 20 MiB chunks: over a terabyte
+
+
+class VmmSpan(_Wire, frozen=True):
+    """Owned buffers in memory made by the driver's virtual memory management (expandable
+    segments, memory savers): the physical chunks behind one span of owner addresses,
+    handed over as file descriptors by the owner's descriptor socket under `key`."""
+
+    addr: U63  # the first chunk's owner address: chunk offsets count from it
+    chunks: Annotated[list[tuple[U63, Positive]], Meta(min_length=1, max_length=MAX_VMM_CHUNKS)]
+    key: Annotated[str, Meta(min_length=16, max_length=64)]
+
+    def holds(self, b: MemoryDescriptor) -> bool:
+        """Whether every byte of buffer `b` lies in the span's chunks (they may leave gaps)."""
+        at, end = b.addr - self.addr, b.addr - self.addr + b.length
+        for offset, size in self.chunks:
+            if offset <= at < offset + size:
+                at = offset + size
+            if at >= end:
+                return True
+        return False
 
 
 class IpcExport(_Wire, frozen=True):
-    """What a decode needs to map a GPU rank's slabs: the same host, and which GPU."""
+    """What a decode needs to map a GPU rank's memory: the same host, which GPU, and the
+    memory as IPC slabs, as VMM spans (whose descriptors `fd_socket` hands out), or both."""
 
     host_id: Annotated[str, Meta(min_length=1, max_length=256)]
     gpu_uuid: Annotated[str, Meta(min_length=1, max_length=64)]
-    slabs: Annotated[list[IpcSlab], Meta(min_length=1, max_length=MAX_IPC_SLABS)]
+    slabs: Annotated[list[IpcSlab], Meta(max_length=MAX_IPC_SLABS)]
+    vmm: Annotated[list[VmmSpan], Meta(max_length=MAX_IPC_SLABS)] = []
+    fd_socket: Annotated[str, Meta(min_length=2, max_length=108)] | None = None  # a Unix socket address
+
+    def __post_init__(self) -> None:
+        if not self.slabs and not self.vmm:
+            raise ValueError("an IPC export names at least one slab or VMM span")
+        if self.vmm and self.fd_socket is None:
+            raise ValueError("VMM spans come with the socket that hands out their descriptors")
 
     def slab_of(self, b: MemoryDescriptor) -> IpcSlab | None:
         """A slab that holds buffer `b` (a pool's two kinds may share one slab), or None."""
         return next((s for s in self.slabs if s.holds(b)), None)
+
+    def holds(self, b: MemoryDescriptor) -> bool:
+        """Whether buffer `b` lies in a slab or a VMM span."""
+        return self.slab_of(b) is not None or any(v.holds(b) for v in self.vmm)
 
 
 class PinTable(_Wire, frozen=True):
@@ -223,8 +260,8 @@ class RankDescriptor(_Wire, frozen=True):
 
     def _check_ipc(self, ipc: IpcExport) -> None:
         for b in self.buffers:
-            if ipc.slab_of(b) is None:
-                raise ValueError(f"{b.kind.value} buffer of layer {b.layer_id} lies outside its ipc slab")
+            if not ipc.holds(b):
+                raise ValueError(f"{b.kind.value} buffer of layer {b.layer_id} lies outside its ipc slabs and spans")
 
     def buffer(self, kind: BufferKind, layer_id: int) -> MemoryDescriptor:
         for b in self.buffers:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pdkv.errors import PeerLostError
-from transfer.cuda_ipc import host_id
+from transfer.lanes.base import host_id
 from transfer.metadata import PinTable
 
 __all__ = ["PinWords", "MappedPins", "map_pins"]

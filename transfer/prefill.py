@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -37,12 +37,13 @@ from pdkv.errors import MetadataError, PdkvError
 from pdkv.layout import BufferKind
 from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
+from transfer.lanes.cuda_ipc.export import IpcExporter
+from transfer.lanes.pages import device_id, mem_type
+from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
 from transfer.metadata import (
     ClaimRelease,
     ClaimRequest,
-    IpcExport,
-    IpcSlab,
     LayoutSpec,
     MemoryDescriptor,
     OwnerPin,
@@ -57,15 +58,10 @@ from transfer.metadata import (
 )
 from transfer.metrics import track_exporter, untrack_exporter
 from transfer.pin_table import PinWords
-from transfer.plan import device_id, mem_type
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
 from transfer.registry import register_until, registry_client
 from transfer.rooms import RoomTable
 from transfer.timeouts import Timeouts
-from transfer.ucx import UcxTransport
-
-if TYPE_CHECKING:
-    from transfer.cuda_ipc import CudaDriver
 
 __all__ = ["PrefillExporter"]
 
@@ -87,49 +83,6 @@ def _descriptors(pool: KVBuffers) -> list[MemoryDescriptor]:
                 MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item, device_id=dev)
             )
     return out
-
-
-def _ipc_export(pool: KVBuffers) -> IpcExport | None:
-    """CUDA IPC handles of a GPU pool's owned memory, for decodes on this host; else None:
-    a pool's two slabs, or, for an engine's own buffers, one slab per allocation."""
-    if pool.device.type != "cuda":
-        return None
-    from transfer.cuda_ipc import CudaDriver, host_id
-
-    dev = device_id(pool.device)
-    try:
-        driver = CudaDriver.get()
-        owned = pool.ipc_slabs()
-        slabs = _pool_slabs(driver, dev, owned) if owned is not None else _allocation_slabs(driver, dev, pool)
-    except PdkvError as exc:  # e.g. VMM memory (expandable segments), which IPC handles cannot export
-        logger.warning("no CUDA IPC export (decodes will read over UCX): %s", exc)
-        return None
-    return IpcExport(host_id=host_id(), gpu_uuid=str(torch.cuda.get_device_properties(dev).uuid), slabs=slabs)
-
-
-def _pool_slabs(driver: CudaDriver, dev: int, owned: dict[BufferKind, torch.Tensor]) -> list[IpcSlab]:
-    slabs, exported = [], {}
-    for kind, slab in owned.items():
-        if slab.data_ptr() not in exported:  # both kinds lie in one slab: export it once
-            exported[slab.data_ptr()] = driver.export(dev, slab.data_ptr())
-        handle, offset = exported[slab.data_ptr()]
-        slabs.append(IpcSlab(kind=kind, addr=slab.data_ptr(), length=slab.nbytes, alloc_offset=offset, handle=handle))
-    return slabs
-
-
-def _allocation_slabs(driver: CudaDriver, dev: int, pool: KVBuffers) -> list[IpcSlab]:
-    """A slab per allocation behind the owned buffers (an engine keeps a tensor per layer
-    and kind; its allocator may put several in one allocation), spanning just them."""
-    spans: dict[int, list[int]] = {}  # allocation base -> [lowest buffer address, highest end]
-    for t in pool.registered_buffers():
-        base, _ = driver.address_range(dev, t.data_ptr())
-        span = spans.setdefault(base, [t.data_ptr(), t.data_ptr() + t.nbytes])
-        span[0], span[1] = min(span[0], t.data_ptr()), max(span[1], t.data_ptr() + t.nbytes)
-    slabs = []
-    for base, (lo, hi) in sorted(spans.items()):
-        handle, _ = driver.export(dev, base)
-        slabs.append(IpcSlab(addr=lo, length=hi - lo, alloc_offset=lo - base, handle=handle))
-    return slabs
 
 
 class PrefillExporter:
@@ -159,6 +112,7 @@ class PrefillExporter:
         self._readiness = ReadinessHub()
         self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push)
         self._client = ControlClient(timeouts, secret)
+        self._ipc = IpcExporter(secret)
         app = make_app(secret, engine=engine_id, rank=cp_rank)
         app.router.add_get("/v1/rooms/{room}", self._wait)
         app.router.add_get("/v1/events", self._events)
@@ -184,7 +138,7 @@ class PrefillExporter:
     async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
         self.transport = UcxTransport(
-            name, lanes=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
+            name, workers=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )
         # The owned slab is the owned layers' buffers and the alignment padding between them
         # (never written): nothing else is exposed.
@@ -204,7 +158,7 @@ class PrefillExporter:
             agent_metadata=self.transport.agent_metadata(),
             control_url=url,
             incarnation=self.incarnation,
-            ipc=_ipc_export(self.pool),
+            ipc=await self._ipc.start(self.pool),
             pins=self._pins.wire(),
         )
         await register_until(self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup)
@@ -232,6 +186,7 @@ class PrefillExporter:
         if self.transport is not None:
             await self.transport.aclose()
             self.transport = None
+        await self._ipc.aclose()
         self._pins.close()
 
     async def __aenter__(self) -> PrefillExporter:

@@ -56,7 +56,7 @@ class DecodeWorker:
             args.registry,
             consumer_id=args.consumer_id,
             secret=secret_from_env(args.secret_env),
-            lanes=args.lanes,
+            ucx_workers=args.ucx_workers,
             timeouts=Timeouts(fetch=args.fetch_timeout),
         )
         self.inflight: dict[int, asyncio.Task[DecodeReply]] = {}
@@ -172,7 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--consumer-id", default=None)
     add_pool_flags(ap, 128 * 1024)
     ap.add_argument(
-        "--lanes", type=int, default=0, help="UCX lanes (threads posting READs); 0: one a core, up to 8 (4 on a GPU)"
+        "--ucx-workers",
+        type=int,
+        default=0,
+        help="threads posting UCX READs; 0: one a core, up to 8 (4 on a GPU)",
     )
     ap.add_argument("--fetch-timeout", type=float, default=Timeouts().fetch)
     ap.add_argument("--seed", type=int, default=1)

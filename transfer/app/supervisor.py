@@ -56,7 +56,7 @@ class DeploymentSpec:
     owner_progress: float = Timeouts().ticket_progress_interval
     # SMs the prefill's NCCL owner broadcast may take beside the model's compute; 0: NCCL's choice.
     broadcast_ctas: int = BROADCAST_CTAS
-    decode_lanes: int = 0  # 0: one a core, up to 8 (4 on a GPU)
+    decode_ucx_workers: int = 0  # 0: one a core, up to 8 (4 on a GPU)
     # False: the decode starts once the prefill replied, with the room's ticket (no control
     # request during the fetch). True: both start at once and the decode reads layers as
     # they are written (claims and readiness polls over HTTP).
@@ -198,7 +198,7 @@ class Supervisor:
             "--preset": s.preset,
             "--pool-tokens": s.decode_pool_tokens,
             "--device": s.device,
-            "--lanes": s.decode_lanes,
+            "--ucx-workers": s.decode_ucx_workers,
             "--seed": d + 1,
         }
         return self._spawn(f"decode{d}", "transfer.app.decode_worker", _flatten(flags), s.decode_host)

@@ -81,7 +81,7 @@ class AuxRows:
         self.buffers = list(zip(map(int, ptrs), map(int, lens), map(int, items)))
         self.row_bytes = sum(item for _, _, item in self.buffers)
         if self.buffers and torch.cuda.is_available():  # rows are copied with the CPU: no GPU pointers
-            from transfer.cuda_ipc import CudaDriver
+            from transfer.lanes.cuda_ipc.driver import CudaDriver
 
             driver = CudaDriver.get()
             if any(driver.is_device_memory(ptr) for ptr, _, _ in self.buffers):

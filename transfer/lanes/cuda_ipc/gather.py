@@ -8,10 +8,10 @@ tasks (rather than a grid of buffers x the largest item's chunks) leaves no prog
 idle: with DSA's 41 KiB latent and 8 KiB indexer items, a third of the programs of that
 grid had nothing to copy. On an H200 the kernel moves a 32k-token DSA request at
 0.91-0.93x a contiguous device copy, where UCX cuda_ipc (8 us a descriptor) reached 0.01x
-(docs/benchmarks.md). The kernel and its launch through the driver: `transfer.gather_kernel`.
+(docs/benchmarks.md). The kernel and its launch through the driver: `transfer.lanes.cuda_ipc.kernel`.
 
 Every pointer and page id in a plan is validated on the host before the launch
-(`transfer.plan.gather_plan`, `IpcMapping.translate`): a bad one would fault the
+(`transfer.lanes.cuda_ipc.plan.gather_plan`, `IpcMapping.translate`): a bad one would fault the
 decode's GPU context and with it every request on that GPU.
 """
 
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from pdkv.errors import ClosedError, TransferError
-from transfer.gather_kernel import DriverEvent, GatherKernel, LaunchArgs
-from transfer.plan import GatherPlan, GatherTable
+from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel, LaunchArgs
+from transfer.lanes.cuda_ipc.plan import GatherPlan, GatherTable
 
-__all__ = ["GatherLane", "Launch", "launch_split"]
+__all__ = ["Gatherer", "Launch", "launch_split"]
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: pages per launch
 _INT32 = 1 << 31  # page ids travel as int32
@@ -148,7 +148,7 @@ class _Waiter:
             self._queue.put(None)  # the thread ends after the waits queued before
 
 
-class GatherLane:
+class Gatherer:
     """Launches gather plans on a stream of its own on `device`; `await` a launch's end.
 
     `timed`: time each launch on the GPU (a start and an end event, read back before the

@@ -11,7 +11,7 @@ hand the first time a lane starts in a process (tens of milliseconds).
 
 The kernel copies, for task `t` (a chunk of one buffer's item) of page `i`, words
 `[first, first + block)` of the item from its source page to its destination page. Its
-table argument (see `transfer.gather._meta`) holds per buffer: source base, destination
+table argument (see `transfer.lanes.cuda_ipc.gather._meta`) holds per buffer: source base, destination
 base, item words, source page list; per task: its buffer and its first word. The page ids
 (each source list, then the destination pages) are int32 parameters, read in place
 (`__grid_constant__`, so compute capability 7.0 or newer). Everything in them was checked
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from pdkv.errors import TransferError
-from transfer.cuda_ipc import CudaDriver
+from transfer.lanes.cuda_ipc.driver import CudaDriver
 
 __all__ = ["DriverEvent", "GatherKernel", "LaunchArgs", "IDS", "WORDS"]
 

@@ -24,12 +24,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from pdkv.errors import PeerLostError, TransferError
-from transfer.cuda_ipc import CudaDriver, IpcMapping, host_id
-from transfer.gather import GatherLane
-from transfer.metadata import RankDescriptor
-from transfer.plan import (
-    BufferPair,
+from pdkv.errors import PdkvError, PeerLostError, TransferError
+from transfer.deadline import Deadline
+from transfer.lanes.base import Pairs, ReadStats, host_id
+from transfer.lanes.cuda_ipc.driver import CudaDriver, IpcMapping
+from transfer.lanes.cuda_ipc.export import NO_SECRET
+from transfer.lanes.cuda_ipc.fd_pass import close_fds, fetch_fds
+from transfer.lanes.cuda_ipc.gather import Gatherer
+from transfer.lanes.cuda_ipc.plan import (
     GatherPlan,
     GatherTable,
     gather_plan,
@@ -38,9 +40,11 @@ from transfer.plan import (
     merge_gather_tables,
     shares_source_pages,
 )
-from transfer.ucx import XferStats
+from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
+from transfer.lanes.pages import BufferPair
+from transfer.metadata import RankDescriptor
 
-__all__ = ["GpuLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
+__all__ = ["CudaIpcLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ class IpcPeer:
     agent_name: str
     cp_rank: int
     layers: range  # the layers it owns
-    mappings: list[IpcMapping]  # by owner address
+    mappings: list[IpcMapping | VmmMapping]
     pairs: dict[int, tuple[BufferPair, BufferPair]]
     closed: bool = False
     tables: dict[tuple[int, int], GatherTable] = field(default_factory=dict)  # by layer range
@@ -117,24 +121,60 @@ def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
     return value
 
 
-class GpuLane:
-    """Maps owners and runs gather plans on one decode GPU (`time_kernels`: see `GatherLane`'s `timed`)."""
+class CudaIpcLane:
+    """Maps owners and runs gather plans on one decode GPU (`time_kernels`: see `Gatherer`'s `timed`)."""
 
-    def __init__(self, device: torch.device, *, time_kernels: bool = False) -> None:
+    name = "cuda_ipc"
+    merges = True
+
+    def __init__(
+        self, device: torch.device, *, time_kernels: bool = False, secret: str | None = None, fd_timeout: float = 5.0
+    ) -> None:
+        """`secret`: the owners' (their VMM descriptors are handed out under it);
+        `fd_timeout`: the bound on fetching an owner's descriptors."""
         self.device = device
+        self._secret, self._fd_timeout = secret or NO_SECRET, fd_timeout
         self.index = device.index or 0
         self._driver = CudaDriver.get()
-        self._gather = GatherLane(device, timed=time_kernels)
+        self._gather = Gatherer(device, timed=time_kernels)
         self._peers: set[IpcPeer] = set()
         # Tables of several owners merged, by their parts: a room's owners go out as one launch.
         self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
         self._routes: dict[tuple[IpcPeer, ...], LaneRoute] = {}
 
-    def open(self, rank: RankDescriptor, local: dict[int, tuple[BufferPair, BufferPair]]) -> IpcPeer:
-        """Map `rank`'s slabs (each allocation once, eagerly) and translate its UCX buffer
-        pairs into mapped addresses: a pool's two slabs, or an engine's allocations."""
+    def reach(self, rank: RankDescriptor) -> str | None:
+        return ipc_unreachable(rank, self.device)
+
+    async def open(self, rank: RankDescriptor, pairs: Pairs) -> IpcPeer:
+        spans = await self._import_spans(rank)
+        return self.map(rank, pairs, spans)
+
+    async def _import_spans(self, rank: RankDescriptor) -> list[VmmMapping]:
+        """Map `rank`'s VMM spans, their descriptors fetched from its socket. Any failure is a
+        `TransferError` (not a lost peer): the owner is then read over another lane."""
         assert rank.ipc is not None
-        mappings: list[IpcMapping] = []
+        mapped: list[VmmMapping] = []
+        try:
+            for span in rank.ipc.vmm:
+                assert rank.ipc.fd_socket is not None
+                fds = await fetch_fds(rank.ipc.fd_socket, span.key, self._secret, self._fd_timeout)
+                try:
+                    mapped.append(import_span(self.index, span.chunks, fds, owner_base=span.addr))
+                finally:
+                    close_fds(fds)  # the imported handles hold the memory now
+        except BaseException as exc:
+            self._unmap(mapped)
+            if isinstance(exc, PdkvError):
+                raise TransferError(f"cp rank {rank.cp_rank}: its VMM memory cannot be mapped: {exc}") from exc
+            raise
+        return mapped
+
+    def map(self, rank: RankDescriptor, local: Pairs, spans: Sequence[VmmMapping] = ()) -> IpcPeer:
+        """Map `rank`'s slabs (each allocation once, eagerly) and translate its UCX buffer
+        pairs into mapped addresses: a pool's two slabs, an engine's allocations, or (with
+        `spans`, mapped already) its VMM memory."""
+        assert rank.ipc is not None
+        mappings: list[IpcMapping | VmmMapping] = list(spans)
         opened: dict[bytes, tuple[int, int]] = {}  # one allocation may hold several slabs: map it once
         try:
             for slab in sorted(rank.ipc.slabs, key=lambda s: s.addr):
@@ -159,7 +199,7 @@ class GpuLane:
         return peer
 
     @staticmethod
-    def _translate(mappings: list[IpcMapping], pair: BufferPair) -> BufferPair:
+    def _translate(mappings: list[IpcMapping | VmmMapping], pair: BufferPair) -> BufferPair:
         """`pair` with its remote address in a mapping that holds it (checked there)."""
         nbytes = pair.remote_items * pair.item_len
         mapping = next((m for m in mappings if m.holds(pair.remote_addr, nbytes)), mappings[0])
@@ -181,7 +221,7 @@ class GpuLane:
         return _cached(self._merged, (tuple(tables), shared_pages), lambda: merge_gather_tables(tables, shared_pages))
 
     def prime(self) -> None:
-        """Ready the GPU for a launch that is about to come (see `GatherLane.prime`)."""
+        """Ready the GPU for a launch that is about to come (see `Gatherer.prime`)."""
         self._gather.prime()
 
     def route(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
@@ -201,7 +241,7 @@ class GpuLane:
     def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
         """Gather `src` pages of every layer of `route`'s owners into `dst` pages (ids known
         to lie below `dst_below`) with one launch; await it for its seconds
-        (`GatherLane.run`) once the bytes are in place."""
+        (`Gatherer.run`) once the bytes are in place."""
         return self.run(gather_plan(route.table, [src], dst, dst_below=dst_below), route.peers)
 
     def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> Awaitable[float]:
@@ -211,10 +251,23 @@ class GpuLane:
                 raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
         return self._gather.run(plan)
 
-    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> XferStats:
-        """Gather `src` pages of `layers` from `peer` into `dst` pages; returns once in place."""
+    async def read(
+        self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline | None = None
+    ) -> ReadStats:
+        """Gather `src` pages of `layers` from `peer` into `dst` pages; returns once in place.
+        (A launch cannot be stopped, nor can it hang: its bytes are on this host.)"""
         plan = self.plan(peer, layers, src, dst)
-        return XferStats(plan.nbytes, 0, await self.run(plan, [peer]))
+        return ReadStats(plan.nbytes, 0, await self.run(plan, [peer]))
+
+    def group(self, expected: int) -> LaunchGroup | None:
+        """Owners of one fetch whose layers were all ready at once go out as one launch."""
+        return LaunchGroup(self, expected) if expected >= 2 else None
+
+    def merged(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
+        return self.route(peers)
+
+    def read_merged(self, merged: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
+        return self.read_route(merged, src, dst, dst_below)
 
     async def close(self, peer: IpcPeer) -> None:
         """Drop `peer`'s mappings once no kernel can still read them (frees a dead owner's memory)."""
@@ -228,11 +281,13 @@ class GpuLane:
         await asyncio.to_thread(self._gather.stream.synchronize)
         self._unmap(peer.mappings)
 
-    def _unmap(self, mappings: Iterable[IpcMapping]) -> None:
+    def _unmap(self, mappings: Iterable[IpcMapping | VmmMapping]) -> None:
         """Close each mapped allocation once, however many slabs lie in it."""
         closed: set[int] = set()
         for m in mappings:
-            if m.mapped not in closed:
+            if isinstance(m, VmmMapping):
+                m.close()
+            elif m.mapped not in closed:
                 closed.add(m.mapped)
                 m.close(self._driver)
 
@@ -251,12 +306,12 @@ class LaunchGroup:
     room runs near the copy limit where four smaller ones did not.
     """
 
-    def __init__(self, lane: GpuLane, expected: int) -> None:
+    def __init__(self, lane: CudaIpcLane, expected: int) -> None:
         self._lane, self._expected = lane, expected
         self._pending: list[tuple[GatherPlan, IpcPeer, asyncio.Future[float]]] = []
         self._launches: set[asyncio.Task[None]] = set()
 
-    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> XferStats:
+    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> ReadStats:
         plan = self._lane.plan(peer, layers, src, dst)  # validated here, before joining
         done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._pending.append((plan, peer, done))
@@ -266,7 +321,7 @@ class LaunchGroup:
         except asyncio.CancelledError:  # the launch may be out: wait for it to end
             await asyncio.wait([done])
             raise
-        return XferStats(plan.nbytes, 0, seconds)
+        return ReadStats(plan.nbytes, 0, seconds)
 
     def slot(self) -> LaunchSlot:
         """One owner's place in the group: read through it once, or close it to withdraw."""
@@ -305,7 +360,7 @@ class LaunchSlot:
     def __init__(self, group: LaunchGroup) -> None:
         self._group: LaunchGroup | None = group
 
-    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> XferStats:
+    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> ReadStats:
         group, self._group = self._group, None
         if group is None:
             raise RuntimeError("a launch slot reads once")

@@ -1,6 +1,6 @@
 """Hand open file descriptors from one process to another of the same host (SCM_RIGHTS).
 
-The same-host GPU lane exports VMM allocations (`transfer.cuda_vmm`) as POSIX file
+The same-host GPU lane exports VMM allocations (`transfer.lanes.cuda_ipc.vmm`) as POSIX file
 descriptors. A descriptor number means nothing in another process: the kernel has to copy
 the open file across, which only a Unix socket's SCM_RIGHTS message does (pidfd_getfd
 needs ptrace rights over the owner, which containers and Yama usually deny).

@@ -1,11 +1,11 @@
 """Export and map VMM allocations (cuMemCreate/cuMemMap) across processes of one host.
 
-CUDA IPC handles (`transfer.cuda_ipc`) cannot export memory made with the virtual memory
+CUDA IPC handles (`transfer.lanes.cuda_ipc.driver`) cannot export memory made with the virtual memory
 management API: PyTorch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=
 expandable_segments:True`), torch_memory_saver and custom pools. Such memory is shared
 the VMM way: each physical allocation behind the range is exported as a POSIX file
 descriptor (`cuMemExportToShareableHandle`), the descriptors travel over a Unix socket
-(`transfer.fd_pass`), and the reader imports them (`cuMemImportFromShareableHandle`)
+(`transfer.lanes.cuda_ipc.fd_pass`), and the reader imports them (`cuMemImportFromShareableHandle`)
 and maps them itself (`cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`).
 
 An expandable segment is one reserved VA range backed by many physical chunks (20 MiB
@@ -22,10 +22,10 @@ memory that is the mapping of the one handle holding the address, not the reserv
 Should a driver answer otherwise, the reader's `cuMemMap` of a size the handle does not
 have fails, and the lane falls back to UCX: never a wrong mapping.
 
-Every driver call runs under the device's primary context (torch's), made current the way
-the IPC lane's `CudaDriver._on` does; the module keeps its own library handle and needs
-nothing of that lane's, which is moving. Nothing here runs, or is imported by anything
-that runs, without CUDA.
+Every driver call runs under the device's primary context (torch's), made current by
+`CudaDriver.under` (the IPC calls' way); the VMM calls go through a library handle of this
+module's own, so the argument types set here change nothing for other callers. Nothing
+here runs without CUDA.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pdkv.errors import TransferError
+from transfer.lanes.cuda_ipc.driver import CudaDriver
 
 __all__ = [
     "VmmError",
@@ -107,7 +108,6 @@ class _Vmm:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise VmmError(f"CUDA driver not available: {exc}") from exc
-        self._primaries: dict[int, int] = {}
         u64, size, p = ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER
         sig: dict[str, list[type]] = {
             "cuMemRetainAllocationHandle": [p(u64), ctypes.c_void_p],
@@ -139,34 +139,14 @@ class _Vmm:
             return cls._instance
 
     def under(self, device: int, body: Callable[[], T]) -> T:
-        """Run `body` (many driver calls) with `device`'s primary context current.
-
-        torch's device guard makes the runtime set that context current, but not on a
-        thread torch has not used for that device (an engine's loop thread, say); there
-        the primary context is made current here, and the check below makes sure."""
-        import torch
-
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            ctx = ctypes.c_void_p()
-            self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-            if not ctx.value:
-                self.check(self.lib.cuCtxSetCurrent(ctypes.c_void_p(self._primary(device))), "cuCtxSetCurrent")
-            current = ctypes.c_int(-1)
-            self.check(self.lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
-            if current.value != device:
-                raise VmmError(f"no CUDA context of device {device} current (got {current.value})")
-            return body()
-
-    def _primary(self, device: int) -> int:
-        """`device`'s primary context (the one torch uses), retained once per process."""
-        with self._lock:
-            if device not in self._primaries:
-                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-                self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-                self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-                self._primaries[device] = ctx.value or 0
-            return self._primaries[device]
+        """Run `body` (many driver calls) with `device`'s primary context current (as the
+        IPC calls do: the context is the thread's, whichever library handle set it)."""
+        try:
+            return CudaDriver.get().under(device, body)
+        except VmmError:
+            raise
+        except TransferError as exc:
+            raise VmmError(str(exc)) from exc
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -216,13 +196,9 @@ class _Vmm:
         return fd.value
 
 
-def is_vmm(driver: object, device: int, ptr: int) -> bool:
+def is_vmm(device: int, ptr: int) -> bool:
     """Whether `ptr` lies in VMM memory (cuMemCreate/cuMemMap): the only kind
-    `cuMemRetainAllocationHandle` answers for. The reference it takes is released.
-
-    `driver`: the caller's `CudaDriver` (it need not be: the VMM calls use this module's
-    own handle of the same library, so any value will do, None too)."""
-    del driver
+    `cuMemRetainAllocationHandle` answers for. The reference it takes is released."""
     vmm = _Vmm.get()
 
     def body() -> bool:
@@ -247,7 +223,7 @@ class VmmChunk:
 class VmmExport:
     """The chunks behind owner addresses [lo, hi), exported as descriptors this object
     owns (open while exported; `close()` closes them). Publish `base`, `chunks` (as
-    `wire_chunks()`), and serve `fds` (in chunk order) with `transfer.fd_pass.FdServer`."""
+    `wire_chunks()`), and serve `fds` (in chunk order) with `transfer.lanes.cuda_ipc.fd_pass.FdServer`."""
 
     device: int
     lo: int

@@ -2,7 +2,7 @@
 
 The same-host GPU lane reads the owners' VRAM directly: each owner publishes a CUDA IPC
 handle of its two owned slabs, and the decode maps them once, under its own GPU's
-context, and gathers pages with one kernel (`transfer.gather`).
+context, and gathers pages with one kernel (`transfer.lanes.cuda_ipc.gather`).
 
 Why the driver API through ctypes: `libcuda.so.1` is present wherever a GPU is, it needs
 no package beyond the driver, and it lets the decode open a handle under a context it
@@ -17,18 +17,19 @@ processes of one host and one trust boundary.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdkv.errors import TransferError
 
-__all__ = ["CudaDriver", "IpcMapping", "host_id", "HANDLE_BYTES"]
+__all__ = ["CudaDriver", "IpcMapping", "HANDLE_BYTES"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 0x1
@@ -38,17 +39,6 @@ _MEMORY_DEVICE, _MEMORY_ARRAY, _MEMORY_UNIFIED = 2, 3, 4  # CUmemorytype (host i
 
 class _Handle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
-
-
-@functools.lru_cache(maxsize=1)
-def host_id() -> str:
-    """This host as one kernel sees it: processes with the same id can share CUDA IPC."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{socket.gethostname()}:{boot}"
 
 
 class CudaDriver:
@@ -81,7 +71,11 @@ class CudaDriver:
             raise TransferError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
 
     def _on(self, device: int, fn: Callable[[], int], what: str) -> None:
-        """Run driver call `fn` with `device`'s primary context current on this thread.
+        """Run driver call `fn` with `device`'s primary context current on this thread."""
+        self.under(device, lambda: self.check(fn(), what))
+
+    def under(self, device: int, body: Callable[[], T]) -> T:
+        """Run `body` (driver calls) with `device`'s primary context current on this thread.
 
         torch's device guard makes the runtime set that context current, but not on a
         thread torch has not used for that device (it skips setting the device it already
@@ -101,7 +95,7 @@ class CudaDriver:
                 self.check(self.lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
             if current.value != device:
                 raise TransferError(f"no CUDA context of device {device} current (got {current.value})")
-            self.check(fn(), what)
+            return body()
 
     def _primary(self, device: int) -> ctypes.c_void_p:
         """Make `device`'s primary context (the one torch uses) current on this thread."""

@@ -1,12 +1,12 @@
 """The one place that talks to UCX, through NIXL's UCX backend.
 
-Registration happens once per buffer. Each engine runs one or more *lanes*: a NIXL agent
+Registration happens once per buffer. Each engine runs one or more *workers*: a NIXL agent
 confined to its own thread. NIXL's UCX backend copies inside the post call on loopback
-(cma) and releases the GIL there, so two lanes use two cores; confining each agent to
+(cma) and releases the GIL there, so two workers use two cores; confining each agent to
 one thread keeps NIXL's thread-unsafe fast path (sync mode NONE) safe. NIXL's own
 progress thread stays off: on a 2-core machine it cost half the throughput; progress
 is driven here, under a deadline. Notifications (a decode's ticket releases) leave from one
-more agent, never from a lane: after one went out on a lane, that lane's next READs from
+more agent, never from a worker: after one went out on a worker, that worker's next READs from
 the peer waited for the peer's progress.
 
 Every address that reaches a READ is checked first against the registered local
@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -37,10 +36,11 @@ import torch
 
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.deadline import Deadline
-from transfer.plan import ReadPlan
+from transfer.lanes.base import ReadStats
+from transfer.lanes.ucx.plan import ReadPlan
 from transfer.timeouts import Timeouts
 
-__all__ = ["UcxTransport", "XferStats", "Regions", "configure_ucx_environment", "default_lanes", "load_nixl"]
+__all__ = ["UcxTransport", "Regions", "configure_ucx_environment", "default_workers", "load_nixl"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _NOTIFY_POLL_MAX_S = 0.01
 
 
 def _quietly(fn: Callable[[], Any]) -> None:
-    """Run `fn` on a lane's thread for its side effect; a failure is logged, not raised."""
+    """Run `fn` on a worker's thread for its side effect; a failure is logged, not raised."""
     try:
         fn()
     except Exception as exc:
@@ -86,13 +86,13 @@ def configure_ucx_environment() -> None:
     os.environ.setdefault("UCX_TCP_KEEPCNT", "2")
 
 
-def default_lanes(mem_type: str = "DRAM") -> int:
-    """One lane per core this process may run on, up to 8 for host memory, 4 for GPU memory.
+def default_workers(mem_type: str = "DRAM") -> int:
+    """One worker per core this process may run on, up to 8 for host memory, 4 for GPU memory.
 
-    On the host a lane's thread does the copy (cma), so lanes scale with cores: on a
-    16-core H200 host, 8 lanes fetched 14.2-14.5 GB/s against 8.7-8.9 with 2. Over cuda_ipc
-    a lane posts descriptors and the copy engines do the rest: 4 lanes gave 15.0-19.7 GB/s
-    against 9.4-12.2 with 2, and 8 lanes no more than 4, with a worse p99.
+    On the host a worker's thread does the copy (cma), so workers scale with cores: on a
+    16-core H200 host, 8 workers fetched 14.2-14.5 GB/s against 8.7-8.9 with 2. Over cuda_ipc
+    a worker posts descriptors and the copy engines do the rest: 4 workers gave 15.0-19.7 GB/s
+    against 9.4-12.2 with 2, and 8 workers no more than 4, with a worse p99.
     """
     return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
 
@@ -123,16 +123,6 @@ def _translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
     return TransferError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-@dataclass(frozen=True)
-class XferStats:
-    """One READ: bytes, descriptors, seconds on the lanes (queueing excluded), lanes used."""
-
-    nbytes: int
-    descriptors: int
-    seconds: float
-    pieces: int = 1
-
-
 class Regions:
     """Sorted, non-overlapping (addr, length) ranges with a vectorised containment check."""
 
@@ -159,7 +149,7 @@ class Regions:
         return int((self.ends - self.starts).sum())
 
 
-class _Lane:
+class _Worker:
     """One NIXL agent and the one thread allowed to call it."""
 
     def __init__(self, nixl: ModuleType, name: str) -> None:
@@ -174,7 +164,7 @@ class _Lane:
     def read_blocking(
         self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, stop: threading.Event
     ) -> float:
-        """Run a READ on this lane's thread, at most `_MAX_INFLIGHT_BYTES` posted at a time;
+        """Run a READ on this worker's thread, at most `_MAX_INFLIGHT_BYTES` posted at a time;
         returns its duration. Once `stop` is set no further part is posted: a cancelled
         fetch ends after the part in flight, not after the whole room."""
         t0 = time.perf_counter()
@@ -234,7 +224,7 @@ class _Lane:
             logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
 
 
-# What one lane has posted and not seen end: the bound on how far a cancelled fetch runs on,
+# What one worker has posted and not seen end: the bound on how far a cancelled fetch runs on,
 # and on the READ replies an owner queues for one reader (UCX's TCP transport crashed owners
 # purging large queues when a reader died; 4-64 MiB posts did not).
 _MAX_INFLIGHT_BYTES = 32 << 20
@@ -271,7 +261,7 @@ def _split_rows(rows: np.ndarray, limit: int) -> np.ndarray:
 
 
 # A piece of a READ carries at least this many descriptors or bytes: below that, posting
-# it on another lane costs more than it saves.
+# it on another worker costs more than it saves.
 _MIN_PIECE_DESCS = 256
 _MIN_PIECE_BYTES = 4 << 20
 
@@ -293,20 +283,20 @@ class UcxTransport:
     """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
 
     def __init__(
-        self, name: str, lanes: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0, notifies: bool = False
+        self, name: str, workers: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0, notifies: bool = False
     ) -> None:
         """`notifies`: this transport sends notifications (`notify`), from an agent of their
-        own: a notification sent on a READ lane's connection made that lane's next READs
+        own: a notification sent on a READ worker's connection made that worker's next READs
         from the peer wait for the peer's progress (4-10 ms each on loopback, measured)."""
         self._nixl = _nixl()
         self.name = name
         self.connect_timeout = connect_timeout
         self.mem_type = mem_type
-        self._lanes = [_Lane(self._nixl, f"{name}.{i}" if lanes > 1 else name) for i in range(lanes)]
-        self._notifier = _Lane(self._nixl, f"{name}.notify") if notifies else None
-        self._next_lane = itertools.cycle(range(lanes))
+        self._workers = [_Worker(self._nixl, f"{name}.{i}" if workers > 1 else name) for i in range(workers)]
+        self._notifier = _Worker(self._nixl, f"{name}.notify") if notifies else None
+        self._next_lane = itertools.cycle(range(workers))
         self._local_ranges: list[tuple[int, int]] = []
-        self._registrations: list[tuple[_Lane, Any]] = []
+        self._registrations: list[tuple[_Worker, Any]] = []
         self.local_regions = Regions([])
         self._peers: dict[str, Regions] = {}
         self._closed = False
@@ -316,51 +306,51 @@ class UcxTransport:
 
     # ---- local memory ------------------------------------------------------------------------
     def register(self, tensors: list[torch.Tensor]) -> None:
-        """Register `tensors` with UCX on every lane, once, at start-up."""
+        """Register `tensors` with UCX on every worker, once, at start-up."""
         tensors = [t for t in tensors if t.numel() > 0]  # 0-row placeholders are skipped
         # NIXL takes one memory kind a call: a GPU pool's slabs and a host pin table go apart.
         kinds = {t.device: [u for u in tensors if u.device == t.device] for t in tensors}
-        for lane in self._lanes:
+        for worker in self._workers:
             for group in kinds.values():
-                descs = lane.executor.submit(lane.agent.register_memory, group).result()
-                self._registrations.append((lane, descs))
+                descs = worker.executor.submit(worker.agent.register_memory, group).result()
+                self._registrations.append((worker, descs))
         self._local_ranges += [(t.data_ptr(), t.nbytes) for t in tensors]
         self.local_regions = Regions(self._local_ranges)
         logger.info("%s registered %d buffers, %.1f MiB", self.name, len(tensors), self.local_regions.total / 2**20)
 
     @property
     def agent_name(self) -> str:
-        return self._lanes[0].name
+        return self._workers[0].name
 
     def agent_metadata(self) -> bytes:
-        if len(self._lanes) != 1:
-            raise TransferError("only a single-lane engine exports its metadata")
-        lane = self._lanes[0]
-        return lane.executor.submit(lane.agent.get_agent_metadata).result()
+        if len(self._workers) != 1:
+            raise TransferError("only a single-worker engine exports its metadata")
+        worker = self._workers[0]
+        return worker.executor.submit(worker.agent.get_agent_metadata).result()
 
     # ---- peers -------------------------------------------------------------------------------
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
     async def add_peer(self, agent_name: str, metadata: bytes, regions: list[tuple[int, int]]) -> None:
-        """Load a peer's connection blob on every lane and wire up; remember what it exported.
+        """Load a peer's connection blob on every worker and wire up; remember what it exported.
 
-        All or nothing: a lane that loaded the peer before another failed unloads it.
+        All or nothing: a worker that loaded the peer before another failed unloads it.
         """
         if agent_name in self._peers:
             return
-        loaded: list[_Lane] = []
+        loaded: list[_Worker] = []
         try:
-            for lane in self._agents():
-                await self._load_peer(lane, agent_name, metadata)
-                loaded.append(lane)
+            for worker in self._agents():
+                await self._load_peer(worker, agent_name, metadata)
+                loaded.append(worker)
                 # Wire up now rather than inside the first READ (tens of ms there, measured).
-                connect = lane.call(functools.partial(lane.agent.make_connection, agent_name))
+                connect = worker.call(functools.partial(worker.agent.make_connection, agent_name))
                 await asyncio.wait_for(connect, self.connect_timeout)
         except Exception as exc:
-            for lane in loaded:
+            for worker in loaded:
                 with contextlib.suppress(Exception):
-                    await lane.call(functools.partial(lane.agent.remove_remote_agent, agent_name))
+                    await worker.call(functools.partial(worker.agent.remove_remote_agent, agent_name))
             if isinstance(exc, TransferError):
                 raise
             if isinstance(exc, asyncio.TimeoutError):
@@ -368,9 +358,9 @@ class UcxTransport:
             raise PeerLostError(f"cannot connect to {agent_name}: {exc}", agent_name) from exc
         self._peers[agent_name] = Regions(regions)
 
-    async def _load_peer(self, lane: _Lane, agent_name: str, metadata: bytes) -> None:
+    async def _load_peer(self, worker: _Worker, agent_name: str, metadata: bytes) -> None:
         try:
-            loaded = await lane.call(lambda: lane.agent.add_remote_agent(metadata))
+            loaded = await worker.call(lambda: worker.agent.add_remote_agent(metadata))
         except Exception as exc:
             # NIXL says no more than NIXL_ERR_BACKEND: the peer's worker could not be
             # reached with what it published, which is what a dead peer looks like.
@@ -378,26 +368,30 @@ class UcxTransport:
                 f"cannot load the UCX metadata of {agent_name}: {type(exc).__name__}: {exc}", agent_name
             ) from exc
         if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
-            await lane.call(lambda: lane.agent.remove_remote_agent(loaded))
+            await worker.call(lambda: worker.agent.remove_remote_agent(loaded))
             raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")
 
     async def remove_peer(self, agent_name: str) -> None:
         """Drop a peer's connection and keys (after it died or re-registered)."""
         if self._peers.pop(agent_name, None) is None:
             return
-        for lane in self._agents():
+        for worker in self._agents():
             try:
-                await lane.call(functools.partial(lane.agent.remove_remote_agent, agent_name))
+                await worker.call(functools.partial(worker.agent.remove_remote_agent, agent_name))
             except Exception as exc:
                 logger.warning("removing peer %s: %s", agent_name, exc)
 
-    def _agents(self) -> list[_Lane]:
-        """Every agent that holds peers: the READ lanes and the notifier."""
-        return self._lanes + ([self._notifier] if self._notifier is not None else [])
+    def _agents(self) -> list[_Worker]:
+        """Every agent that holds peers: the READ workers and the notifier."""
+        return self._workers + ([self._notifier] if self._notifier is not None else [])
 
     @property
-    def lanes(self) -> int:
-        return len(self._lanes)
+    def workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def peer_count(self) -> int:
@@ -406,14 +400,14 @@ class UcxTransport:
     # ---- transfers ---------------------------------------------------------------------------
     async def read(
         self, peer: str, plan: ReadPlan, deadline: Deadline, pieces: int = 1, mem: str | None = None
-    ) -> XferStats:
+    ) -> ReadStats:
         """Execute `plan` as batched READs from `peer`, bounded by `deadline`; `mem`: the
         memory kind of its descriptors, by default the transport's.
 
         With `pieces` > 1 a large plan is cut into up to that many READs posted on as many
-        lanes at once: posting costs about 8 us a descriptor on the posting thread over
+        workers at once: posting costs about 8 us a descriptor on the posting thread over
         cuda_ipc (measured on an H200), so one READ is bound by one thread. A caller with
-        more lanes than concurrent READs asks for pieces; one that already keeps every lane
+        more workers than concurrent READs asks for pieces; one that already keeps every worker
         busy does not (more, smaller posts then only cost). If the caller is
         cancelled, this still waits for every piece to end (bounded by the same deadline)
         so that no byte lands in pages the caller may hand out again; a piece stops at its
@@ -427,12 +421,12 @@ class UcxTransport:
         if not regions.contains(plan.remote):
             raise TransferError(f"a remote descriptor falls outside what {peer} exported")
         if plan.descriptors == 0:
-            return XferStats(0, 0, 0.0)
+            return ReadStats(0, 0, 0.0)
         deadline.left(what=f"READ from {peer}: deadline passed before it was posted")
         loop, kind, stop = asyncio.get_running_loop(), mem or self.mem_type, threading.Event()
         futs = [
-            loop.run_in_executor(lane.executor, lane.read_blocking, peer, local, remote, kind, deadline.at, stop)
-            for lane, (local, remote) in zip(self._pick_lanes(), _split(plan, min(pieces, len(self._lanes))))
+            loop.run_in_executor(worker.executor, worker.read_blocking, peer, local, remote, kind, deadline.at, stop)
+            for worker, (local, remote) in zip(self._pick_workers(), _split(plan, min(pieces, len(self._workers))))
         ]
         try:
             results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
@@ -447,14 +441,14 @@ class UcxTransport:
             raise _translate(errors[0], f"READ from {peer}", peer) from errors[0]
         seconds = max(r for r in results if not isinstance(r, BaseException))
         logger.debug(
-            "READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the lanes",
+            "READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the workers",
             peer,
             plan.descriptors,
             len(futs),
             plan.nbytes,
             seconds * 1e3,
         )
-        return XferStats(plan.nbytes, plan.descriptors, seconds, len(futs))
+        return ReadStats(plan.nbytes, plan.descriptors, seconds, len(futs))
 
     async def read_host(self, peer: str, remote_addr: int, local: torch.Tensor, deadline: Deadline) -> None:
         """READ `local.nbytes` of `peer`'s host memory at `remote_addr` into `local` (a
@@ -468,25 +462,25 @@ class UcxTransport:
     def notify(self, messages: list[tuple[str, bytes]]) -> None:
         """Send each (peer, message) as a NIXL notification: no reply, best effort.
 
-        Queued on the notifier's thread (the first lane's, for a transport made without
+        Queued on the notifier's thread (the first worker's, for a transport made without
         one), which sends them and logs what fails; nothing wakes the event loop when they
         are out. They leave only as that agent's worker progresses, so it is driven for a
         short while after (one left behind was seen to be cancelled at close). A peer
         without a connection raises `PeerLostError`; the others are sent.
         """
-        lane = self._sender
+        worker = self._sender
         missing = [peer for peer, _ in messages if peer not in self._peers]
         sendable = [(peer, message) for peer, message in messages if peer in self._peers]
 
         def send() -> None:
             for peer, message in sendable:
                 try:
-                    lane.agent.send_notif(peer, message)
+                    worker.agent.send_notif(peer, message)
                 except Exception as exc:
                     logger.info("notification to %s: %s", peer, exc)
 
         if sendable:
-            lane.executor.submit(send)
+            worker.executor.submit(send)
             self._drive_notifications()
         if missing:
             raise PeerLostError(f"no connection to {missing[0]}", missing[0])
@@ -507,25 +501,25 @@ class UcxTransport:
         if self._closed or time.monotonic() >= self._drive_until:
             self._driving = False
             return
-        lane = self._sender
-        lane.executor.submit(_quietly, lane.agent.get_new_notifs)
+        worker = self._sender
+        worker.executor.submit(_quietly, worker.agent.get_new_notifs)
         self._drive_interval = min(2 * self._drive_interval, _NOTIFY_POLL_MAX_S)
         asyncio.get_running_loop().call_later(self._drive_interval, self._poll_notifications)
 
     @property
-    def _sender(self) -> _Lane:
-        return self._notifier or self._lanes[0]
+    def _sender(self) -> _Worker:
+        return self._notifier or self._workers[0]
 
-    def _pick_lanes(self) -> list[_Lane]:
-        """Every lane, starting from the next in turn, so concurrent READs spread out."""
+    def _pick_workers(self) -> list[_Worker]:
+        """Every worker, starting from the next in turn, so concurrent READs spread out."""
         first = next(self._next_lane)
-        return self._lanes[first:] + self._lanes[:first]
+        return self._workers[first:] + self._workers[:first]
 
     async def progress(self) -> dict[str, list[bytes]]:
         """Drive the UCX worker once (a target must, for wire-up and emulated GETs); returns
         the notifications that arrived, by sender."""
-        lane = self._lanes[0]
-        return await lane.call(lane.agent.get_new_notifs)
+        worker = self._workers[0]
+        return await worker.call(worker.agent.get_new_notifs)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -535,10 +529,10 @@ class UcxTransport:
         self._closed = True
         for name in list(self._peers):
             await self.remove_peer(name)
-        for lane, descs in self._registrations:
+        for worker, descs in self._registrations:
             try:
-                await lane.call(functools.partial(lane.agent.deregister_memory, descs))
+                await worker.call(functools.partial(worker.agent.deregister_memory, descs))
             except Exception as exc:
                 logger.warning("deregistering memory: %s", exc)
-        for lane in self._agents():
-            lane.executor.shutdown(wait=True)
+        for worker in self._agents():
+            worker.executor.shutdown(wait=True)

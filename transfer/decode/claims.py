@@ -1,0 +1,290 @@
+"""The claim protocol: claim the room on each owner, read layers as they become ready,
+release, and so prove that the pages stayed pinned.
+
+For all owners concurrently, a fetch claims the room (the lowest CP rank first), waits
+for ready layers (pushed on the owner's event stream, or long-polled while that is down)
+and reads them through the owner's lane, so it starts before the prefill has finished;
+each owner's claim is released as soon as its layers are read, while other owners may
+still be read. A release succeeds only while the claim still pins the room's pages, so
+every successful release proves that no page read under it was freed or reused meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from pdkv.errors import MetadataError, PeerLostError, UnknownRoomError
+from transfer.deadline import Deadline
+from transfer.decode.owners import Owner, lost_peer
+from transfer.decode.tasks import DecodeContext, Fetch
+from transfer.lanes.base import ReadGroup, ReadSlot, ReadStats
+from transfer.metadata import ClaimRequest, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
+from transfer.metrics import READ_SECONDS, fetch_engine
+from transfer.results import FetchResult, OwnerStats
+
+__all__ = ["Claim", "ClaimProtocol", "observe_read", "owner_urls"]
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=msgspec.Struct)
+
+
+@dataclass
+class Claim:
+    """One fetch's (or lease's) claim on a room: a random token, and where it stands."""
+
+    room: int
+    readers: int = 1  # the claimant's group reads the room this many times (`ClaimRequest.readers`)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    asked: set[int] = field(default_factory=set)  # cp ranks a claim request went to
+    granted: set[int] = field(default_factory=set)  # cp ranks that granted it
+    released: dict[int, bool] = field(default_factory=dict)  # cp rank -> that release freed the room
+    # cp rank -> the room as its claim found it, for the first read under the claim only (a
+    # later read asks again, so a room aborted meanwhile is caught at once, not at release)
+    states: dict[int, RoomState] = field(default_factory=dict)
+    messages: int = 0  # control requests made under it (claims, polls, releases)
+
+    @property
+    def open_ranks(self) -> set[int]:
+        return self.granted - self.released.keys()
+
+
+class ClaimProtocol:
+    """Claims, readiness, reads by layer batch and releases, for every owner of a fetch."""
+
+    def __init__(self, ctx: DecodeContext) -> None:
+        self.ctx = ctx
+
+    async def fetch(self, owners: dict[int, Owner], claim: Claim, job: Fetch, release: bool = True) -> FetchResult:
+        """Read every owner's layers under `claim`; `release`: release each owner's claim as
+        soon as its layers are read (a lease releases later)."""
+        feed, messages_before = self.ctx.feed, claim.messages
+        tasks: list[asyncio.Task[OwnerStats]] = []
+        for o in owners.values():
+            feed.want(o.rank.control_url, claim.room)
+        try:
+            first = await self.ctx.tasks.run(self.claim_arbiter(owners, claim, job.deadline))
+            known = {r: first.get(r) or claim.states.pop(r, None) for r in owners}
+            slots = _slots(owners)
+            tasks = [
+                asyncio.create_task(self._fetch_owner(o, claim, job, release, known[r], slots.get(r)))
+                for r, o in owners.items()
+            ]
+            stats = await self.ctx.tasks.gather(tasks, feed.aborted(owner_urls(owners), claim.room))
+        except BaseException:  # cancellation too: never leave the room pinned
+            if release:
+                await self.release_all(owners, claim)
+            raise
+        finally:
+            for o in owners.values():
+                feed.forget(o.rank.control_url, claim.room)
+        nbytes = sum(s.nbytes for s in stats)
+        freed_on = tuple(sorted(r for r in owners if claim.released.get(r, False))) if release else ()
+        messages = claim.messages - messages_before
+        seconds = time.perf_counter() - job.started
+        freed = len(freed_on) == len(owners)
+        return FetchResult(job.engine_id, claim.room, nbytes, seconds, tuple(stats), freed, messages, freed_on)
+
+    async def claim_all(self, owners: dict[int, Owner], claim: Claim, deadline: Deadline) -> None:
+        """Take `claim` on every owner: the arbiter (lowest rank) first, then the others at once."""
+        tasks = self.ctx.tasks
+        await tasks.run(self.claim_arbiter(owners, claim, deadline))
+        pending = [self.claim_owner(o, claim, deadline) for r, o in owners.items() if r not in claim.granted]
+        await tasks.run(asyncio.gather(*pending))
+
+    async def claim_arbiter(self, owners: dict[int, Owner], claim: Claim, deadline: Deadline) -> dict[int, RoomState]:
+        """Claim on the lowest CP rank before any other: every claimant asks it first, so of
+        two racing for a single-consumer room one wins everywhere and the other is refused
+        there, rather than each winning some owners and both failing."""
+        rank = min(owners)
+        if rank in claim.granted:
+            return {}
+        return {rank: await self.claim_owner(owners[rank], claim, deadline)}
+
+    async def claim_owner(self, owner: Owner, claim: Claim, deadline: Deadline) -> RoomState:
+        """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
+        r, timeouts = owner.rank, self.ctx.timeouts
+        url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
+        ask = ClaimRequest(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, readers=claim.readers)
+        unknown_until = time.monotonic() + timeouts.publish
+        claim.asked.add(r.cp_rank)  # from here on it may be granted there, answered or not
+        while True:
+            limit = deadline.left(timeouts.poll + timeouts.request)
+            state = await self._control(claim, "POST", url, RoomState, ask, limit)
+            if state.status is not RoomStatus.UNKNOWN:
+                claim.granted.add(r.cp_rank)
+                claim.states[r.cp_rank] = state
+                return state
+            if time.monotonic() > unknown_until:
+                raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
+
+    async def _poll(
+        self, owner: Owner, claim: Claim, after: int, deadline: Deadline, after_pages: int = -1
+    ) -> RoomState:
+        """The room's state once layers beyond `after` (or chunks' pages beyond
+        `after_pages`) are ready: pushed on the owner's readiness stream, or (stream down,
+        or a room that ended) one long-poll over HTTP."""
+        url, timeouts = owner.rank.control_url, self.ctx.timeouts
+        pushed = await self.ctx.feed.wait(url, claim.room, after, deadline.left(timeouts.poll), after_pages)
+        if pushed is not None and pushed.status in (RoomStatus.PENDING, RoomStatus.READY):
+            return pushed
+        url = f"{url}/v1/rooms/{claim.room}?after={after}&after_pages={after_pages}&claim={claim.token}"
+        limit = deadline.left(timeouts.poll + timeouts.request)
+        return await self._control(claim, "GET", url, RoomState, None, limit)
+
+    async def _control(
+        self, claim: Claim, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float
+    ) -> M:
+        """One control request to an owner under `claim`, in our layout's envelope both ways."""
+        claim.messages += 1
+        fp = self.ctx.fingerprint
+        answer = await self.ctx.client.request(
+            method, url, kind, body, fingerprint=fp, expect_fingerprint=fp, timeout=timeout
+        )
+        assert answer is not None
+        return answer
+
+    async def _fetch_owner(
+        self, owner: Owner, claim: Claim, job: Fetch, release: bool, state: RoomState | None, slot: ReadSlot | None
+    ) -> OwnerStats:
+        """Read one owner's layers, then release them there (while other owners still read)."""
+        try:
+            stats = await self._read_owner(owner, claim, job, state, slot)
+            if release:
+                await self.release(owner, claim, job.deadline.left(self.ctx.timeouts.request))
+            return stats
+        except PeerLostError as exc:
+            raise lost_peer(owner.rank, exc) from exc
+        finally:
+            if slot is not None:
+                slot.close()  # others must not wait for an owner that read alone or failed
+
+    async def _read_owner(
+        self, owner: Owner, claim: Claim, job: Fetch, state: RoomState | None, slot: ReadSlot | None
+    ) -> OwnerStats:
+        r = owner.rank
+        t0 = time.perf_counter()
+        cursor, nbytes, descs, reads, busy = r.layer_start, 0, 0, 0, 0.0
+        if state is None and r.cp_rank in claim.granted:
+            state = await self._poll(owner, claim, cursor - 1, job.deadline)
+        elif state is None:
+            state = await self.claim_owner(owner, claim, job.deadline)
+        if state.ready_pages is not None:  # sent by chunks of pages, every layer at once
+            if slot is not None:
+                slot.close()
+            return await self._read_chunks(owner, claim, job, state, t0)
+        src = np.asarray(state.src_pages, dtype=np.int64)
+        if src.size != job.dst.size:
+            raise MetadataError(f"room {claim.room}: {src.size} source pages, {job.dst.size} destination pages")
+        whole = range(r.layer_start, r.layer_end)
+        while True:
+            if state.ready_upto > cursor:
+                layers = range(cursor, state.ready_upto)
+                if slot is not None and layers == whole:
+                    xfer = await slot.read(owner.peer, layers, src, job.dst)  # every layer ready: read as one
+                else:
+                    if slot is not None:
+                        slot.close()
+                    xfer = await read_layers(owner, layers, src, job.dst, job.deadline)
+                nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
+                busy += xfer.seconds
+                cursor = state.ready_upto
+            if cursor >= r.layer_end:
+                break
+            state = await self._poll(owner, claim, cursor, job.deadline)
+        span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
+        return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path)
+
+    async def _read_chunks(self, owner: Owner, claim: Claim, job: Fetch, state: RoomState, t0: float) -> OwnerStats:
+        """Read a room sent by chunks: each new chunk's pages in all of the owner's layers,
+        until the room is complete (the request's auxiliary bytes come with the last)."""
+        r, dst = owner.rank, job.dst
+        layers = range(r.layer_start, r.layer_end)
+        done, nbytes, descs, reads, busy = 0, 0, 0, 0, 0.0
+        while True:
+            src = np.asarray(state.src_pages, dtype=np.int64)
+            if src.size > dst.size or (state.ready_upto >= r.layer_end and src.size != dst.size):
+                raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
+            if src.size > done:
+                xfer = await read_layers(owner, layers, src[done:], dst[done : src.size], job.deadline)
+                nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
+                busy += xfer.seconds
+                done = src.size
+            if state.ready_upto >= r.layer_end:  # the last chunk is in
+                span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
+                return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path, state.aux)
+            state = await self._poll(owner, claim, state.ready_upto, job.deadline, after_pages=done)
+
+    async def release(self, owner: Owner, claim: Claim, timeout: float, give_up: bool = False) -> bool:
+        """Release the claim on one owner; True if that freed the room there. `give_up`:
+        the room was not read (a failed or cancelled fetch): it ends aborted there unless
+        another consumer reads it.
+
+        A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
+        """
+        notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, abort=give_up)
+        url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
+        try:
+            answer = await self._control(claim, "POST", url, ReleaseReply, notice, timeout)
+        finally:
+            claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
+        claim.released[owner.rank.cp_rank] = answer.freed
+        return answer.freed
+
+    async def release_all(self, owners: dict[int, Owner], claim: Claim, ranks: set[int] | None = None) -> None:
+        """Give the claim up unread wherever it may be held, after a failed or cancelled
+        fetch (`ranks`: these instead): the owners free the room's pages now, and a room
+        that no consumer read ends aborted, so its prefill hears of the failure at once.
+
+        Only ranks a claim request went to: another rank may still be about to grant the
+        room's one claim to a decode that won it on the lowest rank. Each gets a full
+        request timeout, not what is left of the fetch's deadline: the fetch may have
+        failed on that deadline, and the pins must not be left behind.
+        """
+        limit = self.ctx.timeouts.request
+        ranks = claim.asked - claim.released.keys() if ranks is None else ranks
+        results = await asyncio.gather(
+            *(self.release(o, claim, limit, give_up=True) for o in owners.values() if o.rank.cp_rank in ranks),
+            return_exceptions=True,
+        )
+        for e in results:
+            if isinstance(e, BaseException):
+                logger.debug("giving up room %d after a failed fetch: %s", claim.room, e)
+
+
+async def read_layers(owner: Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline) -> ReadStats:
+    """Copy `layers` of one owner through its lane."""
+    assert owner.lane is not None
+    xfer = await owner.lane.read(owner.peer, layers, src, dst, deadline)
+    observe_read(owner.lane.name, xfer.seconds)
+    return xfer
+
+
+def _slots(owners: dict[int, Owner]) -> dict[int, ReadSlot]:
+    """A slot in a read group of its lane for each owner whose lane reads several as one."""
+    by_lane: dict[Any, list[int]] = {}
+    for r, o in owners.items():
+        by_lane.setdefault(o.lane, []).append(r)
+    slots: dict[int, ReadSlot] = {}
+    for lane, ranks in by_lane.items():
+        group: ReadGroup | None = lane.group(len(ranks)) if lane is not None else None
+        if group is not None:
+            slots.update((r, group.slot()) for r in ranks)
+    return slots
+
+
+def observe_read(lane: str, seconds: float) -> None:
+    READ_SECONDS.labels(fetch_engine(), lane).observe(seconds)  # the engine of the fetch it belongs to
+
+
+def owner_urls(owners: dict[int, Owner]) -> dict[str, int]:
+    """Each owner's control URL and its CP rank."""
+    return {o.rank.control_url: r for r, o in owners.items()}

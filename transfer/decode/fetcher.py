@@ -1,0 +1,303 @@
+"""The decode's public face: fetch a request's full KV from every CP owner into local pages.
+
+    async with DecodeFetcher(pool, registry_url) as fetcher:
+        result = await fetcher.fetch(engine_id, room, dst_pages, ticket=ticket)
+
+A fetch looks the engine up (cached, `owners`) and checks that its owners cover every
+layer once and match the local layout. With the room's ticket (a finished room, handed
+over by its prefill) it then reads every owner at once and checks each owner's pin word
+after the data, asking nobody (`tickets`). Without one it claims the room on each owner and
+reads layers as they become ready, releasing each owner's claim once its layers are read
+(`claims`).
+
+The guarantee: a fetch that returns delivered exactly the bytes of its room into
+`dst_pages`. A claim pins the room's source pages on its owner; a release succeeds only
+while the claim still pins them, so every successful release proves that no page read
+under the claim was freed or reused meanwhile. A ticket's pin word is cleared before its
+pages are freed, so finding it unchanged after the data proves the same. If any owner
+refuses the release (`ClaimLostError`: aborted, expired, forgotten) the fetch raises,
+whatever it read. A room published for `consumers` claims grants no more: a duplicate
+decode or a second fetch of a single-consumer room is refused with `RoomClaimedError`
+before anything is read.
+
+To re-read a room (after a check of its own failed, say) a decode holds a lease instead
+(`fetcher.claim`, `transfer.decode.lease`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError
+from pdkv.pages import PageIds, page_ids
+from transfer.deadline import Deadline
+from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.lease import RoomLease
+from transfer.decode.owners import Owner, Owners, ticket_readable
+from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
+from transfer.decode.tickets import TicketProtocol
+from transfer.engine_kv import KVBuffers
+from transfer.http import ControlClient
+from transfer.lanes.base import Lane
+from transfer.lanes.pages import mem_type
+from transfer.lanes.ucx.lane import UcxLane
+from transfer.lanes.ucx.transport import UcxTransport, default_workers
+from transfer.logctx import request_context
+from transfer.metadata import RoomTicket
+from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_RATE, FETCH_SECONDS, fetching
+from transfer.readiness import ReadinessFeed
+from transfer.registry import registry_client
+from transfer.results import FetchResult
+from transfer.timeouts import Timeouts
+
+__all__ = ["DecodeFetcher"]
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeFetcher:
+    """Fetches KV of prefill rooms into `pool`. Many fetches may run at once.
+
+    `ucx_workers` is how many threads post UCX READs (None: `default_workers`, one a core
+    up to 8, 4 for a GPU pool); an owner's READ is cut into pieces when workers outnumber
+    owners. `path` picks the lanes an owner may be read by, in order: "auto" reads owners
+    on this host's GPUs through the same-host GPU lane (CUDA IPC and one gather kernel) and
+    the rest over UCX; "ucx" and "cuda_ipc" force one (the latter fails the lookup of an
+    engine it cannot reach so). `time_kernels`: the GPU lane times each gather kernel on
+    the GPU, in `OwnerStats.read_seconds` (else from its launch to the bytes in place); it
+    costs tens of microseconds a fetch.
+    """
+
+    PATHS = ("auto", "ucx", "cuda_ipc")
+
+    # Made by start(); the activity check keeps every call out until then.
+    _owners: Owners
+    _tickets: TicketProtocol
+    _ucx: UcxLane
+
+    def __init__(
+        self,
+        pool: KVBuffers,
+        registry_url: str,
+        *,
+        consumer_id: str | None = None,
+        timeouts: Timeouts = Timeouts(),
+        secret: str | None = None,
+        ucx_workers: int | None = None,
+        merge_runs: bool = True,
+        path: str = "auto",
+        time_kernels: bool = False,
+    ) -> None:
+        if path not in self.PATHS:
+            raise ValueError(f"path must be one of {self.PATHS}, not {path!r}")
+        if path == "cuda_ipc" and pool.device.type != "cuda":
+            raise ValueError("the cuda_ipc path needs a decode pool on a GPU")
+        if len(pool.owned) != pool.layout.layer_num:
+            raise IncompatibleLayoutError("a decode pool must hold every layer")
+        self.path, self.time_kernels, self.merge_runs = path, time_kernels, merge_runs
+        self.pool, self.timeouts = pool, timeouts
+        self.consumer_id = consumer_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self._registry = registry_client(registry_url, timeouts, secret)
+        self._workers, self._secret = ucx_workers, secret
+        client = ControlClient(timeouts, secret)
+        feed = ReadinessFeed(client, self.consumer_id, pool.layout.fingerprint, timeouts.heartbeat)
+        self._ctx = DecodeContext(pool, timeouts, self.consumer_id, client, feed)
+        self._activity = Activity(self.consumer_id)
+        self._claims = ClaimProtocol(self._ctx)
+
+    async def start(self) -> None:
+        mem = mem_type(self.pool.device)
+        transport = UcxTransport(
+            f"{self.consumer_id}.{uuid.uuid4().hex[:8]}",
+            workers=self._workers or default_workers(mem),
+            mem_type=mem,
+            connect_timeout=self.timeouts.connect,
+            notifies=True,  # ticket releases
+        )
+        self._ucx = UcxLane(transport, merge_runs=self.merge_runs, transfer_timeout=self.timeouts.transfer)
+        self._tickets = TicketProtocol(self._ctx, self._ucx)
+        transport.register([*self.pool.registered_buffers(), self._tickets.pin_windows])
+        lanes: list[Lane] = []
+        if self.pool.device.type == "cuda" and self.path != "ucx":
+            from transfer.lanes.cuda_ipc.lane import CudaIpcLane  # needs CUDA: only where a GPU is
+
+            gpu = CudaIpcLane(
+                self.pool.device, time_kernels=self.time_kernels, secret=self._secret, fd_timeout=self.timeouts.connect
+            )
+            lanes.append(gpu)
+        if self.path != "cuda_ipc":
+            lanes.append(self._ucx)
+        self._owners = Owners(
+            self.pool, self._registry, self.timeouts, lanes, self._ucx, strict=self.path == "cuda_ipc"
+        )
+        self._activity.open = True
+
+    async def aclose(self) -> None:
+        """Refuse new fetches, end those in flight with `ClosedError` (their claims released),
+        then drop connections and registrations."""
+        activity = self._activity
+        started, activity.closing = activity.open, True
+        if started:
+            self._owners.cancel()
+        self._ctx.tasks.cancel_all()
+        try:
+            await asyncio.wait_for(activity.idle.wait(), self.timeouts.request)
+        except asyncio.TimeoutError:
+            logger.warning("closing with %d fetches still in flight", activity.active)
+        await self._ctx.feed.aclose()
+        await self._registry.aclose()
+        await self._ctx.client.aclose()
+        if started:
+            await self._owners.aclose()
+            for lane in self._owners.lanes:
+                if lane is not self._ucx:
+                    await lane.aclose()
+            await self._ucx.aclose()
+            activity.open = False
+
+    async def __aenter__(self) -> DecodeFetcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def transport(self) -> UcxTransport | None:
+        """The UCX transport (READ workers, registrations), once started and until closed."""
+        return self._ucx.transport if self._activity.open else None
+
+    async def forget(self, engine_id: str) -> None:
+        """Drop a cached engine and its peers' connections and keys."""
+        await self._owners.forget(engine_id)
+
+    # ---- the fetch -----------------------------------------------------------------------------
+    async def fetch(
+        self,
+        engine_id: str,
+        room: int,
+        dst_pages: PageIds,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        ticket: RoomTicket | None = None,
+        readers: int = 1,
+    ) -> FetchResult:
+        """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
+
+        `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or CUDA
+        tensor), one per source page, checked before anything is asked. `deadline` (a
+        request's end-to-end budget, passed through unchanged) or `timeout` (seconds from
+        now): give at most one; with neither, `Timeouts.fetch` applies. `ticket`: the
+        room's ticket from its prefill (through the router): the fetch then asks nobody;
+        it reads every owner at once and proves the pin by each owner's pin word. Returns
+        only when every byte of the room was read while its source pages stayed pinned
+        (proved by a release, or by a pin word READ after the data); otherwise raises a
+        `PdkvError` and the destination pages hold no valid KV. `readers`: this fetch is
+        one of that many reads of the room by one group (a decode's attention-TP ranks,
+        each reading it whole by claims): the room grants at least that many claims.
+        """
+        started = time.perf_counter()
+        self._activity.check()
+        if ticket is not None:
+            for lane in self._owners.lanes:
+                lane.prime()  # a read follows within a fraction of a millisecond
+        dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
+        job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started)
+        if ticket is not None and (ticket.engine_id, ticket.room) != (engine_id, room):
+            raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
+        try:
+            with (
+                self._activity.call(),
+                request_context(engine=engine_id, room=room, consumer=self.consumer_id),
+                fetching(engine_id),
+            ):
+                result = await self._fetch(job, ticket, readers)
+        except PdkvError as exc:
+            FETCH_FAILURES.labels(engine_id, type(exc).__name__).inc()
+            logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)
+            raise
+        # Recorded once the caller has its result: a fetch of a finished room through the GPU
+        # lane takes well under a millisecond, and on a CPU just woken each step costs 10x.
+        asyncio.get_running_loop().call_soon(_observe, result)
+        return result
+
+    async def _fetch(self, job: Fetch, ticket: RoomTicket | None, readers: int) -> FetchResult:
+        # A cached engine and a ticket of its owners cost no coroutine of their own: on a host
+        # just woken each one is microseconds of a lane fetch that takes a fraction of a millisecond.
+        engine_id, owners_of = job.engine_id, self._owners
+        owners = owners_of.cached.get(engine_id)
+        was_cached = owners is not None
+        if owners is None:
+            owners = await owners_of.lookup(engine_id, job.deadline)
+        if ticket is not None:
+            readable: dict[int, Owner] | None = owners
+            if not ticket_readable(owners, ticket):
+                readable = await owners_of.for_ticket(engine_id, owners, ticket, job.deadline)
+            if readable is not None:
+                try:
+                    return await self._tickets.fetch(readable, ticket, job)
+                except PeerLostError:
+                    await owners_of.forget(engine_id)  # a failed connection serves no later fetch
+                    raise
+            owners = await owners_of.lookup(engine_id, job.deadline)
+        try:
+            return await self._claims.fetch(owners, Claim(job.room, readers), job)
+        except PeerLostError:
+            fresh = await owners_of.reregistered(engine_id, owners, was_cached, job.deadline)
+            if fresh is None:
+                raise
+            logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, job.room)
+            return await self._claims.fetch(fresh, Claim(job.room, readers), job)
+
+    async def abandon(self, engine_id: str, room: int, *, timeout: float | None = None) -> None:
+        """This decode will not read `room` (its request was aborted): every owner gives up
+        one of the room's claims, so the room ends aborted there at once (its pages freed,
+        its prefill told) instead of staying pinned until its pin expires. A room not yet
+        published is refused when it is. Owners that cannot be reached are logged."""
+        deadline = budget(self.timeouts.request, None, timeout)
+        with self._activity.call():
+            owners = await self._owners.lookup(engine_id, deadline)
+            with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
+                await self._claims.release_all(owners, Claim(room), set(owners))
+
+    async def claim(
+        self,
+        engine_id: str,
+        room: int,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        readers: int = 1,
+    ) -> RoomLease:
+        """Claim `room` on every owner (waiting for it to be published) and hold the claim.
+
+        The source pages stay pinned until `RoomLease.release()` (or the owners' pin
+        deadline): the lease may read the room any number of times meanwhile. Claimed
+        ahead (before the destination pages are known), a read then costs no claim.
+        `readers`: as for `fetch`.
+        """
+        limit = budget(self.timeouts.fetch, deadline, timeout)
+        with self._activity.call():
+            owners = await self._owners.lookup(engine_id, limit)
+            claim = Claim(room, readers)
+            try:
+                await self._claims.claim_all(owners, claim, limit)
+            except BaseException:
+                await self._claims.release_all(owners, claim)
+                raise
+            for o in owners.values():  # the room's later states are pushed to this claim holder
+                self._ctx.feed.want(o.rank.control_url, room)
+            return RoomLease(self._ctx, self._activity, self._claims, self._tickets, engine_id, owners, claim)
+
+
+def _observe(result: FetchResult) -> None:
+    engine = result.engine_id
+    FETCH_SECONDS.labels(engine, "claims" if result.control_messages else "ticket").observe(result.seconds)
+    FETCH_BYTES.labels(engine).observe(result.nbytes)
+    FETCH_DESCRIPTORS.labels(engine).observe(result.descriptors)
+    if result.seconds > 0:
+        FETCH_RATE.labels(engine).observe(result.nbytes / result.seconds)

@@ -1,0 +1,190 @@
+"""A claim held across reads: a decode that must re-read a room, or that claimed it ahead.
+
+async with await fetcher.claim(engine_id, room) as lease:
+    result = await lease.read(dst_pages)    # as often as needed, one claim
+# leaving the block releases: raises ClaimLostError if the pages did not stay pinned
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+
+from pdkv.errors import ClaimLostError, ClosedError, RoomAbortedError
+from pdkv.pages import PageIds, page_ids
+from transfer.deadline import Deadline
+from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.owners import Owner, pinned
+from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
+from transfer.decode.tickets import TicketProtocol
+from transfer.metadata import OwnerPin, RoomState, RoomStatus, RoomTicket
+from transfer.metrics import fetching
+from transfer.results import FetchResult
+
+__all__ = ["RoomLease"]
+
+logger = logging.getLogger(__name__)
+
+
+class RoomLease:
+    """A claim on one room held on every owner; its source pages stay pinned until
+    `release()`. Reads under it may be repeated. Use `async with` or call `release()`."""
+
+    def __init__(
+        self,
+        ctx: DecodeContext,
+        activity: Activity,
+        claims: ClaimProtocol,
+        tickets: TicketProtocol,
+        engine_id: str,
+        owners: dict[int, Owner],
+        claim: Claim,
+    ) -> None:
+        self._ctx, self._activity, self._claims, self._tickets = ctx, activity, claims, tickets
+        self.engine_id, self._owners, self._claim = engine_id, owners, claim
+        self._released: bool | None = None
+
+    @property
+    def room(self) -> int:
+        return self._claim.room
+
+    async def read(
+        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
+    ) -> FetchResult:
+        """Read every layer of the room into `dst_pages` (waiting for layers still written).
+
+        The bytes are the room's only if `release()` then succeeds: until then a reader
+        must not hand them on.
+        """
+        job = self._begin(dst_pages, deadline, timeout)
+        with self._activity.call(), fetching(self.engine_id):
+            return await self._claims.fetch(self._owners, self._claim, job, release=False)
+
+    async def release(self) -> bool:
+        """Release the claim on every owner; True if that freed the room (it was the last).
+
+        Raises `ClaimLostError` if any owner had freed the pages first (aborted, expired):
+        whatever was read under this lease must then be discarded. Idempotent.
+        """
+        if self._released is not None:
+            return self._released
+        claim = self._claim
+        self._released = False
+        self._forget()
+        ranks, limit = claim.open_ranks, self._ctx.timeouts.request
+        outcomes = await asyncio.gather(
+            *(self._claims.release(o, claim, limit) for o in self._owners.values() if o.rank.cp_rank in ranks),
+            return_exceptions=True,
+        )
+        failures = [e for e in outcomes if isinstance(e, BaseException)]
+        if failures:
+            raise failures[0]
+        self._released = all(claim.released.get(r, False) for r in self._owners)
+        return self._released
+
+    async def give_up(self) -> None:
+        """Give the claim up unread (the read failed or was cancelled): as a failed fetch
+        does, so a room that no consumer read ends aborted on its owners. Idempotent."""
+        if self._released is not None:
+            return
+        self._released = False
+        self._forget()
+        await self._claims.release_all(self._owners, self._claim)
+
+    async def read_once(
+        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
+    ) -> FetchResult:
+        """`read`, then `release` (which proves the bytes): a fetch whose claim was taken
+        ahead. On any failure, cancellation too, the claim is given up.
+
+        Where every owner's claim found the room whole and named its pin, the room is read
+        as a ticket's: every owner at once, each pin word proved after the data, the claims
+        released by notifications after the return (`freed` is then unknown: False)."""
+        ticket = self._as_ticket()
+        try:
+            if ticket is not None:
+                return await self._read_pinned(ticket, dst_pages, deadline, timeout)
+            result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
+            freed = await self.release()
+        except BaseException:
+            await self.give_up()
+            raise
+        finally:
+            self._forget()
+        freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
+        return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
+
+    async def __aenter__(self) -> RoomLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _begin(self, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None) -> Fetch:
+        """A read's start: its clock, its checked destination pages and its budget."""
+        if self._released is not None:
+            raise ClosedError(f"lease on room {self.room} was already released")
+        started, ctx = time.perf_counter(), self._ctx
+        dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
+        return Fetch(self.engine_id, self.room, dst, budget(ctx.timeouts.fetch, deadline, timeout), started)
+
+    def _as_ticket(self) -> RoomTicket | None:
+        """The room as a ticket names it, from the claims' answers; None unless each owner's
+        found it whole (same pages everywhere) and named its pin."""
+        pins: list[OwnerPin] = []
+        pages: list[int] | None = None
+        for r, o in self._owners.items():
+            s = self._state(r, o)
+            if s is None or s.pin is None or s.status is not RoomStatus.READY or pages not in (None, s.src_pages):
+                return None
+            pins.append(s.pin)
+            pages = s.src_pages
+        if pages is None or not pinned(self._owners):
+            return None
+        return RoomTicket(engine_id=self.engine_id, room=self.room, src_pages=pages, pins=pins)
+
+    def _state(self, rank: int, owner: Owner) -> RoomState | None:
+        """The room's newest state on `owner`: as its claim found it, or pushed since."""
+        pushed = self._ctx.feed.latest(owner.rank.control_url, self.room)
+        if pushed is not None and pushed.status is not RoomStatus.PENDING:
+            return pushed
+        return self._claim.states.get(rank)
+
+    async def _read_pinned(
+        self, ticket: RoomTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
+    ) -> FetchResult:
+        job = self._begin(dst_pages, deadline, timeout)
+        with self._activity.call():  # the claim is given up before close can end the client
+            try:
+                with fetching(self.engine_id):
+                    result = await self._tickets.fetch(self._owners, ticket, job, self._notify)
+            except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
+                await self.give_up()
+                if isinstance(exc, RoomAbortedError):
+                    raise
+                raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
+            except BaseException:
+                await self.give_up()
+                raise
+        states = (self._state(r, o) for r, o in sorted(self._owners.items()))
+        aux = next((s.aux for s in states if s is not None and s.aux is not None), None)
+        if aux is None:
+            return result
+        owners = (msgspec.structs.replace(result.owners[0], aux=aux), *result.owners[1:])
+        return msgspec.structs.replace(result, owners=owners)
+
+    def _notify(self, pinned_owners: list[tuple[Owner, OwnerPin]], room: int) -> None:
+        """Release the claim on every owner by a notification (its bytes proved by the pin words)."""
+        self._released = False
+        for owner, _ in pinned_owners:
+            self._claim.released[owner.rank.cp_rank] = False
+        self._tickets.release_claims([o for o, _ in pinned_owners], self._claim)
+
+    def _forget(self) -> None:
+        """Stop keeping the room's pushed states (wanted since the claim)."""
+        for o in self._owners.values():
+            self._ctx.feed.forget(o.rank.control_url, self.room)

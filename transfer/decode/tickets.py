@@ -1,0 +1,207 @@
+"""The ticket protocol: read a finished room without asking anyone, and prove the pin after.
+
+With a `RoomTicket` (a finished room, handed over by its prefill through the router) a
+fetch makes no control request at all: every owner is read at once (owners on a lane that
+reads several together, in one operation), then each owner's pin word is checked; the
+nonce still being there proves that no page was freed while it was read. Words of owners
+on this host are loads from their mapped tables; others are READ over UCX. The room is
+then released by a UCX notification to each owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
+from transfer.deadline import Deadline
+from transfer.decode.claims import Claim, observe_read, owner_urls, read_layers
+from transfer.decode.owners import Owner, lost_peer
+from transfer.decode.tasks import DecodeContext, Fetch
+from transfer.lanes.base import Lane
+from transfer.lanes.ucx.lane import UcxLane
+from transfer.metadata import ClaimRelease, OwnerPin, RoomTicket, TicketRelease, encode
+from transfer.results import FetchResult, OwnerStats
+
+__all__ = ["PinRelease", "TicketProtocol"]
+
+logger = logging.getLogger(__name__)
+
+PIN_WINDOW = 2048  # words of an owner's pin table READ around a slot (16 KiB)
+PIN_WINDOWS = 64  # such READs in flight at once (reused in turn: a clash can only fail a check)
+
+PinRelease = Callable[[list[tuple[Owner, OwnerPin]], int], None]  # how a proved room is released
+
+
+class TicketProtocol:
+    """Reads rooms by their tickets. `ucx` READs remote pin words and sends the releases."""
+
+    def __init__(self, ctx: DecodeContext, ucx: UcxLane) -> None:
+        self.ctx, self.ucx = ctx, ucx
+        self.pin_windows = torch.zeros((PIN_WINDOWS, PIN_WINDOW), dtype=torch.int64)  # owners' pin words land here
+        self._next_window = 0
+
+    async def fetch(
+        self, owners: dict[int, Owner], ticket: RoomTicket, job: Fetch, release: PinRelease | None = None
+    ) -> FetchResult:
+        """Read every owner at once and prove each pin word after the data. `release`: how
+        the room is released once proved (a ticket's notifications by default); with one,
+        the reader holds claims (their owners push an abort, which stops the reads at once)
+        and a failure releases nothing (the caller gives its claims up)."""
+        src, dst = np.asarray(ticket.src_pages, dtype=np.int64), job.dst
+        if src.size != dst.size:
+            raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
+        pins = {p.cp_rank: p for p in ticket.pins}
+        room, together = ticket.room, _merged_lanes(owners)
+        reads = [self._read_with_pin(o, pins[r], room, src, job) for r, o in owners.items() if o.lane not in together]
+        every = [(o, pins[r]) for r, o in owners.items()]
+        try:
+            if not reads and len(together) == 1:  # every owner on one lane: one read, awaited in this task
+                lane, group = next(iter(together.items()))
+                per_task = [await self._read_merged_with_pins(lane, group, pins, room, src, job)]
+            else:
+                reads += [self._read_merged_with_pins(ln, g, pins, room, src, job) for ln, g in together.items()]
+                watch = self.ctx.feed.aborted(owner_urls(owners), room) if release is not None else None
+                per_task = await self.ctx.tasks.each(reads, watch)
+        except BaseException:  # every read has ended: release at once
+            if release is None:
+                self.release_pins(every, ticket.room)
+            raise
+        # Released once every pin was proved, after the fetch returns: notifications sent
+        # while other owners were still being read slowed those reads.
+        asyncio.get_running_loop().call_soon(release or self.release_pins, every, ticket.room)
+        # One task (every owner in one read) already lists its owners by CP rank.
+        stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
+        nbytes = sum([s.nbytes for s in stats])
+        return FetchResult(
+            job.engine_id, ticket.room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0
+        )
+
+    async def _read_with_pin(
+        self, owner: Owner, pin: OwnerPin, room: int, src: np.ndarray, job: Fetch
+    ) -> list[OwnerStats]:
+        """Read all of one owner's layers through its lane, then prove its pin."""
+        r = owner.rank
+        t0 = time.perf_counter()
+        layers = range(r.layer_start, r.layer_end)
+        try:
+            xfer = await read_layers(owner, layers, src, job.dst, job.deadline)
+            await self._prove_pins([(owner, pin)], room, job.deadline)
+        except PeerLostError as exc:
+            raise lost_peer(r, exc) from exc
+        span, elapsed = (layers.start, layers.stop), time.perf_counter() - t0
+        return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.path)]
+
+    async def _read_merged_with_pins(
+        self, lane: Lane, owners: dict[int, Owner], pins: dict[int, OwnerPin], room: int, src: np.ndarray, job: Fetch
+    ) -> list[OwnerStats]:
+        """Read every layer of these owners (one lane's) as one operation, then prove each
+        one's pin; each owner's share of the time is its share of the bytes."""
+        t0 = time.perf_counter()
+        merged = lane.merged(tuple(o.peer for o in owners.values()))
+        assert merged is not None
+        try:
+            # `dst` came through `page_ids` against this pool: the plan need not check it again.
+            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages)
+            unmapped = _prove_mapped_pins([(o, pins[r]) for r, o in owners.items()], room)
+            if unmapped:  # not the usual case: owners on this host map their pin tables
+                await self._prove_read_pins(unmapped, room, job.deadline)
+        except PeerLostError as exc:
+            lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
+            raise (lost_peer(lost, exc) if lost is not None else exc) from exc
+        asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
+        elapsed, n, per_byte = time.perf_counter() - t0, src.size, seconds / max(1, merged.page_bytes)
+        return [
+            OwnerStats(p.cp_rank, (p.layers.start, p.layers.stop), b * n, 0, 1, elapsed, b * per_byte, lane.name)
+            for p, b in merged.shares
+        ]
+
+    async def _prove_pins(self, pinned: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
+        """Check each owner's pin word for `room` after its data: still the nonce, or raise.
+        A mapped word is a load; the others are READ, one after another."""
+        await self._prove_read_pins(_prove_mapped_pins(pinned, room), room, deadline)
+
+    async def _prove_read_pins(self, unmapped: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
+        """Check the pins `_prove_mapped_pins` left (slots already bounded), each word READ."""
+        for owner, pin in unmapped:
+            _check_pin_word(pin, room, await self._read_pin(owner, pin, deadline))
+
+    async def _read_pin(self, owner: Owner, pin: OwnerPin, deadline: Deadline) -> int:
+        """The pin word READ over UCX (an owner on another host)."""
+        assert owner.rank.pins is not None
+        # A window of words around the slot, not the word alone: on loopback an 8-byte READ
+        # is emulated with messages the owner must progress, while 16 KiB go by cma's zero
+        # copy like the data.
+        self._next_window = (self._next_window + 1) % len(self.pin_windows)
+        local = self.pin_windows[self._next_window]
+        first = pin.slot - pin.slot % len(local)
+        window = local[: min(len(local), owner.rank.pins.slots - first)]
+        addr = owner.rank.pins.addr + 8 * first
+        await self.ucx.read_word(owner.rank.agent_name, addr, window, deadline.within(self.ctx.timeouts.request))
+        return int(window[pin.slot - first])
+
+    def release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
+        """Release a ticket's room on these owners: a notification each, no answer, queued
+        without a wait. One that cannot be sent leaves the room to its pin's expiry there."""
+        fp = self.ctx.fingerprint
+        messages = [
+            (o.rank.agent_name, encode(TicketRelease(room=room, slot=p.slot, nonce=p.nonce), fp)) for o, p in pins
+        ]
+        self._notify(messages, room)
+
+    def release_claims(self, owners: list[Owner], claim: Claim) -> None:
+        """Release `claim` on these owners by a notification each (its bytes proved by the
+        pin words, so no answer is needed)."""
+        body = encode(ClaimRelease(room=claim.room, claim=claim.token), self.ctx.fingerprint)
+        self._notify([(o.rank.agent_name, body) for o in owners], claim.room)
+
+    def _notify(self, messages: list[tuple[str, bytes]], room: int) -> None:
+        if self.ucx.closed:  # closed meanwhile
+            logger.info("release of room %d: the fetcher is closed (its pins expire instead)", room)
+            return
+        try:
+            self.ucx.notify(messages)
+        except PdkvError as exc:
+            logger.info("release of room %d: %s (its pins expire instead)", room, exc)
+
+
+def _merged_lanes(owners: dict[int, Owner]) -> dict[Lane, dict[int, Owner]]:
+    """Owners whose lane reads several together, by lane."""
+    by_lane: dict[Lane, dict[int, Owner]] = {}
+    for r, o in owners.items():
+        assert o.lane is not None
+        by_lane.setdefault(o.lane, {})[r] = o
+    return {lane: group for lane, group in by_lane.items() if lane.merges}
+
+
+def _prove_mapped_pins(pinned: list[tuple[Owner, OwnerPin]], room: int) -> list[tuple[Owner, OwnerPin]]:
+    """Check the pins of owners on this host (their tables mapped here: a load each, no
+    coroutine); returns the others, whose words must be READ."""
+    unmapped = []
+    for owner, pin in pinned:
+        assert owner.rank.pins is not None
+        if pin.slot >= owner.rank.pins.slots:
+            raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
+        if owner.pins is None:
+            unmapped.append((owner, pin))
+        else:
+            _check_pin_word(pin, room, owner.pins.word(pin.slot))
+    return unmapped
+
+
+def _check_pin_word(pin: OwnerPin, room: int, word: int) -> None:
+    """A pin word read after the data: still the ticket's nonce, or the bytes are not proved."""
+    if word != pin.nonce:
+        raise ClaimLostError(
+            f"room {room}: its pages on cp rank {pin.cp_rank} were freed (aborted, expired or released "
+            "by another holder of its ticket) before they were all read; the bytes may belong to another room"
+        )
+
+
+def _by_rank(stats: OwnerStats) -> int:
+    return stats.cp_rank

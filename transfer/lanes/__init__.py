@@ -1,0 +1,1 @@
+"""Lanes: the only code that moves bytes (see `transfer.lanes.base`)."""
