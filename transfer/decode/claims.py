@@ -232,8 +232,17 @@ class ClaimProtocol:
         """
         notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, abort=give_up)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
+        sent = asyncio.ensure_future(self._control(claim, "POST", url, ReleaseReply, notice, timeout))
         try:
-            answer = await self._control(claim, "POST", url, ReleaseReply, notice, timeout)
+            # Seen through if the caller is cancelled (bounded by `timeout`): a release cut
+            # off mid-request may never reach the owner, and one asked is never asked again,
+            # so the room would stay pinned there until its pin expired.
+            answer = await asyncio.shield(sent)
+        except asyncio.CancelledError:
+            await asyncio.wait([sent])
+            if not sent.cancelled() and sent.exception() is not None:
+                logger.debug("release of room %d after a cancel: %s", claim.room, sent.exception())
+            raise
         finally:
             claim.released.setdefault(owner.rank.cp_rank, False)  # asked once: never again
         claim.released[owner.rank.cp_rank] = answer.freed

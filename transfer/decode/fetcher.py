@@ -136,8 +136,9 @@ class DecodeFetcher:
         self._activity.open = True
 
     async def aclose(self) -> None:
-        """Refuse new fetches, end those in flight with `ClosedError` (their claims released),
-        then drop connections and registrations."""
+        """Refuse new fetches, end those in flight with `ClosedError` (their claims given
+        up), then drop connections and registrations. A read that cannot be stopped (one
+        launch over every owner on the GPU lane, well under a millisecond) ends first."""
         activity = self._activity
         started, activity.closing = activity.open, True
         if started:
