@@ -37,10 +37,9 @@ __all__ = [
 def alloc_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """A zeroed tensor; on the host, backed by numpy so large buffers get huge pages.
 
-    Measured here: UCX reads buffers on 4 KiB pages about 2x slower than ones on
-    transparent huge pages, and numpy (not torch.empty) advises the kernel to use them.
-    The memory is also faulted in now, as a GPU allocation would be: a READ landing in
-    never-touched pages ran at 0.1 GB/s instead of 4-5 GB/s, paying the page faults.
+    UCX reads buffers on 4 KiB pages about half as fast as ones on transparent huge pages,
+    and numpy (not torch.empty) advises the kernel to use them. The memory is also faulted
+    in now, as a GPU allocation would be: a READ must not pay the page faults.
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -63,7 +62,7 @@ class LayerRegions:
     """Layers in one allocation, each one region: its latent KV, then its indexer.
 
     A layer's two buffers side by side let one broadcast carry the whole layer (one NCCL
-    operation, not two: the second cost ~32 us of fixed latency a layer on an H200 pair),
+    operation, not two: each costs a fixed latency a layer),
     and the allocation is still one thing to register with a transfer engine.
     """
 

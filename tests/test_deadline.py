@@ -22,3 +22,21 @@ def test_on_the_wire_a_deadline_is_what_remains():
     assert 2400 <= wire <= 2500
     back = Deadline.from_wire(wire)
     assert abs(back.at - d.at) < 0.1
+
+
+async def test_wait_until_wakes_on_a_change_and_gives_up_at_its_timeout():
+    import asyncio
+
+    from transfer.deadline import wait_until
+
+    state = {"n": 0, "event": asyncio.Event()}
+
+    def bump() -> None:
+        state["n"] += 1
+        state["event"].set()
+        state["event"] = asyncio.Event()
+
+    asyncio.get_running_loop().call_later(0.01, bump)
+    asyncio.get_running_loop().call_later(0.02, bump)
+    assert await wait_until(lambda: state["n"] >= 2, lambda: state["event"], 5.0)
+    assert not await wait_until(lambda: state["n"] >= 3, lambda: state["event"], 0.05)

@@ -11,6 +11,7 @@ arrival (`Deadline.from_wire`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,7 @@ from typing import TypeVar
 
 from pdkv.errors import DeadlineExceeded
 
-__all__ = ["Deadline", "retry_until"]
+__all__ = ["Deadline", "retry_until", "wait_until"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,3 +82,16 @@ async def retry_until(
             logger.debug("%s: %s; retrying", what, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, cap)
+
+
+async def wait_until(ready: Callable[[], bool], changed: Callable[[], asyncio.Event], timeout: float) -> bool:
+    """Wait until `ready()` holds, at most `timeout` seconds; True if it does. `changed()`:
+    the event set whenever `ready()` may have become true (one a change, replaced after)."""
+    end = time.monotonic() + timeout
+    while not ready():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed().wait(), left)
+    return True

@@ -13,13 +13,12 @@ Frames: a 4-byte big-endian length, then an enveloped `RoomState`; length 0 is a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
-import time
 from collections.abc import AsyncIterator, Iterable
 
 from pdkv.errors import PdkvError, RoomAbortedError
+from transfer.deadline import wait_until
 from transfer.http import ControlClient
 from transfer.metadata import RoomState, RoomStatus, decode, encode
 
@@ -131,17 +130,16 @@ class ReadinessFeed:
         """`room`'s state once it has layers beyond `after`, chunks' pages beyond
         `after_pages`, or is all ready; None if the stream is down or nothing came within
         `timeout`: the caller then polls."""
-        end = time.monotonic() + timeout
-        while True:
+
+        def arrived() -> bool:
             state = self._wanted.get((url, room))
-            if state is not None and _moved(state, after, after_pages):
-                return state
-            left = end - time.monotonic()
-            if url not in self._live or left <= 0:
-                return None
-            moved = self._moved.setdefault(url, asyncio.Event())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(moved.wait(), left)
+            return state is not None and _moved(state, after, after_pages)
+
+        def over() -> bool:  # arrived, or the stream went down
+            return arrived() or url not in self._live
+
+        await wait_until(over, lambda: self._moved.setdefault(url, asyncio.Event()), timeout)
+        return self._wanted.get((url, room)) if arrived() else None
 
     async def aborted(self, urls: dict[str, int], room: int) -> None:
         """Raise `RoomAbortedError` as soon as an owner's stream (of `urls`: control URL ->

@@ -42,6 +42,7 @@ from pdkv.errors import (
     UnknownRoomError,
 )
 from pdkv.pages import has_repeats, page_ids
+from transfer.deadline import wait_until
 from transfer.metadata import MAX_AUX_BYTES, ReleaseReply, RoomState, RoomStatus
 
 __all__ = ["RoomTable", "RoomCounters"]
@@ -203,16 +204,7 @@ class RoomTable:
                 return True
             return r.ready_upto > after or r.ready_upto == self.layers.stop
 
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not moved():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                await asyncio.wait_for(self._tick.wait(), remaining)
-            except asyncio.TimeoutError:
-                break
+        await wait_until(moved, lambda: self._tick, timeout)
         return self.state(room)
 
     def claim(self, room: int, token: str, consumer: str, readers: int = 1) -> RoomState:

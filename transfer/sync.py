@@ -115,7 +115,7 @@ class BackgroundLoop:
         finally:
             self.stop()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = Timeouts.start) -> None:
         """Stop the loop and wait for its thread (not from the loop's own thread: `close`)."""
         self._stopping = True
         if self.loop.is_closed():

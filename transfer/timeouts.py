@@ -30,12 +30,10 @@ class Timeouts:
     lease: float = 10.0  # a registry entry lives this long without renewal
     pin: float = 120.0  # source pages stay pinned this long without release
     progress_interval: float = 0.01  # how often an exporter drives its UCX worker
-    # ... while a ticket it issued is unreleased. Over TCP between hosts every READ waits
-    # for the owner to progress (UCX emulates a GET with messages the owner answers): at 1 ms
-    # a stand-in host pair fetched 1k/8k/32k tokens at 1.1-1.3/1.3-1.6/1.2-1.8 GB/s against
-    # 0.7-0.9/1.0-1.2/1.0-1.1 at 10 ms. On one host (cma) and over RDMA a READ needs no owner, and
-    # polling at 1 ms cost 2 cores 30% of their 8k fetch rate. So it is for deployments
-    # that read over TCP between hosts to lower.
+    # ... while a ticket it issued is unreleased. Over TCP between hosts a READ waits for the
+    # owner's progress (UCX emulates a GET), so deployments that read so may lower it; on one
+    # host and over RDMA a READ needs no owner, and faster polling only costs cores
+    # (docs/benchmarks.md, "Owners' progress").
     ticket_progress_interval: float = 0.01
     header: float = 10.0  # a service: from connect to a complete request head
     idle: float = 30.0  # a service: from a reply to the next request head (above aiohttp clients' 15 s keep-alive)

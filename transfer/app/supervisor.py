@@ -25,9 +25,8 @@ from transfer.deadline import Deadline, retry_until
 from transfer.registry import registry_client
 from transfer.timeouts import Timeouts
 
-# SMs a prefill's NCCL owner broadcast may take: on two H200s 8 broadcast a layer as fast as
-# NCCL's own 24 channels, and let a prefetch hide behind compute that leaves them free
-# (README, docs/benchmarks.md).
+# SMs a prefill's NCCL owner broadcast may take: 8 were as fast as NCCL's own 24 channels and
+# leave compute the rest, so a prefetch hides behind it (docs/benchmarks.md, "NCCL SM cap").
 BROADCAST_CTAS = 8
 
 __all__ = ["DeploymentSpec", "EngineDeath", "EngineEndpoints", "EngineState", "DecoderEndpoint", "Host", "Supervisor"]

@@ -125,7 +125,9 @@ class EtcdRegistry:
             # despite its name, the least time gRPC core gives one connection attempt
             "grpc.min_reconnect_backoff_ms": int(self.timeouts.connect * 1e3),
         }
-        return aetcd.Client(host, port, username=user, password=password, options=options, connect_wait_timeout=3)
+        return aetcd.Client(
+            host, port, username=user, password=password, options=options, connect_wait_timeout=self.timeouts.connect
+        )
 
     async def _replace(self, failed: aetcd.Client, move: bool) -> aetcd.Client:
         """A new client in place of `failed`, on the next member if `move`, unless a
@@ -274,7 +276,7 @@ class EtcdRegistry:
             raise self._translate(exc, "watch") from exc
         finally:
             try:
-                await asyncio.wait_for(watch.cancel(), 1.0)
+                await asyncio.wait_for(watch.cancel(), self.timeouts.request)
             except Exception as exc:  # the stream may already be gone with etcd
                 logger.debug("cancelling a watch on %s: %s", self.where, exc)
 
@@ -284,10 +286,10 @@ class EtcdRegistry:
         self._retired.clear()
 
 
-async def _close_quietly(client: aetcd.Client, what: str) -> None:
+async def _close_quietly(client: aetcd.Client, what: str, timeout: float = Timeouts.connect) -> None:
     """Close an etcd client, bounded; closing must not fail a shutdown, etcd may be gone."""
     try:
-        await asyncio.wait_for(client.close(), 3.0)
+        await asyncio.wait_for(client.close(), timeout)
     except Exception as exc:
         logger.warning("closing the etcd client of %s: %s", what, exc)
 

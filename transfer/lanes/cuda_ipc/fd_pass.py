@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdkv.errors import AuthError, DeadlineExceeded, PdkvError, PeerLostError, TransferError
+from transfer.timeouts import Timeouts
 
 __all__ = [
     "FdServer",
@@ -249,7 +250,7 @@ class FdServer:
         *,
         directory: str | None = None,
         name: str | None = None,
-        timeout: float = 5.0,
+        timeout: float = Timeouts.connect,
     ) -> None:
         if not secret:
             raise ValueError("FdServer needs a non-empty secret")
@@ -402,7 +403,7 @@ class FdServer:
 
 
 async def fetch_fds(
-    address: str, key: str, secret: str | bytes, timeout: float = 5.0, *, max_fds: int = MAX_FDS
+    address: str, key: str, secret: str | bytes, timeout: float = Timeouts.connect, *, max_fds: int = MAX_FDS
 ) -> list[int]:
     """The descriptors an `FdServer` at `address` serves under `key`: new descriptors of
     this process, which the caller owns (close them with `close_fds` once imported).

@@ -43,6 +43,7 @@ from transfer.lanes.cuda_ipc.plan import (
 from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
 from transfer.lanes.pages import BufferPair
 from transfer.metadata import RankDescriptor
+from transfer.timeouts import Timeouts
 
 __all__ = ["CudaIpcLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
 
@@ -128,7 +129,12 @@ class CudaIpcLane:
     merges = True
 
     def __init__(
-        self, device: torch.device, *, time_kernels: bool = False, secret: str | None = None, fd_timeout: float = 5.0
+        self,
+        device: torch.device,
+        *,
+        time_kernels: bool = False,
+        secret: str | None = None,
+        fd_timeout: float = Timeouts.connect,
     ) -> None:
         """`secret`: the owners' (their VMM descriptors are handed out under it);
         `fd_timeout`: the bound on fetching an owner's descriptors."""

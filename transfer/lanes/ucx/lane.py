@@ -18,6 +18,7 @@ from transfer.lanes.base import Pairs, ReadStats
 from transfer.lanes.ucx.plan import ReadTable, read_plan, read_table
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.metadata import RankDescriptor
+from transfer.timeouts import Timeouts
 
 __all__ = ["UcxLane", "UcxPeer"]
 
@@ -48,7 +49,9 @@ class UcxLane:
     name = "ucx"
     merges = False
 
-    def __init__(self, transport: UcxTransport, *, merge_runs: bool = True, transfer_timeout: float = 60.0) -> None:
+    def __init__(
+        self, transport: UcxTransport, *, merge_runs: bool = True, transfer_timeout: float = Timeouts.transfer
+    ) -> None:
         self.transport = transport
         self.merge_runs = merge_runs
         self._transfer_timeout = transfer_timeout

@@ -73,7 +73,7 @@ def configure_ucx_environment() -> None:
     quietly) until the READ's own deadline, a minute later; and a READ abandoned then still
     landed its bytes once the link came back (seen between network namespaces). With TCP
     keepalive probes after 1 s of silence, given up after two unanswered ones, UCX fails the
-    endpoint about 3 s after the cut (measured: 3.1 s), the READ ends `PeerLostError`, and
+    endpoint about 3 s after the cut, the READ ends `PeerLostError`, and
     a failed endpoint lands nothing later. The probes are answered by the peer's kernel, so a
     busy owner is not taken for a dead one.
     """
@@ -89,10 +89,9 @@ def configure_ucx_environment() -> None:
 def default_workers(mem_type: str = "DRAM") -> int:
     """One worker per core this process may run on, up to 8 for host memory, 4 for GPU memory.
 
-    On the host a worker's thread does the copy (cma), so workers scale with cores: on a
-    16-core H200 host, 8 workers fetched 14.2-14.5 GB/s against 8.7-8.9 with 2. Over cuda_ipc
-    a worker posts descriptors and the copy engines do the rest: 4 workers gave 15.0-19.7 GB/s
-    against 9.4-12.2 with 2, and 8 workers no more than 4, with a worse p99.
+    On the host a worker's thread does the copy (cma), so workers scale with cores; over
+    cuda_ipc a worker only posts descriptors for the copy engines, and more than 4 gained
+    nothing but a worse p99 (docs/benchmarks.md, "Lanes: READs on more cores").
     """
     return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
 
@@ -283,7 +282,12 @@ class UcxTransport:
     """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
 
     def __init__(
-        self, name: str, workers: int = 1, mem_type: str = "DRAM", connect_timeout: float = 5.0, notifies: bool = False
+        self,
+        name: str,
+        workers: int = 1,
+        mem_type: str = "DRAM",
+        connect_timeout: float = Timeouts.connect,
+        notifies: bool = False,
     ) -> None:
         """`notifies`: this transport sends notifications (`notify`), from an agent of their
         own: a notification sent on a READ worker's connection made that worker's next READs
