@@ -266,13 +266,18 @@ class DSAKVPool:
             item_lens=tuple(item_len for _ in layers),
         )
 
+    def infos(self, kind: BufferKind) -> BufferInfos:
+        """The owned layers' buffers of `kind`; item_len is one page of one layer."""
+        if kind is BufferKind.LATENT:
+            return self._infos(self.kv_buffer, self.layout.kv_page_bytes)
+        return self._infos(self.index_buffer, self.layout.index_page_bytes)
+
+    # SGLang's names for the same (its transfer backends call these on its pools).
     def get_contiguous_buf_infos(self) -> BufferInfos:
-        """Latent KV buffers of owned layers; item_len is one page of one layer."""
-        return self._infos(self.kv_buffer, self.layout.kv_page_bytes)
+        return self.infos(BufferKind.LATENT)
 
     def get_state_buf_infos(self) -> BufferInfos:
-        """Indexer buffers of owned layers; item_len is one indexer page."""
-        return self._infos(self.index_buffer, self.layout.index_page_bytes)
+        return self.infos(BufferKind.INDEX)
 
     def registered_buffers(self) -> list[torch.Tensor]:
         """What a transfer layer registers: the slab of owned layers."""

@@ -10,6 +10,7 @@ import torch
 
 from pdkv import DSAKVPool, IncompatibleLayoutError, dsa_v32
 from pdkv.errors import LayoutError
+from pdkv.layout import BufferKind
 from transfer.decode import DecodeFetcher
 from transfer.engine_kv import EngineKV, buffer_infos
 from transfer.metadata import OwnerPin, RoomTicket, decode, encode
@@ -51,7 +52,7 @@ def _engine_kv(kv: list[torch.Tensor], index: list[torch.Tensor], page: int = PA
 
 def test_an_engines_buffers_take_the_layout_their_bytes_describe():
     pool = DSAKVPool(dsa_v32(size=(PAGES - 1) * PAGE, layer_num=LAYERS))
-    latent, index = pool.get_contiguous_buf_infos(), pool.get_state_buf_infos()
+    latent, index = pool.infos(BufferKind.LATENT), pool.infos(BufferKind.INDEX)
     seen = EngineKV(latent, index, page_size=PAGE, layer_num=LAYERS)
     assert seen.layout.fingerprint == pool.layout.fingerprint  # the same bytes: one fingerprint
     assert seen.kv_buffer[2].data_ptr() == pool.kv_buffer[2].data_ptr()  # a view, not a copy
@@ -62,7 +63,7 @@ def test_an_engines_buffers_take_the_layout_their_bytes_describe():
 def test_buffers_that_do_not_make_a_pool_are_refused():
     kv, index = _engine_tensors((KV_ITEM, INDEX_ITEM), 0)
     good = _engine_kv(kv, index)
-    latent, idx = good.get_contiguous_buf_infos(), good.get_state_buf_infos()
+    latent, idx = good.infos(BufferKind.LATENT), good.infos(BufferKind.INDEX)
     with pytest.raises(LayoutError, match="contiguous"):
         EngineKV(
             buffer_infos([0, 2], latent.data_ptrs[:2], latent.data_lens[:2], latent.item_lens[:2]),

@@ -9,8 +9,7 @@ The layout is derived from the buffers' item lengths and the page size, so a pre
 and a decode's fingerprints agree exactly when the bytes of their pages do. The memory
 must outlive every exporter or fetcher that registered it. Buffers may lie anywhere (no
 slab): an exporter publishes a CUDA IPC slab per allocation behind them for the
-same-host GPU lane (`transfer.prefill`), and VMM memory, which IPC handles cannot export,
-goes over UCX.
+same-host GPU lane, and VMM memory as spans of chunks (`transfer.lanes.cuda_ipc.export`).
 """
 
 from __future__ import annotations
@@ -37,9 +36,9 @@ class KVBuffers(Protocol):
     kv_buffer: list[torch.Tensor]  # per layer of the layout; empty for a layer not owned
     index_buffer: list[torch.Tensor]
 
-    def get_contiguous_buf_infos(self) -> BufferInfos: ...
-
-    def get_state_buf_infos(self) -> BufferInfos: ...
+    def infos(self, kind: BufferKind) -> BufferInfos:
+        """The owned layers' buffers of `kind`: per layer its id, address, bytes, page bytes."""
+        ...
 
     def registered_buffers(self) -> list[torch.Tensor]: ...
 
@@ -150,11 +149,8 @@ class EngineKV:
             views[layer - self.layout.start_layer] = view_memory(ptr, n, self.device).view(-1, item)
         return views
 
-    def get_contiguous_buf_infos(self) -> BufferInfos:
-        return self._latent
-
-    def get_state_buf_infos(self) -> BufferInfos:
-        return self._index
+    def infos(self, kind: BufferKind) -> BufferInfos:
+        return self._latent if kind is BufferKind.LATENT else self._index
 
     def registered_buffers(self) -> list[torch.Tensor]:
         """What a transfer layer registers: every owned layer's two buffers."""

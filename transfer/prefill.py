@@ -74,10 +74,8 @@ PIN_SLOTS = 4096  # rooms a rank can pin with a ticket at once; beyond, rooms ar
 def _descriptors(pool: KVBuffers) -> list[MemoryDescriptor]:
     dev = device_id(pool.device)
     out = []
-    for kind, infos in (
-        (BufferKind.LATENT, pool.get_contiguous_buf_infos()),
-        (BufferKind.INDEX, pool.get_state_buf_infos()),
-    ):
+    for kind in (BufferKind.LATENT, BufferKind.INDEX):
+        infos = pool.infos(kind)
         for layer, ptr, length, item in zip(infos.layer_ids, infos.data_ptrs, infos.data_lens, infos.item_lens):
             out.append(
                 MemoryDescriptor(kind=kind, layer_id=layer, addr=ptr, length=length, item_len=item, device_id=dev)
