@@ -9,7 +9,7 @@ release; `--claims`: a claim and a release over HTTP per owner instead), and (c)
 in-process copy of the same pages between two pools (the limit). Medians over --runs
 after a warm-up; prints a table.
 
-`--engine-buffers` (issue 31; formerly scripts/bench_engine_lane.py): then, in the same
+`--engine-buffers`: then, in the same
 call, owners whose KV lies in buffers of their own as SGLang's DSA pools allocate it (CP=4
 processes, each a CUDA tensor per layer and kind of DeepSeek-V3.2's 61 layers: latent 656
 and indexer 132 bytes a token, pages of 64; `tests/engine_owners.py`), read by a decode
@@ -22,7 +22,7 @@ every (size, read) is checked byte-exact after its warm-up. The table compares e
 with the pool lane's back-to-back fetches of this call ("b2b"; on a CPU, the pool's UCX
 fetch) and gives the path that moved the bytes (`OwnerStats.path`). `--vmm` adds rows from
 owners on expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, VMM
-memory): until VMM export lands, those are read over UCX, and their rows say so.
+memory), which hand their chunks to the lane as file descriptors.
 
     .venv/bin/python scripts/bench_fetch.py [--sizes 1024,8192,32768] [--runs 5] [--claims]
     .venv/bin/python scripts/bench_fetch.py --device cuda --engine-buffers [--vmm] --sizes 8192,32768
@@ -445,10 +445,10 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
     try:
         slabs = [reports[r][0] for r in range(ENGINE_CP)]
         print(
-            f"{label} owners: CP={ENGINE_CP}, {ENGINE_LAYERS} layers on {device}, exported IPC slabs per owner {slabs}"
-            " (None: not exportable, read over UCX)"
+            f"{label} owners: CP={ENGINE_CP}, {ENGINE_LAYERS} layers on {device}, exported IPC slabs and VMM spans per owner"
+            f" {slabs} (None: not exportable, read over UCX)"
         )
-        lane_expected = device == "cuda" and not vmm
+        lane_expected = device == "cuda"
         if lane_expected and any(s is None for s in slabs):
             raise SystemExit(f"owners of per-layer CUDA allocations exported no IPC handles: {slabs}")
         bufs = engine_buffers(shape, range(ENGINE_LAYERS), fill=False, device=device)

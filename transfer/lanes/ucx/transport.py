@@ -91,7 +91,7 @@ def default_workers(mem_type: str = "DRAM") -> int:
 
     On the host a worker's thread does the copy (cma), so workers scale with cores; over
     cuda_ipc a worker only posts descriptors for the copy engines, and more than 4 gained
-    nothing but a worse p99 (docs/benchmarks.md, "Lanes: READs on more cores").
+    nothing but a worse p99 (docs/benchmarks.md, "UCX workers: READs on more cores").
     """
     return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
 
