@@ -445,8 +445,8 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
     try:
         slabs = [reports[r][0] for r in range(ENGINE_CP)]
         print(
-            f"{label} owners: CP={ENGINE_CP}, {ENGINE_LAYERS} layers on {device}, exported IPC slabs and VMM spans per owner"
-            f" {slabs} (None: not exportable, read over UCX)"
+            f"{label} owners: CP={ENGINE_CP}, {ENGINE_LAYERS} layers on {device}, exported IPC slabs and VMM"
+            f" spans per owner {slabs} (None: not exportable, read over UCX)"
         )
         lane_expected = device == "cuda"
         if lane_expected and any(s is None for s in slabs):
