@@ -1,4 +1,4 @@
-"""An NCCL communicator driven through ctypes, for the owner broadcast's per-layer path.
+"""An NCCL communicator driven directly, for the owner broadcast's per-layer path.
 
 A prefill reads every non-owned layer through one broadcast, and through torch's
 `ProcessGroupNCCL` a broadcast and its wait took 29-41 us of host time (work objects,
@@ -7,6 +7,16 @@ the host, not the link, set the pace. Here a broadcast is two driver calls that 
 after the compute stream, `ncclBroadcast` on a high-priority stream of its own, and an
 end event: 18-29 us with the wait (H200 host, docs/benchmarks.md). vLLM drives NCCL the
 same way (`PyNcclCommunicator`), for the same reason.
+
+The calls go through NVIDIA's bindings, `nccl4py`'s low-level `nccl.bindings` and
+`cuda-bindings`' `cuda.bindings.driver` (the `gpu` extra; issue 30 §6), which replaced
+hand-written ctypes: on an H200 host a broadcast's four calls took 2.06 us of host time a
+layer through them against 3.41 us (`ncclBroadcast` alone 0.59 against 2.43 us), and 2.34
+against 6.08 us as this module makes them after the change (scripts/bench_bindings.py).
+nccl4py's high-level `nccl.core` cost more (9.24 us a broadcast against this module's 4.77),
+so it is not used. Both are imported on first use, with CUDA
+only. The communicator config stays the ctypes struct below (NCCL 2.17's prefix, passed by
+address): built once a communicator, it keeps the fields NCCL reads what they were.
 
 What ProcessGroupNCCL's watchdog did is done here by `_Watchdog`: a broadcast still
 running at its deadline (a peer died or hangs: on one host NCCL's kernels wait for it
@@ -19,7 +29,9 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import glob
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,23 +39,18 @@ from typing import Any
 
 import torch
 
-from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
+from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError, TransferError
 
 __all__ = ["NcclComm", "NcclWork", "nccl_library", "unique_id"]
 
 logger = logging.getLogger(__name__)
 
 _SUCCESS = 0
-_UINT8 = 1  # ncclUint8
 _CONFIG_MAGIC = 0xCAFEBEEF
 _CONFIG_VERSION = 21700  # NCCL_VERSION(2, 17, 0): the fields below, no later ones
 _CUDA_NOT_READY = 600
 _EVENT_DISABLE_TIMING = 2
 _WATCH_INTERVAL_S = 0.02
-
-
-class _UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * 128)]
 
 
 class _Config(ctypes.Structure):
@@ -69,52 +76,76 @@ def config(max_ctas: int | None) -> _Config:
 
 
 class _Api:
-    """The NCCL and CUDA driver entry points, their argument types set once."""
+    """The NCCL and CUDA driver entry points, through the bindings (`nb`: nccl4py's
+    `nccl.bindings.nccl`; `drv`: `cuda.bindings.driver`). NCCL calls raise `nb.NCCLError`
+    on failure; driver calls return their `CUresult` first."""
 
-    def __init__(self, nccl: ctypes.CDLL, cuda: ctypes.CDLL) -> None:
-        vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    def __init__(self, nb: Any, drv: Any) -> None:
+        self.nb, self.drv = nb, drv
+        self.error = nb.NCCLError
+        self.get_unique_id = nb.get_unique_id
+        self.init = nb.comm_init_rank_config
+        self.async_error = nb.comm_get_async_error
+        self.broadcast = nb.broadcast
+        self.group_start = nb.group_start
+        self.group_end = nb.group_end
+        self.abort = nb.comm_abort
+        self.destroy = nb.comm_destroy
+        self.uint8 = int(nb.DataType.Uint8)
+        self.event_create = drv.cuEventCreate
+        self.event_record = drv.cuEventRecord
+        self.event_query = drv.cuEventQuery
+        self.event_destroy = drv.cuEventDestroy
+        self.stream_wait = drv.cuStreamWaitEvent
+        self.ctx_get = drv.cuCtxGetCurrent
 
-        def fn(lib: ctypes.CDLL, name: str, *argtypes: Any, restype: Any = ctypes.c_int) -> Any:
-            f = getattr(lib, name)
-            f.argtypes, f.restype = list(argtypes), restype
-            return f
+    def error_string(self, code: int) -> str:
+        try:
+            return str(self.nb.get_error_string(code))
+        except Exception:  # a code this NCCL does not know
+            return "?"
 
-        self.get_unique_id = fn(nccl, "ncclGetUniqueId", ctypes.POINTER(_UniqueId))
-        self.init = fn(nccl, "ncclCommInitRankConfig", ctypes.POINTER(vp), i, _UniqueId, i, ctypes.POINTER(_Config))
-        self.async_error = fn(nccl, "ncclCommGetAsyncError", vp, ctypes.POINTER(i))
-        self.broadcast = fn(nccl, "ncclBroadcast", vp, vp, sz, i, i, vp, vp)
-        self.group_start = fn(nccl, "ncclGroupStart")
-        self.group_end = fn(nccl, "ncclGroupEnd")
-        self.abort = fn(nccl, "ncclCommAbort", vp)
-        self.destroy = fn(nccl, "ncclCommDestroy", vp)
-        self.error_string = fn(nccl, "ncclGetErrorString", i, restype=ctypes.c_char_p)
-        self.event_create = fn(cuda, "cuEventCreate", ctypes.POINTER(vp), ctypes.c_uint)
-        self.event_record = fn(cuda, "cuEventRecord", vp, vp)
-        self.event_query = fn(cuda, "cuEventQuery", vp)
-        self.event_destroy = fn(cuda, "cuEventDestroy_v2", vp)
-        self.stream_wait = fn(cuda, "cuStreamWaitEvent", vp, vp, ctypes.c_uint)
-        self.ctx_get = fn(cuda, "cuCtxGetCurrent", ctypes.POINTER(vp))
-        self.ctx_set = fn(cuda, "cuCtxSetCurrent", vp)
+    def ctx_set(self, ctx: Any) -> Any:
+        return self.drv.cuCtxSetCurrent(ctx)[0]
 
 
 _api: _Api | None = None
+GPU_EXTRA = "pip install 'pdkv[gpu]'"
+
+
+def _point_nccl4py_at_torch() -> None:
+    """nccl4py finds libnccl through cuda-pathfinder: one already loaded (torch's, loaded with
+    its CUDA libraries), else site-packages' `nvidia/nccl/lib`, else `$NCCL_HOME/lib`. Name
+    torch's wheel there too (unless set), so that no second copy is ever loaded."""
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    home = os.path.join(site, "nvidia", "nccl")
+    if "NCCL_HOME" not in os.environ and glob.glob(os.path.join(home, "lib", "libnccl.so*")):
+        os.environ["NCCL_HOME"] = home
 
 
 def nccl_library() -> _Api | None:
     """NCCL as torch loaded it (its pip wheel's libnccl), or None where it is not a shared
-    library of its own (a torch built with NCCL linked in): then torch's process group serves."""
+    library of its own (a torch built with NCCL linked in): then torch's process group serves.
+    Raises a TransferError naming the `gpu` extra where its bindings are not installed."""
     global _api
     if _api is None:
         if not torch.cuda.is_available():
             return None
         torch.cuda.init()  # loads libnccl with torch's CUDA libraries
         try:
-            nccl = ctypes.CDLL("libnccl.so.2")
-            version = ctypes.c_int()
-            if nccl.ncclGetVersion(ctypes.byref(version)) != _SUCCESS or version.value < _CONFIG_VERSION:
-                raise OSError(f"NCCL {version.value} predates 2.17's communicator config")
-            _api = _Api(nccl, ctypes.CDLL("libcuda.so.1"))
-        except (OSError, AttributeError) as exc:
+            import nccl.bindings.nccl as nb
+            from cuda.bindings import driver as drv
+        except ImportError as exc:
+            raise TransferError(
+                f"the NCCL owner broadcast needs nccl4py and cuda-bindings, not importable here ({exc}): {GPU_EXTRA}"
+            ) from exc
+        _point_nccl4py_at_torch()
+        try:
+            version = int(nb.get_version())  # loads libnccl
+            if version < _CONFIG_VERSION:
+                raise OSError(f"NCCL {version} predates 2.17's communicator config")
+            _api = _Api(nb, drv)
+        except Exception as exc:  # no libnccl of its own: cuda-pathfinder's not-found, an old one
             logger.info("NCCL not loadable on its own (%s): broadcasts go through torch's process group", exc)
             return None
     return _api
@@ -123,9 +154,10 @@ def nccl_library() -> _Api | None:
 def unique_id() -> bytes:
     """A new communicator's id, made on one rank and handed to the others."""
     api = _need()
-    uid = _UniqueId()
-    _check(api, api.get_unique_id(ctypes.byref(uid)), "ncclGetUniqueId")
-    return bytes(uid.internal)
+    try:
+        return bytes(api.get_unique_id())
+    except api.error as exc:
+        raise PeerLostError(f"ncclGetUniqueId: {exc}") from exc
 
 
 def _stream_of_stream_object(device: int) -> int:
@@ -144,14 +176,15 @@ def _need() -> _Api:
     return api
 
 
-def _check(api: _Api, rc: int, what: str) -> None:
-    if rc != _SUCCESS:
-        raise PeerLostError(f"{what}: NCCL error {rc}: {api.error_string(rc).decode()}")
+def _nccl_failure(what: str, exc: Exception) -> PeerLostError:
+    """A PeerLostError for an `NCCLError` of nccl4py (its `status` and message)."""
+    return PeerLostError(f"{what}: NCCL error {getattr(exc, 'status', '?')}: {exc}")
 
 
-def _check_cuda(rc: int, what: str) -> None:
-    if rc != 0:
-        raise PdkvError(f"{what}: CUDA driver error {rc}")
+def _check_cuda(rc: Any, what: str) -> None:
+    """Raise for a failed driver call's `CUresult` (an int)."""
+    if rc:
+        raise PdkvError(f"{what}: CUDA driver error {int(rc)}")
 
 
 class NcclWork:
@@ -162,7 +195,7 @@ class NcclWork:
 
     __slots__ = ("_comm", "event", "tensors", "what", "deadline", "ran")
 
-    def __init__(self, comm: NcclComm, event: int, tensors: Sequence[torch.Tensor], what: str, deadline: float) -> None:
+    def __init__(self, comm: NcclComm, event: Any, tensors: Sequence[torch.Tensor], what: str, deadline: float) -> None:
         self._comm, self.event, self.tensors, self.what, self.deadline = comm, event, tensors, what, deadline
         self.ran = False
 
@@ -170,7 +203,7 @@ class NcclWork:
         self._comm.raise_if_failed()
         if self.ran:
             return True
-        rc = self._comm.api.event_query(self.event)
+        rc = self._comm.api.event_query(self.event)[0]
         if rc == _CUDA_NOT_READY:
             return False
         _check_cuda(rc, "cuEventQuery")
@@ -182,10 +215,10 @@ class NcclWork:
         if self.ran:  # its event may serve another broadcast by now
             return
         stream = _current_stream(self._comm.index)
-        _check_cuda(self._comm.api.stream_wait(stream, self.event, 0), "cuStreamWaitEvent")
+        _check_cuda(self._comm.api.stream_wait(stream, self.event, 0)[0], "cuStreamWaitEvent")
 
     def __del__(self) -> None:
-        if _api is not None and self.event and not self.ran:
+        if _api is not None and self.event is not None and not self.ran:
             _api.event_destroy(self.event)  # the driver defers it past a pending record
 
 
@@ -198,48 +231,53 @@ class NcclComm:
         self.api = _need()
         self.device, self.index, self.timeout = device, device.index or 0, timeout
         self.stream = torch.cuda.Stream(device, priority=-1)  # ahead of queued compute for SMs
-        self._stream = self.stream.cuda_stream
+        self._stream = self.stream.cuda_stream  # NCCL's argument: an int
+        self._cu_stream = self.api.drv.CUstream(self._stream)  # the driver calls': wrapped once
         self._failed: PdkvError | None = None
         self._lock = threading.Lock()  # the failure and the abort: the caller's and the watchdog's
         self.calling_since = 0.0  # when the NCCL call in progress began; 0: none
-        self._events: list[int] = []  # end events of broadcasts that have run, to record again
+        self._events: list[Any] = []  # end events (`CUevent`) of broadcasts that have run, to record again
         with torch.cuda.device(device):
-            ctx = ctypes.c_void_p()
-            _check_cuda(self.api.ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
-            self._ctx = ctx.value
+            rc, self._ctx = self.api.ctx_get()
+            _check_cuda(rc, "cuCtxGetCurrent")
             self.comm = self._join(uid, rank, size, config(max_ctas))
             self._ready = self._event()
         self._watchdog = _Watchdog(self)
 
-    def _join(self, uid: bytes, rank: int, size: int, cfg: _Config) -> ctypes.c_void_p:
-        """Create the communicator, waiting for every rank at most `timeout`.
+    def _join(self, uid: bytes, rank: int, size: int, cfg: _Config) -> Any:
+        """Create the communicator (nccl4py's `Comm`), waiting for every rank at most `timeout`.
 
         The communicator is blocking: a non-blocking one returned `ncclInProgress` from
         every broadcast and finished it on a thread of its own, 0.1 ms a call (measured,
-        H200 host). So the init runs on a thread this one waits for; if a rank never comes,
-        that thread stays in NCCL until the process ends, and this raises.
+        H200 host). So the init runs on a thread this one waits for (nccl4py releases the
+        GIL in it); if a rank never comes, that thread stays in NCCL until the process
+        ends, and this raises.
         """
-        comm, ident, outcome = ctypes.c_void_p(), _UniqueId(), []
-        ctypes.memmove(ident.internal, uid, 128)
+        ident = self.api.nb.UniqueId.from_buffer(bytearray(uid))  # a writable copy: the bindings view it
+        outcome: list[Any] = []
 
         def init() -> None:
             self.api.ctx_set(self._ctx)
-            outcome.append(self.api.init(ctypes.byref(comm), size, ident, rank, ctypes.byref(cfg)))
+            try:
+                outcome.append(self.api.init(size, ident, rank, ctypes.addressof(cfg)))
+            except self.api.error as exc:
+                outcome.append(exc)
 
         joining = threading.Thread(target=init, name="pdkv-nccl-init", daemon=True)
         joining.start()
         joining.join(self.timeout)
         if not outcome:
             raise DeadlineExceeded(f"NCCL communicator of {size} ranks: not every rank joined in {self.timeout:.0f}s")
-        _check(self.api, outcome[0], "ncclCommInitRankConfig")
-        return comm
+        if isinstance(outcome[0], Exception):
+            raise _nccl_failure("ncclCommInitRankConfig", outcome[0]) from outcome[0]
+        return outcome[0]
 
-    def _event(self) -> int:
+    def _event(self) -> Any:
         if self._events:
             return self._events.pop()
-        event = ctypes.c_void_p()
-        _check_cuda(self.api.event_create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
-        return event.value or 0
+        rc, event = self.api.event_create(_EVENT_DISABLE_TIMING)
+        _check_cuda(rc, "cuEventCreate")
+        return event
 
     def raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -249,39 +287,47 @@ class NcclComm:
         """Broadcast `tensors` (as one group) from `root`, after the work queued on the
         current stream; return at once."""
         self.raise_if_failed()
-        api, stream = self.api, self._stream
+        api, stream, comm, u8 = self.api, self._stream, self.comm, self.api.uint8
         current = _current_stream(self.index)
-        _check_cuda(api.event_record(self._ready, current), "cuEventRecord")
-        _check_cuda(api.stream_wait(stream, self._ready, 0), "cuStreamWaitEvent")
+        _check_cuda(api.event_record(self._ready, current)[0], "cuEventRecord")
+        _check_cuda(api.stream_wait(self._cu_stream, self._ready, 0)[0], "cuStreamWaitEvent")
         # Watched while in NCCL: a first call connects to the peers and blocks until they come.
         self.calling_since = start = time.monotonic()
+        failure: Exception | None = None
         try:
             if len(tensors) == 1:
                 t = tensors[0]
-                rc = api.broadcast(t.data_ptr(), t.data_ptr(), t.nbytes, _UINT8, root, self.comm, stream)
+                api.broadcast(t.data_ptr(), t.data_ptr(), t.nbytes, u8, root, comm, stream)
             else:
                 api.group_start()
-                for t in tensors:
-                    api.broadcast(t.data_ptr(), t.data_ptr(), t.nbytes, _UINT8, root, self.comm, stream)
-                rc = api.group_end()  # a call in a group only queues: errors surface here
+                try:
+                    for t in tensors:
+                        api.broadcast(t.data_ptr(), t.data_ptr(), t.nbytes, u8, root, comm, stream)
+                finally:
+                    api.group_end()  # a call in a group only queues: errors surface here
+        except api.error as exc:
+            failure = exc
         finally:
             self.calling_since = 0.0
-        if rc != _SUCCESS:  # a no-op abort if the watchdog aborted it meanwhile: its reason is raised
-            self.abort(PeerLostError(f"{what}: NCCL error {rc}: {api.error_string(rc).decode()}"))
+        if failure is not None:  # a no-op abort if the watchdog aborted it meanwhile: its reason is raised
+            self.abort(_nccl_failure(what, failure))
             self.raise_if_failed()
         end = self._event()
-        _check_cuda(api.event_record(end, stream), "cuEventRecord")
+        _check_cuda(api.event_record(end, self._cu_stream)[0], "cuEventRecord")
         work = NcclWork(self, end, tensors, what, start + self.timeout)
         self._watchdog.track(work)
         return work
 
     def check_async(self) -> None:
         """Fail the communicator if NCCL reported an error of its own (a network peer lost)."""
-        state = ctypes.c_int()
-        if self._failed is not None or self.api.async_error(self.comm, ctypes.byref(state)) != _SUCCESS:
+        if self._failed is not None:
             return
-        if state.value != _SUCCESS:
-            self.abort(PeerLostError(f"NCCL: {self.api.error_string(state.value).decode()}"))
+        try:
+            state = int(self.api.async_error(self.comm))
+        except self.api.error:  # the query itself failed: as before, nothing is concluded
+            return
+        if state != _SUCCESS:
+            self.abort(PeerLostError(f"NCCL: {self.api.error_string(state)}"))
 
     def abort(self, why: PdkvError) -> None:
         """Abort the communicator (its kernels exit, a call blocked in it returns); every
@@ -291,7 +337,10 @@ class NcclComm:
                 return
             self._failed = why
         logger.error("owner broadcast communicator aborted: %s", why)
-        self.api.abort(self.comm)
+        try:
+            self.api.abort(self.comm)
+        except self.api.error as exc:
+            logger.warning("ncclCommAbort: %s", exc)
 
     def close(self) -> None:
         """Free the communicator once what is queued on it has run (abort it if that
@@ -307,7 +356,10 @@ class NcclComm:
             return
         with self._lock:
             self._failed = PdkvError("the owner broadcast communicator is closed")
-        self.api.destroy(self.comm)
+        try:
+            self.api.destroy(self.comm)
+        except self.api.error as exc:
+            logger.warning("ncclCommDestroy: %s", exc)
 
 
 class _Watchdog:

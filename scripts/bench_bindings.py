@@ -1,48 +1,46 @@
-"""Host cost per call of the hot path's CUDA driver and NCCL calls: pdkv's hand-written
-ctypes against NVIDIA's bindings (issue 30 §6), on one GPU.
+"""Host cost per call of the hot path's CUDA driver and NCCL calls: pdkv's calls through
+NVIDIA's bindings against the hand-written ctypes they replaced (issue 30 §6), on one GPU.
 
-The question: can `cuda-bindings` (`cuda.bindings.driver`, 13.x) replace the ctypes in the
-GPU lane (the gather kernel's launch and events: `GatherKernel`, `DriverEvent`,
-`GatherLane.launch`/`prime`) and `nccl4py` the ctypes `ncclBroadcast` of the owner
-broadcast (`pdkv/nccl.py`), at an equal or lower host cost a call? Each call is made
-exactly as pdkv makes it (the same handles, argument types set once, the return code
-checked), then through the bindings with the handles wrapped once (`CUfunction`,
-`CUstream`, `CUevent`), as pdkv would keep them. Rounds of each alternate (A, B, A, B...);
-a sample is `--batch` calls timed with `time.perf_counter_ns` and divided; median and p90
-over all samples, in microseconds a call. The kernel's launch is checked byte-exact both
-ways before it is timed; queued launches are drained between samples (untimed) so that
-no launch waits for a full queue.
+pdkv makes these calls through `cuda-bindings` (`cuda.bindings.driver`: the GPU lane's
+`GatherKernel`, `DriverEvent`, `Gatherer.launch`/`prime`) and nccl4py's `nccl.bindings`
+(the owner broadcast's `pdkv/nccl.py`). The "ctypes" column is the reference they replaced,
+kept in this script (`_CtypesDriver`, `_CtypesNccl`: the same entry points, argument types
+set once, the return code checked, as pdkv made them up to issue 30 §6) and run on the same
+handles; the "bindings" column is pdkv's own code as it is now. Rounds of each alternate
+(A, B, A, B...); a sample is `--batch` calls timed with `time.perf_counter_ns` and divided;
+median and p90 over all samples, in microseconds a call. The kernel's launch is checked
+byte-exact both ways before it is timed; queued launches are drained between samples
+(untimed) so that no launch waits for a full queue.
 
-Rows, the lane's per fetch (`GatherLane.prime`, `.launch`, and its waiting thread):
-cuCtxGetCurrent (the `enter` check, twice a fetch), cuLaunchKernel of the empty `prime`
+Rows, the lane's per fetch (`Gatherer.prime`, `.launch`, and its waiting thread):
+cuCtxGetCurrent (`GatherKernel.enter`, twice a fetch), cuLaunchKernel of the empty `prime`
 kernel, cuLaunchKernel of the gather (7 parameters, 4 KiB of page ids), cuEventRecord,
 cuEventSynchronize and cuEventQuery of an event that has passed, cuEventElapsedTime
-(`time_kernels`), cuStreamWaitEvent (the broadcast's ordering); "lane fetch, all calls":
+(`seconds_until`), cuStreamWaitEvent (the broadcast's ordering); "lane fetch, all calls":
 enter + prime + enter + launch + record. The broadcast's per layer (`NcclComm.broadcast`):
-ncclBroadcast alone (1 rank, a 6 MiB layer, in place), and "broadcast per layer": record
-+ wait + ncclBroadcast + record, with pdkv's `NcclComm.broadcast` itself (Python around
-the same ctypes calls, its watchdog running) as a third reference. nccl4py's high-level
-`nccl.core.Communicator.broadcast` is timed too where `cuda-core` is installed.
+ncclBroadcast alone (1 rank, a 6 MiB layer, in place; the ctypes side on a communicator of
+its own), and "broadcast per layer": record + wait + ncclBroadcast + record; then pdkv's
+`NcclComm.broadcast` itself (Python around the same calls, its watchdog running; 4.77 us
+through ctypes on an H200 host before the change) and nccl4py's high-level
+`nccl.core.Communicator.broadcast` where `cuda-core` is installed.
 
     python3 scripts/bench_bindings.py [--calls 20000] [--rounds 3] [--batch 10]
 
-Needs a CUDA GPU; a part whose package is missing prints a line saying so and is skipped.
-On the lent machine (no network), from wheels fetched here (see the report of issue 30):
-
-    python3 -m pip install --no-deps .whl3/cuda_pathfinder-*.whl .whl3/cuda_bindings-*.whl .whl3/nccl4py-*.whl
+Needs a CUDA GPU and the `gpu` extra (pdkv's calls need it); a part whose package is missing
+prints a line saying so and is skipped. On the lent machine (no network), from wheels
+fetched here: `python3 -m pip install --no-deps .whl3/*.whl` (cuda-pathfinder, nccl4py).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,6 +115,42 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         print("".join(cells) + f"  {note}")
 
 
+# ---- the ctypes reference: what pdkv called before issue 30 §6 ----------------------------------
+class _CtypesDriver:
+    """The driver entry points of a fetch and a broadcast, argument types set once (a CDLL of
+    its own: function objects typed here change nothing for other users of libcuda)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u, pvp = ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)
+
+        def fn(names: tuple[str, ...], *argtypes: Any) -> Any:
+            f = next(getattr(lib, n) for n in names if hasattr(lib, n))
+            f.argtypes, f.restype = list(argtypes), ctypes.c_int
+            return f
+
+        self.launch = fn(("cuLaunchKernel",), vp, u, u, u, u, u, u, u, vp, pvp, pvp)
+        self.event_create = fn(("cuEventCreate",), pvp, u)
+        self.event_record = fn(("cuEventRecord",), vp, vp)
+        self.event_sync = fn(("cuEventSynchronize",), vp)
+        self.event_query = fn(("cuEventQuery",), vp)
+        self.event_elapsed = fn(("cuEventElapsedTime_v2", "cuEventElapsedTime"), ctypes.POINTER(ctypes.c_float), vp, vp)
+        self.stream_wait = fn(("cuStreamWaitEvent",), vp, vp, u)
+        self.ctx_get = fn(("cuCtxGetCurrent",), pvp)
+        self.ctx_push = fn(("cuCtxPushCurrent_v2", "cuCtxPushCurrent"), vp)
+        self.ctx_pop = fn(("cuCtxPopCurrent_v2", "cuCtxPopCurrent"), pvp)
+
+    @staticmethod
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUDA driver error {rc}")
+
+    def event(self, timed: bool) -> int:
+        h = ctypes.c_void_p()
+        self.check(self.event_create(ctypes.byref(h), 0 if timed else _EVENT_DISABLE_TIMING), "cuEventCreate")
+        return h.value or 0
+
+
 # ---- the GPU lane: the driver calls of a fetch ----------------------------------------------------
 class _Lane:
     """The gather kernel of pdkv (compiled and loaded by it), a stream, buffers and a
@@ -128,6 +162,7 @@ class _Lane:
         self.k = kmod.GatherKernel.on(0)
         self.stream_obj = torch.cuda.Stream(torch.device("cuda:0"))
         self.stream = self.stream_obj.cuda_stream
+        self.cu_stream = self.k.stream(self.stream)
         gen = torch.Generator().manual_seed(3)
         self.src = torch.randint(0, 256, (_PAGES, _ITEM), dtype=torch.uint8, generator=gen).cuda()
         self.dst = torch.zeros_like(self.src)
@@ -143,11 +178,11 @@ class _Lane:
         rng = np.random.default_rng(5)
         self.src_pages, self.dst_pages = rng.permutation(_PAGES), rng.permutation(_PAGES)
         self.args.ids[: 2 * _PAGES] = np.concatenate((self.src_pages, self.dst_pages))
-        self.function = self.k.functions[16, self.capacity]
         self.grid, self.threads = (1, _PAGES), 128
         self.done = kmod.DriverEvent(self.k, timed=False)
         self.t0, self.t1 = kmod.DriverEvent(self.k), kmod.DriverEvent(self.k)
-        self.other = torch.cuda.Stream(torch.device("cuda:0")).cuda_stream
+        self.other_obj = torch.cuda.Stream(torch.device("cuda:0"))
+        self.other = self.other_obj.cuda_stream
         torch.cuda.synchronize()
 
     def expect(self) -> torch.Tensor:
@@ -159,47 +194,46 @@ class _Lane:
         self.stream_obj.synchronize()
 
 
-def lane_ctypes(lane: _Lane) -> dict[str, Callable[[], None]]:
-    """The calls as pdkv makes them (`GatherKernel`, `DriverEvent`, `GatherLane`)."""
-    k, api, check = lane.k, lane.k.api, lane.k.check
-    stream, args, f = lane.stream, lane.args, lane.function
+def lane_ctypes(lane: _Lane, api: _CtypesDriver) -> dict[str, Callable[[], None]]:
+    """The calls as pdkv made them through ctypes, on the same handles (as ints)."""
+    check = api.check
+    ctx = int(lane.k.ctx)
+    stream, other, params = lane.stream, lane.other, lane.args.params
+    f, prime_f = int(lane.k.functions[16, lane.capacity]), int(lane.k._prime)
     (g0, g1), threads = lane.grid, lane.threads
-    done, t0, t1, other = lane.done, lane.t0, lane.t1, lane.other
+    done, t0, t1 = lane.done.handle, lane.t0.handle, lane.t1.handle
     ms = ctypes.c_float()
-    # pdkv/nccl.py's two calls that the lane's module does not declare, typed as it types them
-    # (a CDLL of our own: the shared one's function objects stay as pdkv set them).
-    cuda = ctypes.CDLL("libcuda.so.1")
-    api_query = cuda.cuEventQuery
-    api_query.argtypes, api_query.restype = [ctypes.c_void_p], ctypes.c_int
-    api_wait = cuda.cuStreamWaitEvent
-    api_wait.argtypes, api_wait.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], ctypes.c_int
 
-    def enter() -> None:
-        if k.enter():  # cuCtxGetCurrent, and a push where the context was not current
-            k.leave()
+    def enter() -> None:  # GatherKernel.enter, then leave where it pushed
+        current = ctypes.c_void_p()
+        check(api.ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value != ctx:
+            check(api.ctx_push(ctx), "cuCtxPushCurrent")
+            popped = ctypes.c_void_p()
+            check(api.ctx_pop(ctypes.byref(popped)), "cuCtxPopCurrent")
 
     def prime() -> None:
-        k.prime(stream)
+        check(api.launch(prime_f, 1, 1, 1, 32, 1, 1, 0, stream, None, None), "cuLaunchKernel")
 
     def launch() -> None:
-        check(api.launch(f, g0, g1, 1, threads, 1, 1, 0, stream, args.params, None), "cuLaunchKernel")
+        check(api.launch(f, g0, g1, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
 
     def record() -> None:
-        done.record(stream)
+        check(api.event_record(done, stream), "cuEventRecord")
 
     def synchronize() -> None:
-        done.synchronize()
+        check(api.event_sync(done), "cuEventSynchronize")
 
-    def query() -> None:  # as pdkv/nccl.py's `NcclWork.is_completed`
-        rc = api_query(done.handle)
+    def query() -> None:  # as pdkv/nccl.py's `NcclWork.is_completed` made it
+        rc = api.event_query(done)
         if rc != 0:
             check(rc, "cuEventQuery")
 
     def elapsed() -> None:
-        check(api.event_elapsed(ctypes.byref(ms), t0.handle, t1.handle), "cuEventElapsedTime")
+        check(api.event_elapsed(ctypes.byref(ms), t0, t1), "cuEventElapsedTime")
 
-    def wait_event() -> None:  # as pdkv/nccl.py's `NcclComm.broadcast` and `NcclWork.wait`
-        check(api_wait(other, done.handle, 0), "cuStreamWaitEvent")
+    def wait_event() -> None:  # as pdkv/nccl.py's `NcclComm.broadcast` and `NcclWork.wait` made it
+        check(api.stream_wait(other, done, 0), "cuStreamWaitEvent")
 
     def fetch() -> None:
         enter()
@@ -221,55 +255,43 @@ def lane_ctypes(lane: _Lane) -> dict[str, Callable[[], None]]:
     )
 
 
-def lane_bindings(lane: _Lane, drv) -> dict[str, Callable[[], None]]:  # type: ignore[no-untyped-def]
-    """The same calls through `cuda.bindings.driver`, its handles wrapped once."""
-    ok = drv.CUresult.CUDA_SUCCESS
-
-    def check(rc, what: str) -> None:  # type: ignore[no-untyped-def]
-        if rc != ok:
-            raise RuntimeError(f"{what}: {rc!r}")
-
-    ctx = drv.CUcontext(lane.k.ctx)
-    ctx_int = int(ctx)
-    f = drv.CUfunction(lane.function)
-    prime_f = drv.CUfunction(lane.k._prime)
-    stream, other = drv.CUstream(lane.stream), drv.CUstream(lane.other)
-    done, t0, t1 = drv.CUevent(lane.done.handle), drv.CUevent(lane.t0.handle), drv.CUevent(lane.t1.handle)
-    params = ctypes.addressof(lane.args.params)  # the same parameter array: void** as an int
+def lane_bindings(lane: _Lane) -> dict[str, Callable[[], None]]:
+    """pdkv's own calls (through `cuda.bindings.driver`), on the same handles."""
+    k, drv = lane.k, lane.k.drv
+    stream, args = lane.cu_stream, lane.args
     (g0, g1), threads = lane.grid, lane.threads
-    launch_kernel, get_current = drv.cuLaunchKernel, drv.cuCtxGetCurrent
-    push, pop = drv.cuCtxPushCurrent, drv.cuCtxPopCurrent
-    record_event, sync_event, query_event = drv.cuEventRecord, drv.cuEventSynchronize, drv.cuEventQuery
-    elapsed_time, wait_event_ = drv.cuEventElapsedTime, drv.cuStreamWaitEvent
+    done, t0, t1 = lane.done, lane.t0, lane.t1
+    other = drv.CUstream(lane.other)
+    query_event, wait_event_ = drv.cuEventQuery, drv.cuStreamWaitEvent
 
     def enter() -> None:
-        rc, current = get_current()
-        check(rc, "cuCtxGetCurrent")
-        if int(current) != ctx_int:
-            check(push(ctx)[0], "cuCtxPushCurrent")
-            check(pop()[0], "cuCtxPopCurrent")
+        if k.enter():
+            k.leave()
 
     def prime() -> None:
-        check(launch_kernel(prime_f, 1, 1, 1, 32, 1, 1, 0, stream, None, 0)[0], "cuLaunchKernel")
+        k.prime(stream)
 
     def launch() -> None:
-        check(launch_kernel(f, g0, g1, 1, threads, 1, 1, 0, stream, params, 0)[0], "cuLaunchKernel")
+        k.launch(16, (g0, g1), threads, stream, args)
 
     def record() -> None:
-        check(record_event(done, stream)[0], "cuEventRecord")
+        done.record(stream)
 
     def synchronize() -> None:
-        check(sync_event(done)[0], "cuEventSynchronize")
+        done.synchronize()
 
-    def query() -> None:
-        check(query_event(done)[0], "cuEventQuery")
+    def query() -> None:  # as pdkv/nccl.py's `NcclWork.is_completed`
+        rc = query_event(done.event)[0]
+        if rc:
+            k.check(rc, "cuEventQuery")
 
     def elapsed() -> None:
-        rc, _ms = elapsed_time(t0, t1)
-        check(rc, "cuEventElapsedTime")
+        t0.seconds_until(t1)
 
-    def wait_event() -> None:
-        check(wait_event_(other, done, 0)[0], "cuStreamWaitEvent")
+    def wait_event() -> None:  # as pdkv/nccl.py's `NcclComm.broadcast` and `NcclWork.wait`
+        rc = wait_event_(other, done.event, 0)[0]
+        if rc:
+            k.check(rc, "cuStreamWaitEvent")
 
     def fetch() -> None:
         enter()
@@ -292,21 +314,15 @@ def lane_bindings(lane: _Lane, drv) -> dict[str, Callable[[], None]]:  # type: i
 
 
 def bench_lane(args: argparse.Namespace) -> list[Row]:
-    lane = _Lane()
-    a = lane_ctypes(lane)
-    b: dict[str, Callable[[], None]] | None = None
-    note = ""
     try:
-        from cuda.bindings import driver as drv
-    except ImportError as exc:
-        print(f"driver: cuda-bindings not installed ({exc}): SKIPPED, the bindings columns are empty")
-        note = "(no cuda-bindings)"
-    else:
-        b = lane_bindings(lane, drv)
+        lane = _Lane()
+    except Exception as exc:  # pdkv's lane needs cuda-bindings now: say so, keep the NCCL part
+        print(f"driver: pdkv's GPU lane did not start ({type(exc).__name__}: {exc}): SKIPPED")
+        return []
+    api = _CtypesDriver()
+    a, b = lane_ctypes(lane, api), lane_bindings(lane)
     want = lane.expect()
-    for side, calls in (("ctypes", a), ("cuda.bindings", b)):
-        if calls is None:
-            continue
+    for side, calls in (("ctypes", a), ("cuda.bindings (pdkv)", b)):
         lane.dst.zero_()
         torch.cuda.synchronize()
         calls["launch"]()
@@ -318,21 +334,21 @@ def bench_lane(args: argparse.Namespace) -> list[Row]:
             )
         print(f"driver: the gather launch through {side} copied the planned pages byte-exact")
     # A timed pair of events that has passed, for cuEventElapsedTime.
-    lane.t0.record(lane.stream)
-    lane.t1.record(lane.stream)
-    lane.done.record(lane.stream)
+    lane.t0.record(lane.cu_stream)
+    lane.t1.record(lane.cu_stream)
+    lane.done.record(lane.cu_stream)
     lane.drain()
     rows: list[Row] = []
 
     def row(name: str, key: str, between: Callable[[], None] | None = None) -> None:
-        sa, sb = _ab(a[key], b[key] if b else None, args, between)
-        rows.append((name, sa, sb, note))
+        sa, sb = _ab(a[key], b[key], args, between)
+        rows.append((name, sa, sb, "pdkv's GatherKernel / DriverEvent"))
 
     row("cuCtxGetCurrent (enter)", "enter")
     row("cuLaunchKernel prime (no params)", "prime", lane.drain)
     row(f"cuLaunchKernel gather ({lane.capacity * 4 + 48} B params)", "launch", lane.drain)
     row("cuEventRecord (untimed event)", "record", lane.drain)
-    lane.done.record(lane.stream)
+    lane.done.record(lane.cu_stream)
     lane.drain()
     row("cuEventSynchronize (passed)", "synchronize")
     row("cuEventQuery (passed)", "query")
@@ -350,30 +366,85 @@ def _nccl_libraries() -> list[str]:
         return sorted({line.split()[-1] for line in maps if "libnccl" in line and "/" in line})
 
 
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]  # by value, as NCCL takes it
+
+
+class _CtypesNccl:
+    """A one-rank communicator of the libnccl already loaded, driven through ctypes as
+    pdkv/nccl.py did (the same config struct, passed by reference)."""
+
+    def __init__(self, config: Any) -> None:
+        lib = ctypes.CDLL("libnccl.so.2")
+        vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        self.broadcast = lib.ncclBroadcast
+        self.broadcast.argtypes, self.broadcast.restype = [vp, vp, sz, i, i, vp, vp], i
+        uid = _UniqueId()
+        if lib.ncclGetUniqueId(ctypes.byref(uid)) != 0:
+            raise RuntimeError("ncclGetUniqueId")
+        init = lib.ncclCommInitRankConfig
+        init.argtypes, init.restype = [ctypes.POINTER(vp), i, _UniqueId, i, ctypes.c_void_p], i
+        comm = ctypes.c_void_p()
+        self.config = config
+        if init(ctypes.byref(comm), 1, uid, 0, ctypes.addressof(config)) != 0:
+            raise RuntimeError("ncclCommInitRankConfig")
+        self.comm = comm.value
+        self._lib = lib
+
+    def destroy(self) -> None:
+        self._lib.ncclCommDestroy(ctypes.c_void_p(self.comm))
+
+
 def bench_nccl(args: argparse.Namespace) -> list[Row]:
     from pdkv import nccl as pn
 
-    api = pn.nccl_library()
+    try:
+        api = pn.nccl_library()
+    except Exception as exc:  # the gpu extra missing
+        print(f"nccl: pdkv.nccl cannot start ({exc}): skipped")
+        return []
     if api is None:
         print("nccl: pdkv.nccl found no loadable libnccl (torch built with NCCL linked in?): skipped")
         return []
     device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
     comm = pn.NcclComm(pn.unique_id(), 0, 1, device, timeout=60.0)
+    print(f"nccl: NCCL {api.nb.get_version()} (version code); libnccl mapped in this process: {_nccl_libraries()}")
     t = torch.zeros(_LAYER_BYTES, dtype=torch.uint8, device=device)
-    ptr, n, stream, cc = t.data_ptr(), t.nbytes, comm._stream, comm.comm
-    ready, end = comm._event(), comm._event()
+    ptr, n, stream = t.data_ptr(), t.nbytes, comm._stream
     current = pn._current_stream
+    # The ctypes reference: its own communicator and events, the same stream.
+    cu = _CtypesDriver()
+    ref = _CtypesNccl(pn.config(None))
+    c_ready, c_end, c_comm = cu.event(False), cu.event(False), ref.comm
+    c_broadcast_fn = ref.broadcast
 
     def a_broadcast() -> None:
-        rc = api.broadcast(ptr, ptr, n, pn._UINT8, 0, cc, stream)
+        rc = c_broadcast_fn(ptr, ptr, n, 1, 0, c_comm, stream)  # 1: ncclUint8
         if rc != 0:
             raise RuntimeError(f"ncclBroadcast: {rc}")
 
     def a_layer() -> None:
-        pn._check_cuda(api.event_record(ready, current(0)), "cuEventRecord")
-        pn._check_cuda(api.stream_wait(stream, ready, 0), "cuStreamWaitEvent")
+        cu.check(cu.event_record(c_ready, current(0)), "cuEventRecord")
+        cu.check(cu.stream_wait(stream, c_ready, 0), "cuStreamWaitEvent")
         a_broadcast()
-        pn._check_cuda(api.event_record(end, stream), "cuEventRecord")
+        cu.check(cu.event_record(c_end, stream), "cuEventRecord")
+
+    # pdkv's calls as `NcclComm.broadcast` makes them (through the bindings), without its Python.
+    b_ready, b_end, b_comm, b_stream, u8 = comm._event(), comm._event(), comm.comm, comm._cu_stream, api.uint8
+    nb_broadcast, record_event, wait_event = api.broadcast, api.event_record, api.stream_wait
+
+    def b_broadcast() -> None:
+        nb_broadcast(ptr, ptr, n, u8, 0, b_comm, stream)  # raises on an NCCL error
+
+    def b_layer() -> None:
+        if record_event(b_ready, current(0))[0]:
+            raise RuntimeError("cuEventRecord")
+        if wait_event(b_stream, b_ready, 0)[0]:
+            raise RuntimeError("cuStreamWaitEvent")
+        b_broadcast()
+        if record_event(b_end, b_stream)[0]:
+            raise RuntimeError("cuEventRecord")
 
     def pdkv_layer() -> None:
         comm.broadcast([t], 0, "bench")
@@ -382,61 +453,21 @@ def bench_nccl(args: argparse.Namespace) -> list[Row]:
         comm.stream.synchronize()
 
     rows: list[Row] = []
-    b_broadcast = b_layer = None
-    nb = note = None
-    try:
-        import nccl.bindings.nccl as nb  # type: ignore[no-redef]
-    except ImportError as exc:
-        note = "(no nccl4py)"
-        print(f"nccl: nccl4py not installed ({exc}): the bindings columns of the broadcast are empty")
-    drv = None
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError:
-        pass
-    b_comm = None
-    if nb is not None:
-        torch.cuda.set_device(device)
-        b_comm = nb.comm_init_rank(1, nb.get_unique_id(), 0)  # nccl4py's own `Comm`, on the same device
-        print(f"nccl: nccl4py {nb.get_version()} (NCCL version code), pdkv's ctypes: the same process")
-        u8 = int(nb.DataType.Uint8)
-        nb_broadcast = nb.broadcast
-
-        def b_broadcast() -> None:
-            nb_broadcast(ptr, ptr, n, u8, 0, b_comm, stream)  # raises on an NCCL error
-
-        if drv is not None:
-            ok = drv.CUresult.CUDA_SUCCESS
-            d_ready, d_end, d_stream = drv.CUevent(ready), drv.CUevent(end), drv.CUstream(stream)
-            record_event, wait_event = drv.cuEventRecord, drv.cuStreamWaitEvent
-
-            def b_layer() -> None:
-                if record_event(d_ready, current(0))[0] != ok:
-                    raise RuntimeError("cuEventRecord")
-                if wait_event(d_stream, d_ready, 0)[0] != ok:
-                    raise RuntimeError("cuStreamWaitEvent")
-                b_broadcast()
-                if record_event(d_end, d_stream)[0] != ok:
-                    raise RuntimeError("cuEventRecord")
-
-        print(f"nccl: libnccl mapped in this process: {_nccl_libraries()}")
     mb = f"{_LAYER_BYTES >> 20} MiB"
     sa, sb = _ab(a_broadcast, b_broadcast, args, drain)
-    rows.append((f"ncclBroadcast ({mb}, 1 rank)", sa, sb, note or "nccl4py nccl.bindings"))
+    rows.append((f"ncclBroadcast ({mb}, 1 rank)", sa, sb, "nccl4py nccl.bindings"))
     sa, sb = _ab(a_layer, b_layer, args, drain)
-    layer_note = note or ("cuda.bindings + nccl4py" if b_layer else "(no cuda-bindings)")
-    rows.append(("broadcast per layer (4 calls)", sa, sb, layer_note))
-    sa, _ = _ab(pdkv_layer, None, args, drain)
-    rows.append(("pdkv NcclComm.broadcast (reference)", sa, None, "ctypes + pdkv's Python"))
-    rows += _nccl_core(args, t, stream, drain, sa)
+    rows.append(("broadcast per layer (4 calls)", sa, sb, "cuda.bindings + nccl4py"))
+    _, sp = _ab(None, pdkv_layer, args, drain)
+    rows.append(("pdkv NcclComm.broadcast", None, sp, "bindings + pdkv's Python (4.77 us through ctypes before)"))
+    rows += _nccl_core(args, t, stream, drain, sp)
     drain()
     comm.close()
-    if b_comm is not None:
-        nb.comm_destroy(b_comm)
+    ref.destroy()
     return rows
 
 
-def _nccl_core(args: argparse.Namespace, t: torch.Tensor, stream: int, drain, pdkv: list[float]) -> list[Row]:  # type: ignore[no-untyped-def]
+def _nccl_core(args: argparse.Namespace, t: torch.Tensor, stream: int, drain, pdkv: list[float] | None) -> list[Row]:  # type: ignore[no-untyped-def]
     """nccl4py's high-level communicator, where cuda-core is installed."""
     try:
         import nccl.core as nc
@@ -454,7 +485,7 @@ def _nccl_core(args: argparse.Namespace, t: torch.Tensor, stream: int, drain, pd
     except Exception as exc:  # the high-level layer is a bonus: say why, keep the other rows
         print(f"nccl: nccl.core's broadcast FAILED ({type(exc).__name__}: {exc}): its row is skipped")
         return []
-    return [("nccl.core Communicator.broadcast", pdkv, sb, "vs pdkv NcclComm.broadcast")]
+    return [("nccl.core broadcast (ctypes col: pdkv's)", pdkv, sb, "vs pdkv NcclComm.broadcast, both bindings")]
 
 
 def _versions() -> str:
@@ -469,16 +500,6 @@ def _versions() -> str:
     return ", ".join(out)
 
 
-def _point_nccl4py_at_torch() -> None:
-    """nccl4py finds libnccl through cuda-pathfinder: one already loaded (torch loads its own
-    at CUDA init), else site-packages' nvidia/nccl/lib, else $NCCL_HOME/lib. Name torch's
-    wheel there too, so that it never loads a second copy."""
-    site = Path(torch.__file__).resolve().parents[1]
-    libs = glob.glob(str(site / "nvidia" / "nccl" / "lib" / "libnccl.so*"))
-    if libs and "NCCL_HOME" not in os.environ:
-        os.environ["NCCL_HOME"] = str(site / "nvidia" / "nccl")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000, help="calls a round and side")
@@ -489,7 +510,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_bindings needs a CUDA GPU")
     torch.cuda.init()
-    _point_nccl4py_at_torch()
     print(f"{torch.cuda.get_device_name(0)}; {_versions()}")
     rows = bench_lane(args)
     if not args.skip_nccl:

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (device tool, carry=[".whl"]): install the carried wheels
-# (nixl-cu13, msgspec, pytest-asyncio for that image's Python 3.12), run the CUDA tests and
-# the GPU fetch benchmark (UCX and the same-host GPU lane). Logs land in $OUT.
+# One call on the lent GPU machine (device tool, carry=[".whl", ".whl4"]): install the carried
+# wheels (nixl-cu13, msgspec, pytest-asyncio for that image's Python 3.12) and, where carried,
+# the `gpu` extra's (GPU_WHEELS, default .whl4: nccl4py and cuda-pathfinder; the image has
+# cuda-bindings), run the CUDA tests and the GPU fetch benchmark (UCX and the same-host GPU
+# lane). Logs land in $OUT.
 #   scripts/gpu_check.sh [tests|bench|all]     (default all)
 # Elsewhere: run the same steps by hand after installing those packages.
 set -uo pipefail
 OUT=${OUT:-/tmp}
 STAGE=${1:-all}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+GPU_WHEELS=${GPU_WHEELS:-.whl4}
+wheels=(.whl/*.whl)
+if compgen -G "$GPU_WHEELS/*.whl" >/dev/null; then wheels+=("$GPU_WHEELS"/*.whl); fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import cuda.bindings.driver, nccl.bindings.nccl" 2>&1 | tail -1 || true  # the gpu extra: say if missing
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"
 quiet() { grep -v "NIXL INFO\|UCX  WARN"; }

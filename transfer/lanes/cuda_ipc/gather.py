@@ -160,7 +160,7 @@ class Gatherer:
         self.index = device.index or 0
         self.kernel = GatherKernel.on(self.index)
         self.stream = torch.cuda.Stream(device)
-        self._stream = self.stream.cuda_stream
+        self._stream = self.kernel.stream(self.stream.cuda_stream)  # the driver's handle, wrapped once
         self.shape = shape  # (block bytes, warps); None: by the plan's size
         self._waiter = _Waiter(self.kernel)
         self._args = {ids: LaunchArgs(ids) for ids in self.kernel.capacities}  # launches come from one thread

@@ -4,10 +4,15 @@ Why not Triton or torch: on the decode's fetch path the launch itself was the la
 cost left. Triton's launcher (argument binding, specialisation keys, its stream lookup)
 and torch's stream guards and events took 0.2-0.4 ms of host time around a 0.23 ms kernel
 at 8k tokens on an H200 host (docs/benchmarks.md). Through the driver a launch is a few
-ctypes calls on arguments prepared once, and the request's page ids ride in the launch's
-parameters rather than in a copy queued before it. NVRTC ships with every CUDA build of torch
-(`nvidia-cuda-nvrtc`), so this adds no dependency; the kernel is compiled for the GPU at
-hand the first time a lane starts in a process (tens of milliseconds).
+calls on arguments prepared once, and the request's page ids ride in the launch's
+parameters rather than in a copy queued before it. The driver calls go through NVIDIA's
+`cuda-bindings` (`cuda.bindings.driver`, the `gpu` extra; issue 30 §6), with every handle
+wrapped once: on an H200 host a fetch's driver calls (two context checks, the prime and
+gather launches, an event record) took 9.17 us of host time through them against 13.09 us
+through hand-written ctypes (9.61 against 13.62 through pdkv's code after the change), and
+no call was dearer (scripts/bench_bindings.py). NVRTC
+ships with every CUDA build of torch (`nvidia-cuda-nvrtc`); the kernel is compiled for the
+GPU at hand the first time a lane starts in a process (tens of milliseconds).
 
 The kernel copies, for task `t` (a chunk of one buffer's item) of page `i`, words
 `[first, first + block)` of the item from its source page to its destination page. Its
@@ -106,6 +111,9 @@ GATHER_WORDS(IDS_32K)
 """
 
 
+# NVRTC stays on ctypes: it runs once a process, where a compile's tens of milliseconds dwarf
+# any call's cost, and ctypes loads the very libnvrtc of torch's CUDA wheels (found below),
+# where `cuda.bindings.nvrtc` would look for one through cuda-pathfinder.
 def _load_nvrtc() -> ctypes.CDLL:
     import torch
 
@@ -160,64 +168,49 @@ def _compile(arch: str, large_ids: bool) -> bytes:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-class _Api:
-    """The driver entry points of a launch, argument types set once: ctypes then converts
-    without guessing, and a call costs about a microsecond."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, u, pvp = ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)
-
-        def fn(names: tuple[str, ...], *argtypes: Any) -> Any:
-            f = next(getattr(lib, n) for n in names if hasattr(lib, n))
-            f.argtypes, f.restype = list(argtypes), ctypes.c_int
-            return f
-
-        self.launch = fn(("cuLaunchKernel",), vp, u, u, u, u, u, u, u, vp, pvp, pvp)
-        self.driver_version = fn(("cuDriverGetVersion",), ctypes.POINTER(ctypes.c_int))
-        self.event_create = fn(("cuEventCreate",), pvp, u)
-        self.event_record = fn(("cuEventRecord",), vp, vp)
-        self.event_sync = fn(("cuEventSynchronize",), vp)
-        self.event_elapsed = fn(("cuEventElapsedTime_v2", "cuEventElapsedTime"), ctypes.POINTER(ctypes.c_float), vp, vp)
-        self.ctx_get = fn(("cuCtxGetCurrent",), pvp)
-        self.ctx_push = fn(("cuCtxPushCurrent_v2", "cuCtxPushCurrent"), vp)
-        self.ctx_pop = fn(("cuCtxPopCurrent_v2", "cuCtxPopCurrent"), pvp)
-        self.ctx_set = fn(("cuCtxSetCurrent",), vp)
-        self.module_load = fn(("cuModuleLoadData",), pvp, vp)
-        self.module_function = fn(("cuModuleGetFunction",), pvp, vp, ctypes.c_char_p)
-        self.device_get = fn(("cuDeviceGet",), ctypes.POINTER(ctypes.c_int), ctypes.c_int)
-        self.primary_ctx = fn(("cuDevicePrimaryCtxRetain",), pvp, ctypes.c_int)
-
-
-_EVENT_DISABLE_TIMING = 0x2
+_EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
 
 
 class DriverEvent:
     """A CUDA event of the kernel's context: recorded on a stream, waited on from any thread.
-    `timed`: it takes a timestamp (for `seconds_until`); an untimed one is cheaper to record."""
+    `timed`: it takes a timestamp (for `seconds_until`); an untimed one is cheaper to record.
+    `event`: the bindings' `CUevent`; `handle`: its address."""
+
+    __slots__ = ("_k", "event", "handle", "_record", "_sync")
 
     def __init__(self, kernel: GatherKernel, timed: bool = True) -> None:
         self._k = kernel
-        handle = ctypes.c_void_p()
+        drv = kernel.drv
         with kernel.current():
-            flags = 0 if timed else _EVENT_DISABLE_TIMING
-            kernel.check(kernel.api.event_create(ctypes.byref(handle), flags), "event")
-        self.handle = handle.value
+            rc, event = drv.cuEventCreate(0 if timed else _EVENT_DISABLE_TIMING)
+            kernel.check(rc, "cuEventCreate")
+        self.event = event
+        self.handle = int(event)
+        self._record, self._sync = drv.cuEventRecord, drv.cuEventSynchronize
 
-    def record(self, stream: int) -> None:
-        self._k.check(self._k.api.event_record(self.handle, stream), "cuEventRecord")
+    def record(self, stream: Any) -> None:
+        """Record on `stream` (a `CUstream` from `GatherKernel.stream`)."""
+        rc = self._record(self.event, stream)[0]
+        if rc:
+            self._k.check(rc, "cuEventRecord")
 
     def synchronize(self) -> None:
-        """Block this thread until the event has passed (releases the GIL meanwhile)."""
-        self._k.check(self._k.api.event_sync(self.handle), "cuEventSynchronize")
+        """Block this thread until the event has passed (the bindings release the GIL meanwhile)."""
+        rc = self._sync(self.event)[0]
+        if rc:
+            self._k.check(rc, "cuEventSynchronize")
 
     def seconds_until(self, end: DriverEvent) -> float:
-        ms = ctypes.c_float()
-        self._k.check(self._k.api.event_elapsed(ctypes.byref(ms), self.handle, end.handle), "cuEventElapsedTime")
-        return ms.value / 1e3
+        rc, ms = self._k.drv.cuEventElapsedTime(self.event, end.event)
+        self._k.check(rc, "cuEventElapsedTime")
+        return float(ms) / 1e3
 
 
 class GatherKernel:
-    """The gather kernel loaded in one GPU's primary context (the one torch uses)."""
+    """The gather kernel loaded in one GPU's primary context (the one torch uses).
+
+    Handles (context, functions, streams) are the bindings' objects, made once: a call given
+    a plain int would wrap it again each time."""
 
     _lock = threading.Lock()
     _loaded: dict[int, GatherKernel] = {}
@@ -227,33 +220,37 @@ class GatherKernel:
 
         self.device = device
         self.driver = CudaDriver.get()
-        self.api = _Api(self.driver.lib)
+        self.drv = drv = self.driver.drv
         self.check = self.driver.check
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self.check(self.api.device_get(ctypes.byref(dev), device), "cuDeviceGet")
-        self.check(self.api.primary_ctx(ctypes.byref(ctx), dev.value), "cuDevicePrimaryCtxRetain")
-        self.ctx = ctx.value
+        rc, dev = drv.cuDeviceGet(device)
+        self.check(rc, "cuDeviceGet")
+        rc, ctx = drv.cuDevicePrimaryCtxRetain(dev)
+        self.check(rc, "cuDevicePrimaryCtxRetain")
+        self.ctx = ctx
+        self._ctx_id = int(ctx)
+        self._ctx_get, self._ctx_push, self._ctx_pop = drv.cuCtxGetCurrent, drv.cuCtxPushCurrent, drv.cuCtxPopCurrent
+        self._launch = drv.cuLaunchKernel
         major, minor = torch.cuda.get_device_capability(device)
-        version = ctypes.c_int()
-        self.check(self.api.driver_version(ctypes.byref(version)), "cuDriverGetVersion")
-        large = major >= 7 and min(version.value, _nvrtc_version(_load_nvrtc())) >= _LARGE_PARAMS_CUDA
+        rc, version = drv.cuDriverGetVersion()
+        self.check(rc, "cuDriverGetVersion")
+        large = major >= 7 and min(int(version), _nvrtc_version(_load_nvrtc())) >= _LARGE_PARAMS_CUDA
         cubin = _compile(f"sm_{major}{minor}", large)
         # Page ids one launch can carry, fewest first: a launch takes the smallest that holds its
         # ids (the driver copies every parameter byte at a launch), a plan beyond it several.
         self.capacities = IDS if large else IDS[:1]
-        module = ctypes.c_void_p()
+        image = ctypes.create_string_buffer(cubin, len(cubin))  # passed by address: every bindings version takes that
         with self.current():
-            self.check(self.api.module_load(ctypes.byref(module), cubin), "cuModuleLoadData")
-            self.functions: dict[tuple[int, int], int] = {}
+            rc, module = drv.cuModuleLoadData(ctypes.addressof(image))
+            self.check(rc, "cuModuleLoadData")
+            self.functions: dict[tuple[int, int], Any] = {}
             for ids in self.capacities:
                 for word in WORDS:
-                    f = ctypes.c_void_p()
-                    name = f"gather_w{word}_p{ids}".encode()
-                    self.check(self.api.module_function(ctypes.byref(f), module, name), "cuModuleGetFunction")
-                    self.functions[word, ids] = f.value  # type: ignore[assignment]
-            f = ctypes.c_void_p()
-            self.check(self.api.module_function(ctypes.byref(f), module, b"prime"), "cuModuleGetFunction")
-            self._prime = f.value
+                    rc, f = drv.cuModuleGetFunction(module, f"gather_w{word}_p{ids}".encode())
+                    self.check(rc, "cuModuleGetFunction")
+                    self.functions[word, ids] = f
+            rc, f = drv.cuModuleGetFunction(module, b"prime")
+            self.check(rc, "cuModuleGetFunction")
+            self._prime = f
         self._module = module
 
     @classmethod
@@ -262,6 +259,11 @@ class GatherKernel:
             if device not in cls._loaded:
                 cls._loaded[device] = cls(device)
             return cls._loaded[device]
+
+    def stream(self, handle: int) -> Any:
+        """The bindings' `CUstream` for a stream's handle (torch's `cuda_stream`), made once
+        per stream and passed to `prime`, `launch` and `DriverEvent.record`."""
+        return self.drv.CUstream(handle)
 
     @contextmanager
     def current(self) -> Iterator[None]:
@@ -273,34 +275,44 @@ class GatherKernel:
             if pushed:
                 self.leave()
 
+    def current_context(self) -> int | None:
+        """The address of the context current on the calling thread; None if there is none."""
+        rc, current = self._ctx_get()
+        self.check(rc, "cuCtxGetCurrent")
+        return int(current) or None
+
     def enter(self) -> bool:
         """Make this GPU's context current unless it is (the usual case on a thread that
         torch set up for this GPU); True if it was pushed, and `leave` must pop it."""
-        current = ctypes.c_void_p()
-        self.check(self.api.ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
-        if current.value == self.ctx:
+        rc, current = self._ctx_get()
+        if rc:
+            self.check(rc, "cuCtxGetCurrent")
+        if int(current) == self._ctx_id:
             return False
-        self.check(self.api.ctx_push(self.ctx), "cuCtxPushCurrent")
+        self.check(self._ctx_push(self.ctx)[0], "cuCtxPushCurrent")
         return True
 
     def leave(self) -> None:
-        popped = ctypes.c_void_p()
-        self.check(self.api.ctx_pop(ctypes.byref(popped)), "cuCtxPopCurrent")
+        self.check(self._ctx_pop()[0], "cuCtxPopCurrent")
 
     def make_current(self) -> None:
         """Make this GPU's primary context current on the calling thread for good (a
         thread of the lane's own, which waits on its events)."""
-        self.check(self.api.ctx_set(self.ctx), "cuCtxSetCurrent")
+        self.check(self.drv.cuCtxSetCurrent(self.ctx)[0], "cuCtxSetCurrent")
 
-    def prime(self, stream: int) -> None:
-        """Queue the empty kernel on `stream` (call with the context current)."""
-        self.check(self.api.launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, None), "cuLaunchKernel")
+    def prime(self, stream: Any) -> None:
+        """Queue the empty kernel on `stream` (a `CUstream`; call with the context current)."""
+        rc = self._launch(self._prime, 1, 1, 1, 32, 1, 1, 0, stream, None, 0)[0]
+        if rc:
+            self.check(rc, "cuLaunchKernel")
 
-    def launch(self, word: int, grid: tuple[int, int], threads: int, stream: int, args: LaunchArgs) -> None:
-        """Queue the kernel for `word`-byte loads with `args` (call with the context current)."""
+    def launch(self, word: int, grid: tuple[int, int], threads: int, stream: Any, args: LaunchArgs) -> None:
+        """Queue the kernel for `word`-byte loads with `args` on `stream` (a `CUstream`; call
+        with the context current)."""
         f = self.functions[word, args.capacity]
-        rc = self.api.launch(f, grid[0], grid[1], 1, threads, 1, 1, 0, stream, args.params, None)
-        self.check(rc, "cuLaunchKernel")
+        rc = self._launch(f, grid[0], grid[1], 1, threads, 1, 1, 0, stream, args.address, 0)[0]
+        if rc:
+            self.check(rc, "cuLaunchKernel")
 
 
 class LaunchArgs:
@@ -315,3 +327,4 @@ class LaunchArgs:
         self.ids = np.frombuffer(memoryview(self._ids), np.int32)  # written through numpy: one copy, cast included
         base = ctypes.addressof(self.values)
         self.params = (ctypes.c_void_p * 7)(*range(base, base + 48, 8), ctypes.addressof(self._ids))
+        self.address = ctypes.addressof(self.params)  # the launch's `void**`, as the bindings take it
