@@ -2,7 +2,7 @@
 
 A layer's owner sends its buffer to every other rank of the CP group; the others receive
 into a scratch buffer. On the host the group is gloo. On CUDA it is an NCCL communicator
-of its own (`pdkv.nccl`, driven through ctypes: torch's process group cost more host time
+of its own (`pdkv.nccl`, driven through nccl4py's bindings: torch's process group cost more host time
 a call than a 6 MiB layer takes on NVLink), whose high-priority stream is the side stream:
 a broadcast starts after what the compute stream had queued when it was started (the
 owner's writes), and `wait()` orders the compute stream after it, so a prefetch of layer

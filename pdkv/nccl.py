@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError, TransferError
+from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
 __all__ = ["NcclComm", "NcclWork", "nccl_library", "unique_id"]
 
@@ -110,6 +110,7 @@ class _Api:
 
 
 _api: _Api | None = None
+_unavailable = False  # the bindings were found missing: torch's process group serves
 GPU_EXTRA = "pip install 'pdkv[gpu]'"
 
 
@@ -125,10 +126,10 @@ def _point_nccl4py_at_torch() -> None:
 
 def nccl_library() -> _Api | None:
     """NCCL as torch loaded it (its pip wheel's libnccl), or None where it is not a shared
-    library of its own (a torch built with NCCL linked in): then torch's process group serves.
-    Raises a TransferError naming the `gpu` extra where its bindings are not installed."""
-    global _api
-    if _api is None:
+    library of its own (a torch built with NCCL linked in) or its bindings (the `gpu` extra)
+    are not installed: then torch's process group serves, slower, and a warning says why."""
+    global _api, _unavailable
+    if _api is None and not _unavailable:
         if not torch.cuda.is_available():
             return None
         torch.cuda.init()  # loads libnccl with torch's CUDA libraries
@@ -136,9 +137,11 @@ def nccl_library() -> _Api | None:
             import nccl.bindings.nccl as nb
             from cuda.bindings import driver as drv
         except ImportError as exc:
-            raise TransferError(
-                f"the NCCL owner broadcast needs nccl4py and cuda-bindings, not importable here ({exc}): {GPU_EXTRA}"
-            ) from exc
+            _unavailable = True
+            logger.warning(
+                "owner broadcasts go through torch's process group: no NCCL bindings (%s): %s", exc, GPU_EXTRA
+            )
+            return None
         _point_nccl4py_at_torch()
         try:
             version = int(nb.get_version())  # loads libnccl

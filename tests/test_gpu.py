@@ -196,7 +196,6 @@ def test_prime_on_a_thread_without_the_gpus_context_leaves_it_as_found_and_gathe
     """The empty kernel goes out on whatever thread starts a fetch. On a thread with no
     context current it must neither raise nor leave the context pushed; a gather after it
     copies as ever."""
-    import ctypes
     import threading
 
     from transfer.lanes.cuda_ipc.gather import Gatherer
@@ -208,9 +207,7 @@ def test_prime_on_a_thread_without_the_gpus_context_leaves_it_as_found_and_gathe
 
     def fresh_thread() -> None:
         lane.prime()
-        current = ctypes.c_void_p()
-        lane.kernel.check(lane.kernel.api.ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
-        after.append(current.value)
+        after.append(lane.kernel.current_context())
 
     try:
         thread = threading.Thread(target=fresh_thread)
