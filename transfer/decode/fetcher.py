@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 
-from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError
+from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError, TransferError
 from pdkv.pages import PageIds, page_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
@@ -124,10 +124,19 @@ class DecodeFetcher:
         if self.pool.device.type == "cuda" and self.path != "ucx":
             from transfer.lanes.cuda_ipc.lane import CudaIpcLane  # needs CUDA: only where a GPU is
 
-            gpu = CudaIpcLane(
-                self.pool.device, time_kernels=self.time_kernels, secret=self._secret, fd_timeout=self.timeouts.connect
-            )
-            lanes.append(gpu)
+            try:
+                gpu = CudaIpcLane(
+                    self.pool.device,
+                    time_kernels=self.time_kernels,
+                    secret=self._secret,
+                    fd_timeout=self.timeouts.connect,
+                )
+            except TransferError as exc:  # no driver bindings (the `gpu` extra), say
+                if self.path == "cuda_ipc":
+                    raise
+                logger.warning("no same-host GPU lane, every owner over UCX: %s", exc)
+            else:
+                lanes.append(gpu)
         if self.path != "cuda_ipc":
             lanes.append(self._ucx)
         self._owners = Owners(
