@@ -9,7 +9,18 @@ one bundled with nixl 1.5.1) crashed in `uct_tcp_ep_pending_purge -> ucp_request
 exit code per trial (-11: the crash). `--chunk-mb N` READs N MiB at a time, one after
 another: 0 of 10 crashed at 4, 16 and 64 MiB (5 of 10 with one READ, the same day). Needs root.
 
+`--owner-env KEY=VAL` (`--reader-env`) sets a variable for the owner (the reader) only, and
+`--gdb DIR` runs the owner under gdb and writes its stack and registers at a crash to DIR.
+Under gdb the crash is in the IOV branch of `ucp_request_memory_dereg`: the queued requests
+are the owner's GET replies, which `ucp_get_req_handler` builds without setting
+`req->send.datatype`, so the purge reads whatever the request pool's chunk held there; the
+pool's 41 KB chunks came from the reused glibc heap, and a stale value with IOV's class bits
+sent it through a garbage `dt_reg`. With `--owner-env MALLOC_MMAP_THRESHOLD_=32768` the
+chunks are fresh zeroed mmaps (the field reads CONTIG, the memh the handler cleared, so the
+purge has nothing to release): 0 of 10 kills against 2 of 10 without (2026-12-01).
+
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py [--trials 8] [--mode kill|cut]
+    sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py --owner-env MALLOC_MMAP_THRESHOLD_=32768 --gdb /tmp/g
 """
 
 from __future__ import annotations
@@ -112,6 +123,9 @@ def main() -> None:
         "--chunk-mb", type=float, default=0, help="READ this many MiB at a time, one after another (0: all at once)"
     )
     ap.add_argument("--chunk-items", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--owner-env", action="append", default=[], metavar="KEY=VAL", help="for the owner only")
+    ap.add_argument("--reader-env", action="append", default=[], metavar="KEY=VAL", help="for the reader only")
+    ap.add_argument("--gdb", type=Path, help="run the owner under gdb; a crash's stack and registers go here")
     ap.add_argument("--role", choices=("owner", "reader"), help=argparse.SUPPRESS)
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cut", help=argparse.SUPPRESS)
@@ -132,13 +146,29 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 chunk = str(int(args.chunk_mb * (1 << 20)) // ITEM)
                 me = [sys.executable, __file__, "--workdir", tmp, "--chunk-items", chunk, "--role"]
-                own = subprocess.Popen([*net.exec_prefix("owner"), *me, "owner"], env=env, stdout=subprocess.DEVNULL)
+                own_env = {**env, **dict(kv.split("=", 1) for kv in args.owner_env)}
+                gdb: list[str] = []
+                if args.gdb:  # the crash's frames and the request's fields, then the exit code gdb reports
+                    args.gdb.mkdir(parents=True, exist_ok=True)
+                    own_env["UCX_HANDLE_ERRORS"] = "none"
+                    gdb = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGPIPE nostop noprint"]
+                    gdb += ["-ex", "run", "-ex", "bt 12", "-ex", "info registers", "-ex", "x/8i $pc-16"]
+                    gdb += ["-ex", "frame 1", "-ex", "info registers", "-ex", "kill", "--args"]
+                out = open(args.gdb / f"owner{len(codes)}.txt", "wb") if args.gdb else subprocess.DEVNULL  # noqa: SIM115
+                own_cmd = [*net.exec_prefix("owner"), *gdb, *me, "owner"]
+                own = subprocess.Popen(own_cmd, env=own_env, stdout=out, stderr=out)
                 cut = ["--cut", net.netns("owner")] if args.mode == "cut" else []
                 run = [*net.exec_prefix("reader"), *me, "reader", *cut]
-                subprocess.run(run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-                codes.append(own.wait(timeout=60))
+                read_env = {**env, **dict(kv.split("=", 1) for kv in args.reader_env)}
+                subprocess.run(run, env=read_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+                codes.append(own.wait(timeout=90))
+                if args.gdb:
+                    text = (args.gdb / f"owner{len(codes) - 1}.txt").read_text(errors="replace")
+                    codes[-1] = -11 if "SIGSEGV" in text else codes[-1]
     how = f"{args.chunk_mb:g} MiB READs one at a time" if args.chunk_mb else "one READ"
-    print(f"owner exit codes ({args.mode}, {ITEM}-byte descriptors, {how}, UCX over TCP): {codes}")
+    extra = f"; owner env {args.owner_env}" if args.owner_env else ""
+    extra += f"; reader env {args.reader_env}" if args.reader_env else ""
+    print(f"owner exit codes ({args.mode}, {ITEM}-byte descriptors, {how}, UCX over TCP{extra}): {codes}")
     print(f"crashed (SIGSEGV): {sum(c == -11 for c in codes)} of {len(codes)}")
 
 
