@@ -63,7 +63,7 @@ async def decode(args: argparse.Namespace) -> int:
     from transfer.metadata import RoomTicket
 
     if args.post_mib:  # the control: what one lane posts at a time
-        ucx._MAX_INFLIGHT_BYTES = int(args.post_mib * (1 << 20))
+        ucx._PART_BYTES = int(args.post_mib * (1 << 20))
     ticket = msgspec.msgpack.decode(Path(args.ticket).read_bytes(), type=RoomTicket)
     pool = DSAKVPool(dsa_v32(size=args.tokens * 2))
     pages = np.arange(len(ticket.src_pages), dtype=np.int64)

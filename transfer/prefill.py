@@ -39,7 +39,7 @@ from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.lanes.cuda_ipc.export import IpcExporter
 from transfer.lanes.pages import device_id, mem_type
-from transfer.lanes.ucx.transport import UcxTransport
+from transfer.lanes.ucx.transport import UcxTransport, protect_owner_heap
 from transfer.logctx import request_context
 from transfer.metadata import (
     ClaimRelease,
@@ -135,6 +135,7 @@ class PrefillExporter:
 
     async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
+        protect_owner_heap()
         self.transport = UcxTransport(
             name, workers=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )

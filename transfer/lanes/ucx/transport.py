@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import importlib
 import itertools
 import logging
 import os
+import platform
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +43,14 @@ from transfer.lanes.base import ReadStats
 from transfer.lanes.ucx.plan import ReadPlan
 from transfer.timeouts import Timeouts
 
-__all__ = ["UcxTransport", "Regions", "configure_ucx_environment", "default_workers", "load_nixl"]
+__all__ = [
+    "UcxTransport",
+    "Regions",
+    "configure_ucx_environment",
+    "default_workers",
+    "load_nixl",
+    "protect_owner_heap",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +94,25 @@ def configure_ucx_environment() -> None:
     os.environ.setdefault("UCX_TCP_KEEPIDLE", "1s")
     os.environ.setdefault("UCX_TCP_KEEPINTVL", "1s")
     os.environ.setdefault("UCX_TCP_KEEPCNT", "2")
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_OWNER_MMAP_THRESHOLD = 32 << 10
+
+
+def protect_owner_heap() -> None:
+    """In an owner (a process whose memory decodes READ), have glibc serve every allocation
+    of 32 KiB or more by a fresh mmap, unless `MALLOC_MMAP_THRESHOLD_` already says otherwise.
+
+    UCX 1.23's TCP transport answers a decode's GET with a request whose datatype field it
+    never sets; when the decode dies or its link is cut, purging the queued replies reads
+    that field, and heap garbage left in the request pool's chunks (41 KB) segfaulted the
+    owner. Chunks that come zeroed from mmap read as a plain buffer with nothing to release.
+    Call it before the process's first UCX worker exists."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return
+    if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _OWNER_MMAP_THRESHOLD) != 1:
+        logger.warning("mallopt(M_MMAP_THRESHOLD) refused: an owner may crash if a reader dies mid-READ")
 
 
 def default_workers(mem_type: str = "DRAM") -> int:
@@ -163,28 +192,48 @@ class _Worker:
     def read_blocking(
         self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, stop: threading.Event
     ) -> float:
-        """Run a READ on this worker's thread, at most `_MAX_INFLIGHT_BYTES` posted at a time;
-        returns its duration. Once `stop` is set no further part is posted: a cancelled
-        fetch ends after the part in flight, not after the whole room."""
+        """Run a READ on this worker's thread in parts of at most `_PART_BYTES`, `_PARTS_IN_FLIGHT`
+        posted at a time; returns its duration. Once `stop` is set no further part is posted:
+        a cancelled fetch ends after the parts in flight, not after the whole room. Whatever
+        ends it, it returns or raises only once no part of it is still in flight."""
         t0 = time.perf_counter()
-        for part_local, part_remote in _bounded(local, remote, _MAX_INFLIGHT_BYTES):
-            if stop.is_set():
-                raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
-            self._read_part(peer, part_local, part_remote, mem, deadline)
+        posted: deque[Any] = deque()
+        try:
+            for part_local, part_remote in _bounded(local, remote, _PART_BYTES):
+                if stop.is_set():
+                    raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
+                if len(posted) == _PARTS_IN_FLIGHT:
+                    self._finish(peer, posted.popleft(), deadline)
+                posted.append(self._post(peer, part_local, part_remote, mem))
+            while posted:
+                self._finish(peer, posted.popleft(), deadline)
+        finally:
+            for handle in posted:  # after a failure: waited for (bounded), then released
+                self._release(self.agent, handle, peer, "PROC")
         return time.perf_counter() - t0
 
-    def _read_part(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float) -> None:
-        """Run one posted READ to completion."""
+    def _post(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str) -> Any:
+        """Post one part; its handle (released by `_finish`, or by the caller on a failure)."""
         agent = self.agent
         handle = agent.initialize_xfer(
             "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
         )
-        state = "PROC"
+        try:
+            if agent.transfer(handle) == "ERR":
+                raise TransferError(f"READ from {peer} could not be posted")
+        except BaseException:
+            self._release(agent, handle, peer, "PROC")
+            raise
+        return handle
+
+    def _finish(self, peer: str, handle: Any, deadline: float) -> None:
+        """Wait for a posted part to end (a stall of `_STALL_S` from now counts the peer
+        lost), then release it."""
+        agent, state = self.agent, "PROC"
         stalled = time.monotonic() + _STALL_S
         try:
-            state = agent.transfer(handle)
             sleep = _POLL_SLEEP_S[0]
-            while state == "PROC":
+            while (state := agent.check_xfer_state(handle)) == "PROC":
                 now = time.monotonic()
                 if now > deadline:
                     raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
@@ -192,7 +241,6 @@ class _Worker:
                     raise PeerLostError(f"READ from {peer}: a part of it made no end in {_STALL_S:.0f}s", peer)
                 time.sleep(sleep)
                 sleep = _POLL_SLEEP_S[1]
-                state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"READ from {peer} ended in state {state}")
         finally:
@@ -223,10 +271,11 @@ class _Worker:
             logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
 
 
-# What one worker has posted and not seen end: the bound on how far a cancelled fetch runs on,
-# and on the READ replies an owner queues for one reader (UCX's TCP transport crashed owners
-# purging large queues when a reader died; 4-64 MiB posts did not).
-_MAX_INFLIGHT_BYTES = 32 << 20
+# A READ goes out in parts, two in flight: what a worker has posted and not seen end (64 MiB)
+# bounds how far a cancelled fetch runs on, and the second part keeps the link busy while
+# the first one's end is noticed (over TCP a part ends only as the owner progresses).
+_PART_BYTES = 32 << 20
+_PARTS_IN_FLIGHT = 2
 
 
 def _bounded(local: np.ndarray, remote: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -415,7 +464,7 @@ class UcxTransport:
         busy does not (more, smaller posts then only cost). If the caller is
         cancelled, this still waits for every piece to end (bounded by the same deadline)
         so that no byte lands in pages the caller may hand out again; a piece stops at its
-        next part (`_MAX_INFLIGHT_BYTES`), so that wait is short.
+        parts in flight (`_PART_BYTES`), so that wait is short.
         """
         regions = self._peers.get(peer)
         if regions is None:
