@@ -55,8 +55,8 @@ from transfer.app.synthetic import fragmented_allocator, fragmented_page_order  
 from transfer.decode import DecodeFetcher  # noqa: E402
 from transfer.decode.owners import buffer_pairs  # noqa: E402
 from transfer.lanes.pages import BufferPair, mem_type  # noqa: E402
+from transfer.lanes.ucx.nixl import load_nixl  # noqa: E402
 from transfer.lanes.ucx.plan import build_read_plan  # noqa: E402
-from transfer.lanes.ucx.transport import load_nixl  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState, RoomTicket  # noqa: E402
 from transfer.registry.server import RegistryServer  # noqa: E402
 from transfer.results import FetchResult  # noqa: E402

@@ -56,7 +56,7 @@ async def decode(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    import transfer.lanes.ucx.transport as ucx
+    import transfer.lanes.ucx.worker as ucx
     from pdkv import DSAKVPool, dsa_v32
     from transfer.app.synthetic import RequestContent, request_seed
     from transfer.decode import DecodeFetcher

@@ -41,7 +41,7 @@ ITEM = 41_984  # DSA's latent KV bytes per page and layer
 
 
 def _agent(name: str):  # type: ignore[no-untyped-def]
-    from transfer.lanes.ucx.transport import load_nixl
+    from transfer.lanes.ucx.nixl import load_nixl
 
     nixl = load_nixl()
     return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

@@ -18,7 +18,7 @@ from transfer.lanes.cuda_ipc.plan import (
 )
 from transfer.lanes.pages import BufferPair, page_runs
 from transfer.lanes.ucx.plan import ReadPlan, build_read_plan
-from transfer.lanes.ucx.transport import _split
+from transfer.lanes.ucx.worker import split as _split
 
 
 def test_runs_merge_only_where_both_sides_are_consecutive():

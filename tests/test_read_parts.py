@@ -1,11 +1,11 @@
-"""How a READ is cut into posts (transfer.lanes.ucx.transport._bounded): every byte once, paired as in the
+"""How a READ is cut into posts (transfer.lanes.ucx.worker.bounded): every byte once, paired as in the
 plan, no post over the bound. Pure: no UCX."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.lanes.ucx.transport import _bounded
+from transfer.lanes.ucx.worker import bounded as _bounded
 
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int]]:

@@ -39,7 +39,8 @@ from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.lanes.cuda_ipc.export import IpcExporter
 from transfer.lanes.pages import device_id, mem_type
-from transfer.lanes.ucx.transport import UcxTransport, protect_owner_heap
+from transfer.lanes.ucx.nixl import protect_owner_heap
+from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
 from transfer.metadata import (
     ClaimRelease,

@@ -44,7 +44,8 @@ from transfer.http import ControlClient
 from transfer.lanes.base import Lane
 from transfer.lanes.pages import mem_type
 from transfer.lanes.ucx.lane import UcxLane
-from transfer.lanes.ucx.transport import UcxTransport, default_workers
+from transfer.lanes.ucx.nixl import default_workers
+from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
 from transfer.metadata import RoomTicket
 from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_RATE, FETCH_SECONDS, fetching

@@ -18,20 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
-import importlib
 import itertools
 import logging
-import os
-import platform
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,115 +31,19 @@ import torch
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
 from transfer.deadline import Deadline
 from transfer.lanes.base import ReadStats
+from transfer.lanes.ucx.nixl import load_nixl, quietly, translate
 from transfer.lanes.ucx.plan import ReadPlan
+from transfer.lanes.ucx.worker import Worker, split
 from transfer.timeouts import Timeouts
 
-__all__ = [
-    "UcxTransport",
-    "Regions",
-    "configure_ucx_environment",
-    "default_workers",
-    "load_nixl",
-    "protect_owner_heap",
-]
+__all__ = ["Regions", "UcxTransport"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_POLL_SLEEP_S = (0.0, 0.0001)
-_LATE_GRACE_S = Timeouts.late_read
-_STALL_S = Timeouts.read_stall
 _NOTIFY_DRIVE_S = 0.1  # how long the worker is driven after a notification, so that it leaves
 _NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
 _NOTIFY_POLL_MAX_S = 0.01
-
-
-def _quietly(fn: Callable[[], Any]) -> None:
-    """Run `fn` on a worker's thread for its side effect; a failure is logged, not raised."""
-    try:
-        fn()
-    except Exception as exc:
-        logger.debug("%s: %s", getattr(fn, "__name__", fn), exc)
-
-
-def configure_ucx_environment() -> None:
-    """UCX settings that must be in place before NIXL loads UCX.
-
-    Without InfiniBand devices the bundled libnl crashed every NIXL process at exit
-    (seen with nixl-cu12 1.5.1); excluding the ib module avoids that and costs nothing
-    where no IB exists. On one GPU without NVLink, UCX disables cuda_ipc zero-copy GET
-    and falls back to a slow emulation; turn it on explicitly.
-
-    Between hosts over TCP, a cut link stalls a READ with no error at all (TCP retransmits
-    quietly) until the READ's own deadline, a minute later; and a READ abandoned then still
-    landed its bytes once the link came back (seen between network namespaces). With TCP
-    keepalive probes after 1 s of silence, given up after two unanswered ones, UCX fails the
-    endpoint about 3 s after the cut, the READ ends `PeerLostError`, and
-    a failed endpoint lands nothing later. The probes are answered by the peer's kernel, so a
-    busy owner is not taken for a dead one.
-    """
-    ib = Path("/sys/class/infiniband")
-    if "UCX_MODULES" not in os.environ and not (ib.exists() and any(ib.iterdir())):
-        os.environ["UCX_MODULES"] = "^ib"
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-    os.environ.setdefault("UCX_TCP_KEEPIDLE", "1s")
-    os.environ.setdefault("UCX_TCP_KEEPINTVL", "1s")
-    os.environ.setdefault("UCX_TCP_KEEPCNT", "2")
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_OWNER_MMAP_THRESHOLD = 32 << 10
-
-
-def protect_owner_heap() -> None:
-    """In an owner (a process whose memory decodes READ), have glibc serve every allocation
-    of 32 KiB or more by a fresh mmap, unless `MALLOC_MMAP_THRESHOLD_` already says otherwise.
-
-    UCX 1.23's TCP transport answers a decode's GET with a request whose datatype field it
-    never sets; when the decode dies or its link is cut, purging the queued replies reads
-    that field, and heap garbage left in the request pool's chunks (41 KB) segfaulted the
-    owner. Chunks that come zeroed from mmap read as a plain buffer with nothing to release.
-    Call it before the process's first UCX worker exists."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
-        return
-    if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _OWNER_MMAP_THRESHOLD) != 1:
-        logger.warning("mallopt(M_MMAP_THRESHOLD) refused: an owner may crash if a reader dies mid-READ")
-
-
-def default_workers(mem_type: str = "DRAM") -> int:
-    """One worker per core this process may run on, up to 8 for host memory, 4 for GPU memory.
-
-    On the host a worker's thread does the copy (cma), so workers scale with cores; over
-    cuda_ipc a worker only posts descriptors for the copy engines, and more than 4 gained
-    nothing but a worse p99 (docs/benchmarks.md, "UCX workers: READs on more cores").
-    """
-    return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
-
-
-def load_nixl() -> ModuleType:
-    """NIXL's Python API (nixl-cu12 or nixl-cu13), with UCX configured first."""
-    return _nixl()
-
-
-@functools.lru_cache(maxsize=1)
-def _nixl() -> ModuleType:
-    configure_ucx_environment()
-    for name in ("nixl_cu12", "nixl_cu13", "nixl._api"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise TransferError("NIXL is not installed (pip install nixl-cu12)")
-
-
-def _translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
-    """NIXL's exceptions into the pdkv tree: the one place that sees them."""
-    disconnected = getattr(
-        importlib.import_module(f"{_nixl().__name__.split('.')[0]}._bindings"), "nixlRemoteDisconnectError", ()
-    )
-    if isinstance(exc, disconnected):
-        return PeerLostError(f"{what}: peer {peer or '?'} disconnected", peer)
-    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 class Regions:
@@ -177,156 +72,6 @@ class Regions:
         return int((self.ends - self.starts).sum())
 
 
-class _Worker:
-    """One NIXL agent and the one thread allowed to call it."""
-
-    def __init__(self, nixl: ModuleType, name: str) -> None:
-        self.name = name
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-{name}")
-        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.agent: Any = self.executor.submit(nixl.nixl_agent, name, conf).result()
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-
-    def read_blocking(
-        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, stop: threading.Event
-    ) -> float:
-        """Run a READ on this worker's thread in parts of at most `_PART_BYTES`, `_PARTS_IN_FLIGHT`
-        posted at a time; returns its duration. Once `stop` is set no further part is posted:
-        a cancelled fetch ends after the parts in flight, not after the whole room. Whatever
-        ends it, it returns or raises only once no part of it is still in flight."""
-        t0 = time.perf_counter()
-        posted: deque[Any] = deque()
-        try:
-            for part_local, part_remote in _bounded(local, remote, _PART_BYTES):
-                if stop.is_set():
-                    raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
-                if len(posted) == _PARTS_IN_FLIGHT:
-                    self._finish(peer, posted.popleft(), deadline)
-                posted.append(self._post(peer, part_local, part_remote, mem))
-            while posted:
-                self._finish(peer, posted.popleft(), deadline)
-        finally:
-            for handle in posted:  # after a failure: waited for (bounded), then released
-                self._release(self.agent, handle, peer, "PROC")
-        return time.perf_counter() - t0
-
-    def _post(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str) -> Any:
-        """Post one part; its handle (released by `_finish`, or by the caller on a failure)."""
-        agent = self.agent
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
-        )
-        try:
-            if agent.transfer(handle) == "ERR":
-                raise TransferError(f"READ from {peer} could not be posted")
-        except BaseException:
-            self._release(agent, handle, peer, "PROC")
-            raise
-        return handle
-
-    def _finish(self, peer: str, handle: Any, deadline: float) -> None:
-        """Wait for a posted part to end (a stall of `_STALL_S` from now counts the peer
-        lost), then release it."""
-        agent, state = self.agent, "PROC"
-        stalled = time.monotonic() + _STALL_S
-        try:
-            sleep = _POLL_SLEEP_S[0]
-            while (state := agent.check_xfer_state(handle)) == "PROC":
-                now = time.monotonic()
-                if now > deadline:
-                    raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
-                if now > stalled:
-                    raise PeerLostError(f"READ from {peer}: a part of it made no end in {_STALL_S:.0f}s", peer)
-                time.sleep(sleep)
-                sleep = _POLL_SLEEP_S[1]
-            if state != "DONE":
-                raise TransferError(f"READ from {peer} ended in state {state}")
-        finally:
-            self._release(agent, handle, peer, state)
-
-    @staticmethod
-    def _release(agent: Any, handle: Any, peer: str, state: str) -> None:
-        """Release a transfer handle; one still in flight is first waited for (bounded).
-
-        A READ abandoned at its deadline could otherwise land later, in destination pages
-        that the failed fetch's caller has handed to another request.
-        """
-        try:
-            handle.release()
-            return
-        except Exception as exc:  # an in-flight handle may refuse
-            logger.warning("transfer to %s still in flight (%s): waiting for it before release", peer, exc)
-        end = time.monotonic() + _LATE_GRACE_S
-        while state == "PROC" and time.monotonic() < end:
-            time.sleep(_POLL_SLEEP_S[1])
-            try:
-                state = agent.check_xfer_state(handle)
-            except Exception:
-                break
-        try:
-            handle.release()
-        except Exception as exc:
-            logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
-
-
-# A READ goes out in parts, two in flight: what a worker has posted and not seen end (64 MiB)
-# bounds how far a cancelled fetch runs on, and the second part keeps the link busy while
-# the first one's end is noticed (over TCP a part ends only as the owner progresses).
-_PART_BYTES = 32 << 20
-_PARTS_IN_FLIGHT = 2
-
-
-def _bounded(local: np.ndarray, remote: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(local, remote) descriptor rows cut into parts of at most `limit` bytes each.
-
-    Rows longer than `limit / 2` are split first, then the rows are cut after each one that
-    takes the running total past a multiple of `limit / 2`: no Python loop over the rows (a
-    fetch may carry tens of thousands)."""
-    lengths = local[:, 1]
-    if int(lengths.sum()) <= limit:
-        return [(local, remote)]
-    half = max(1, limit // 2)
-    if int(lengths.max()) > half:
-        local, remote = _split_rows(local, half), _split_rows(remote, half)
-        lengths = local[:, 1]
-    ends = np.cumsum(lengths)
-    cuts = np.searchsorted(ends, np.arange(half, int(ends[-1]), half), side="left") + 1
-    cuts = np.unique(cuts[cuts < len(local)])
-    return list(zip(np.split(local, cuts), np.split(remote, cuts)))
-
-
-def _split_rows(rows: np.ndarray, limit: int) -> np.ndarray:
-    """Each (addr, length, dev) row as rows of at most `limit` bytes, in order."""
-    parts = -(-rows[:, 1] // limit)
-    out = np.repeat(rows, parts, axis=0)
-    first = np.repeat(np.cumsum(parts) - parts, parts)
-    offset = (np.arange(len(out)) - first) * limit
-    out[:, 0] += offset
-    out[:, 1] = np.minimum(np.repeat(rows[:, 1], parts) - offset, limit)
-    return out
-
-
-# A piece of a READ carries at least this many descriptors or bytes: below that, posting
-# it on another worker costs more than it saves.
-_MIN_PIECE_DESCS = 256
-_MIN_PIECE_BYTES = 4 << 20
-
-
-def _split(plan: ReadPlan, pieces: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Cut `plan` into at most `pieces` pieces of about equal cost (bytes and descriptors)."""
-    n = min(pieces, max(1, plan.descriptors // _MIN_PIECE_DESCS, plan.nbytes // _MIN_PIECE_BYTES), plan.descriptors)
-    if n <= 1:
-        return [(plan.local, plan.remote)]
-    # Cost of a descriptor: its bytes plus a fixed posting cost in byte terms, so a piece
-    # of many small runs and one of a few large runs take about as long.
-    cost = np.cumsum(plan.local[:, 1] + (_MIN_PIECE_BYTES // _MIN_PIECE_DESCS))
-    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, n) / n, side="right")
-    cuts = np.unique(np.clip(cuts, 1, plan.descriptors - 1))
-    return list(zip(np.split(plan.local, cuts), np.split(plan.remote, cuts)))
-
-
 class UcxTransport:
     """Registered memory, peers, and batched one-sided READs, driven from asyncio."""
 
@@ -341,15 +86,15 @@ class UcxTransport:
         """`notifies`: this transport sends notifications (`notify`), from an agent of their
         own: a notification sent on a READ worker's connection made that worker's next READs
         from the peer wait for the peer's progress (4-10 ms each on loopback, measured)."""
-        self._nixl = _nixl()
+        self._nixl = load_nixl()
         self.name = name
         self.connect_timeout = connect_timeout
         self.mem_type = mem_type
-        self._workers = [_Worker(self._nixl, f"{name}.{i}" if workers > 1 else name) for i in range(workers)]
-        self._notifier = _Worker(self._nixl, f"{name}.notify") if notifies else None
+        self._workers = [Worker(self._nixl, f"{name}.{i}" if workers > 1 else name) for i in range(workers)]
+        self._notifier = Worker(self._nixl, f"{name}.notify") if notifies else None
         self._next_lane = itertools.cycle(range(workers))
         self._local_ranges: list[tuple[int, int]] = []
-        self._registrations: list[tuple[_Worker, Any]] = []
+        self._registrations: list[tuple[Worker, Any]] = []
         self.local_regions = Regions([])
         self._peers: dict[str, Regions] = {}
         self._closed = False
@@ -392,7 +137,7 @@ class UcxTransport:
         """
         if agent_name in self._peers:
             return
-        loaded: list[_Worker] = []
+        loaded: list[Worker] = []
         try:
             for worker in self._agents():
                 await self._load_peer(worker, agent_name, metadata)
@@ -411,7 +156,7 @@ class UcxTransport:
             raise PeerLostError(f"cannot connect to {agent_name}: {exc}", agent_name) from exc
         self._peers[agent_name] = Regions(regions)
 
-    async def _load_peer(self, worker: _Worker, agent_name: str, metadata: bytes) -> None:
+    async def _load_peer(self, worker: Worker, agent_name: str, metadata: bytes) -> None:
         try:
             loaded = await worker.call(lambda: worker.agent.add_remote_agent(metadata))
         except Exception as exc:
@@ -434,7 +179,7 @@ class UcxTransport:
             except Exception as exc:
                 logger.warning("removing peer %s: %s", agent_name, exc)
 
-    def _agents(self) -> list[_Worker]:
+    def _agents(self) -> list[Worker]:
         """Every agent that holds peers: the READ workers and the notifier."""
         return self._workers + ([self._notifier] if self._notifier is not None else [])
 
@@ -479,7 +224,7 @@ class UcxTransport:
         loop, kind, stop = asyncio.get_running_loop(), mem or self.mem_type, threading.Event()
         futs = [
             loop.run_in_executor(worker.executor, worker.read_blocking, peer, local, remote, kind, deadline.at, stop)
-            for worker, (local, remote) in zip(self._pick_workers(), _split(plan, min(pieces, len(self._workers))))
+            for worker, (local, remote) in zip(self._pick_workers(), split(plan, min(pieces, len(self._workers))))
         ]
         try:
             results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
@@ -491,7 +236,7 @@ class UcxTransport:
         if errors:
             if isinstance(errors[0], (DeadlineExceeded, TransferError)):
                 raise errors[0]
-            raise _translate(errors[0], f"READ from {peer}", peer) from errors[0]
+            raise translate(errors[0], f"READ from {peer}", peer) from errors[0]
         seconds = max(r for r in results if not isinstance(r, BaseException))
         logger.debug(
             "READ from %s: %d descriptors in %d pieces, %d bytes, %.2f ms on the workers",
@@ -555,15 +300,15 @@ class UcxTransport:
             self._driving = False
             return
         worker = self._sender
-        worker.executor.submit(_quietly, worker.agent.get_new_notifs)
+        worker.executor.submit(quietly, worker.agent.get_new_notifs)
         self._drive_interval = min(2 * self._drive_interval, _NOTIFY_POLL_MAX_S)
         asyncio.get_running_loop().call_later(self._drive_interval, self._poll_notifications)
 
     @property
-    def _sender(self) -> _Worker:
+    def _sender(self) -> Worker:
         return self._notifier or self._workers[0]
 
-    def _pick_workers(self) -> list[_Worker]:
+    def _pick_workers(self) -> list[Worker]:
         """Every worker, starting from the next in turn, so concurrent READs spread out."""
         first = next(self._next_lane)
         return self._workers[first:] + self._workers[:first]
