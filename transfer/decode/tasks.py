@@ -140,6 +140,9 @@ async def all_or_cancel(tasks: Sequence[asyncio.Future[T]], abort: Awaitable[Non
                 t.cancel()
             # Collects every outcome; a cancel of our own arriving meanwhile propagates.
             await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:  # every outcome read, so none is logged as "never retrieved" after an abort
+        if t.done() and not t.cancelled():
+            t.exception()
     if watch is not None and watch.done() and not watch.cancelled() and (exc := watch.exception()) is not None:
         raise exc
     for t in tasks:
