@@ -48,7 +48,7 @@ class Owner:
     lane: Lane | None = None
     peer: Any = None  # what `lane` opened for it
     pins: MappedPins | None = None  # its pin table, mapped when it runs on this host
-    signalled: bool = False  # connected over UCX for notifications and pin words
+    signalled: bool = False  # also connected over UCX (for notifications and pin words) beside its lane
 
     @property
     def path(self) -> str:
@@ -143,7 +143,6 @@ class Owners:
                     why = str(exc)
                 else:
                     owner.lane = lane
-                    owner.signalled = lane is self.ucx
                     if reasons:
                         logger.info("engine %s cp rank %d over %s: %s", r.engine_id, r.cp_rank, lane.name, reasons)
                     return
