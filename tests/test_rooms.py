@@ -135,6 +135,19 @@ async def test_a_ticket_holds_a_claim_its_word_is_cleared_before_the_pages_are_f
     assert not t.release_ticket(1, slot, nonce)  # replayed
 
 
+async def test_a_chunked_room_is_pinned_once_its_last_chunk_is_in_not_at_its_first():
+    pins = np.zeros(4, dtype=np.int64)
+    t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=pins, on_free=lambda r, p: None)
+    t.publish_chunked(1, total_pages=3)
+    asking = asyncio.ensure_future(t.pin(1, timeout=5))
+    t.add_chunk(1, np.array([4, 5]))
+    await asyncio.sleep(0.01)
+    assert not asking.done()  # two of three pages: no ticket yet, and no early None either
+    t.add_chunk(1, np.array([9]))
+    slot, nonce = await asking
+    assert pins[slot] == nonce != 0
+
+
 async def test_an_aborted_room_with_its_ticket_out_clears_its_word_and_count():
     pins = np.zeros(2, dtype=np.int64)
     t = RoomTable(range(0, 1), num_pages=32, pin_seconds=60, pins=pins)
