@@ -345,13 +345,15 @@ async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 async def _read_claimed(claim: Handle[RoomLease], pages: PageIds, timeout: float | None) -> FetchResult:
-    try:
-        lease = await asyncio.wrap_future(claim._future)
-    except asyncio.CancelledError:
-        claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
-        if claim.poll() is FetchStatus.DONE:  # granted as this read was cancelled: give it up here
-            await claim.result().give_up()
-        raise
+    if not claim._future.done():  # a claim granted already (the usual case) costs no turn of the loop
+        try:
+            await asyncio.wrap_future(claim._future)
+        except asyncio.CancelledError:
+            claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
+            if claim.poll() is FetchStatus.DONE:  # granted as this read was cancelled: give it up here
+                await claim.result().give_up()
+            raise
+    lease = claim.result()  # raises the claim's failure
     return await lease.read_once(pages, timeout=timeout)
 
 

@@ -157,6 +157,8 @@ class RoomLease:
     async def _read_pinned(
         self, ticket: RoomTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
     ) -> FetchResult:
+        for lane in {o.lane for o in self._owners.values() if o.lane is not None}:
+            lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
         job = self._begin(dst_pages, deadline, timeout)
         with self._activity.call():  # the claim is given up before close can end the client
             try:
