@@ -261,11 +261,12 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
                 samples["lane_copy"].append(kernels.read_seconds)
                 samples["ctl_lane"].append(through_lane.control_messages)
     if lane is not None and tickets:
-        samples["lane_b2b"], samples["path_b2b"] = await _back_to_back(d, engine, lane, alloc, n, runs)
+        b2b = await _back_to_back(d, engine, lane, alloc, n, runs)
+        samples["lane_b2b"], samples["lane_b2b_read"], samples["path_b2b"] = b2b
     return n, nbytes, desc_unmerged, desc_merged, samples
 
 
-async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> tuple[list[float], list[str]]:
+async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> tuple[list[float], list[float], list[str]]:
     """Lane fetches one after another, as a loaded decode runs them: `runs` rooms are
     prefilled first, then read into the same pages with nothing in between (after an
     idle wait, this machine's CPUs run the next millisecond of code several times slower)."""
@@ -275,7 +276,8 @@ async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> tuple[list
         results = [await lane.fetch("prefill0", t.room, dst, ticket=t) for t in tickets]
     finally:
         alloc.free(dst)
-    return [r.seconds for r in results], sorted({o.path for r in results for o in r.owners})
+    paths = sorted({o.path for r in results for o in r.owners})
+    return [r.seconds for r in results], [r.read_seconds for r in results], paths
 
 
 def print_table(rows, args) -> None:
@@ -364,6 +366,7 @@ class EngineRow(NamedTuple):
     paths: str  # what moved the bytes, from OwnerStats.path (several: comma-separated)
     seconds: list[float]
     copy_gbps: float  # one contiguous copy of as many bytes on the same device
+    read_seconds: list[float]  # the lane's share: launch to wake-up (or the kernels' GPU time if timed)
 
 
 def contiguous_copy_gbps(nbytes: int, device: str) -> float:
@@ -431,7 +434,7 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
     rng = np.random.default_rng(7)
     order = np.arange(pages + 7)
     src = {n: fragmented_page_order(order, rng)[: n // ENGINE_PAGE].tolist() for n in args.sizes}
-    dst = {n: fragmented_page_order(order, rng)[: n // ENGINE_PAGE].tolist() for n in args.sizes}
+    dst = {n: fragmented_page_order(order, rng)[: n // ENGINE_PAGE] for n in args.sizes}  # an array, as SGLang's
     rooms = {_engine_room(m, n, r): src[n] for m in ENGINE_MODES for n in args.sizes for r in range(args.runs + 1)}
     unpinned = frozenset(room for room in rooms if room // 10**7 != ENGINE_MODES.index("ticket"))
     engine_id, label = ("engine-vmm", "engine vmm") if vmm else ("engine", "engine")
@@ -459,7 +462,7 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
                     n // ENGINE_PAGE * ENGINE_LAYERS * (shape.kv_item + shape.index_item), device
                 )
                 for mode in ENGINE_MODES:
-                    seconds, nbytes, paths = [], 0, set()
+                    seconds, reads, nbytes, paths = [], [], 0, set()
                     for r in range(args.runs + 1):
                         if r == 0:
                             for b in bufs:  # poison: the warm-up read is checked byte-exact
@@ -473,11 +476,12 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
                             _check_engine_bytes(shape, bufs, src[n], dst[n], f"{label} {n} tokens {mode}")
                         else:  # the first is a warm-up
                             seconds.append(result.seconds)
+                            reads.append(result.read_seconds)
                         nbytes = result.nbytes
                         paths |= {o.path for o in result.owners}
                     if lane_expected and paths != {"cuda_ipc"}:
                         raise SystemExit(f"{label} {n} tokens {mode}: read by {sorted(paths)}, not the lane (cuda_ipc)")
-                    rows.append(EngineRow(label, n, nbytes, mode, ",".join(sorted(paths)), seconds, copy))
+                    rows.append(EngineRow(label, n, nbytes, mode, ",".join(sorted(paths)), seconds, copy, reads))
     finally:
         await asyncio.to_thread(stop_owners, procs, stop)
         await registry.aclose()
@@ -487,9 +491,11 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
 def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
     """Engine-buffer rows against the pool lane of this call (on a CPU: the pool's UCX fetch)."""
     pool: dict[int, tuple[float, str, str]] = {}  # tokens -> (GB/s, path, which series)
+    pool_read: dict[int, float] = {}  # tokens -> the b2b lane's launch-to-wake ms
     for n, nbytes, _, _, s in pool_rows:
         if "lane_b2b" in s:
             pool[n] = (nbytes / statistics.median(s["lane_b2b"]) / 1e9, ",".join(s["path_b2b"]), "pool lane b2b")
+            pool_read[n] = 1e3 * statistics.median(s["lane_b2b_read"])
         elif "lane" in s:
             pool[n] = (nbytes / statistics.median(s["lane"]) / 1e9, "cuda_ipc", "pool lane")
         else:
@@ -499,8 +505,9 @@ def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
         f"pages of {ENGINE_PAGE}), each room read once back to back, {args.runs} runs after a checked warm-up, "
         "medians; x pool: against the pool row of the same size"
     )
-    head = ("owners", "tokens", "MB", "read", "path", "GB/s", "p50 ms", "p99 ms", "copy GB/s", "x copy", "x pool")
-    widths = (12, 8, 8, 8, 10, 9, 9, 9, 10, 8, 8)
+    head = ("owners", "tokens", "MB", "read", "path", "GB/s", "p50 ms", "p99 ms", "lane ms", "copy GB/s")
+    head += ("x copy", "x pool")
+    widths = (12, 8, 8, 8, 10, 9, 9, 9, 9, 10, 8, 8)
     print("".join(f"{h:>{w}}" for h, w in zip(head, widths)))
 
     def line(cells: tuple) -> None:
@@ -510,18 +517,25 @@ def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
         ref = pool.get(n)
         if ref is not None:
             p = [r for r in pool_rows if r[0] == n][0]
-            line(("pool", str(n), f"{p[1] / 1e6:.0f}", "ticket", ref[1], ref[0], "", "", "", "", 1.0))
+            lane_ms = pool_read.get(n, float("nan"))
+            line(("pool", str(n), f"{p[1] / 1e6:.0f}", "ticket", ref[1], ref[0], "", "", lane_ms, "", "", 1.0))
         for row in (r for r in engine_rows if r.tokens == n):
             lat = np.array(row.seconds) * 1e3
             gbps = row.nbytes / statistics.median(row.seconds) / 1e9
             x_pool = gbps / ref[0] if ref is not None else float("nan")
             line(
                 (row.owners, str(n), f"{row.nbytes / 1e6:.0f}", row.read, row.paths, gbps)
-                + (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), row.copy_gbps)
+                + (
+                    float(np.percentile(lat, 50)),
+                    float(np.percentile(lat, 99)),
+                    1e3 * statistics.median(row.read_seconds),
+                )
+                + (row.copy_gbps,)
                 + (gbps / row.copy_gbps, x_pool)
             )
     kinds = sorted({v[2] for v in pool.values()})
     print(f"pool: {', '.join(kinds)} (tickets); path: what moved the bytes (OwnerStats.path: cuda_ipc, the lane; ucx)")
+    print("lane ms: the reads' own time (FetchResult.read_seconds: on the lane, its launch to its wake-up)")
 
 
 def main() -> None:

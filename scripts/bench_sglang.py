@@ -4,11 +4,15 @@ calls hold the scheduler's thread.
 A CP=4 layer-split prefill (4 processes, DeepSeek-V3.2's 61 layers of latent + indexer,
 pages of 64 tokens) and a decode (this process) drive pdkv's SGLang sender and receiver as
 SGLang's schedulers do. Per room: the prefill sends it in one chunk; once every rank has,
-the decode's receiver gets its pages and is polled until Success. The fetch's own time
-(`FetchResult.seconds`) is set against what the polling scheduler sees. Needs sglang
-(scripts/sglang-cpu.txt).
+the decode's receiver gets its pages and is polled until Success (every `--poll-us`, the
+scheduler's other work in between). Each run also reads a room of the same size with its
+ticket through pdkv's own API (`DecodeFetcher.fetch`, the prefill ranks' pins handed over as
+a router would), into the same pages: what the adapter's path is set against. The adapter's
+time is split: from `send_metadata` to the read's start on pdkv's thread, the read
+(`FetchResult.seconds`), and from its end to the first `poll()` that says Success. Needs
+sglang (scripts/sglang-cpu.txt).
 
-    python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda]
+    python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda] [--poll-us 200]
 
 With `--device cuda` every KV buffer is a CUDA tensor (one per layer and kind, as SGLang's
 pools): the decode reads the prefill's through the same-host GPU lane.
@@ -83,12 +87,13 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
     mgr = PdkvKVManager(args, "prefill", None, True)
     holds: list[float] = []
     while (order := orders.get()) is not None:
-        room, src = order
+        room, src, ticket = order
         sender = PdkvKVSender(mgr, registry, room)
         _timed(holds, sender.init, len(src), 0)
         _timed(holds, sender.should_send_kv_chunk, len(src), True)
         _timed(holds, sender.send, np.asarray(src, dtype=np.int32), None)
-        replies.put(("sent", rank))
+        pin = mgr.exporter.pin(room).result(timeout=60) if ticket else None  # as a router hands it over
+        replies.put(("sent", rank, pin))
         while _timed(holds, sender.poll) not in (conn.KVPoll.Success, conn.KVPoll.Failed):
             time.sleep(0.0002)
         replies.put(("done", rank))
@@ -96,20 +101,94 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
     mgr.close()
 
 
+class Split:
+    """One receiver's timeline: when its read began on pdkv's thread, and when it settled."""
+
+    def __init__(self) -> None:
+        self.began: float | None = None
+        self.settled: float | None = None
+
+
+def _stamp_reads(split: list[Split]) -> None:
+    """Stamp the start of each receiver's read on pdkv's thread (`split[-1]`'s)."""
+    import transfer.sync as sync
+
+    read = sync._read_claimed
+
+    async def stamped(*args):  # type: ignore[no-untyped-def]
+        split[-1].began = time.perf_counter()
+        return await read(*args)
+
+    sync._read_claimed = stamped
+
+
+def _publish(orders: list, replies, room: int, src: np.ndarray, ticket: bool) -> list:  # type: ignore[no-untyped-def]
+    """Every prefill rank sends `room` in one chunk; their pins (None unless `ticket`)."""
+    for q in orders:
+        q.put((room, src.tolist(), ticket))
+    pins = {}
+    for _ in range(CP):
+        kind, rank, pin = replies.get(timeout=120)
+        assert kind == "sent", kind
+        pins[rank] = pin
+    return [pins[r] for r in range(CP)]
+
+
+def _await_senders(replies) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(CP):
+        assert replies.get(timeout=120)[0] == "done"
+
+
+def _ticket_fetch(mgr, room: int, src: np.ndarray, dst: np.ndarray, pins: list):  # type: ignore[no-untyped-def]
+    """pdkv's own ticket fetch of `room`, on the decode fetcher's loop (`FetchResult`)."""
+    from transfer.metadata import RoomTicket
+
+    sync_fetcher = mgr.fetcher(SERVER_URL).result(timeout=60)
+    ticket = RoomTicket(engine_id="dp0", room=room, src_pages=src.tolist(), pins=pins)
+    coro = sync_fetcher.fetcher.fetch("dp0", room, dst, ticket=ticket)
+    return sync_fetcher._bg.run(coro, 60)
+
+
+def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, split: Split):  # type: ignore[no-untyped-def]
+    """SGLang's receiver reads `room`: from its bootstrap, then timed from `send_metadata`
+    to the first poll that says Success; (seconds, its `FetchResult`)."""
+    from transfer.sglang.conn import PdkvKVReceiver
+
+    receiver = PdkvKVReceiver(mgr, SERVER_URL, room)
+    receiver.init(0)
+    while receiver.poll() == conn.KVPoll.Bootstrapping:
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    _timed(holds, receiver.send_metadata, dst, 0)
+    fetch = receiver._parts[0].fetch
+    fetch.on_done(lambda _: setattr(split, "settled", time.perf_counter()))
+    while (state := _timed(holds, receiver.poll)) == conn.KVPoll.Transferring:
+        time.sleep(poll_s)  # the scheduler's other work between two polls
+    seen = time.perf_counter() - t0
+    assert state == conn.KVPoll.Success, state
+    split.began, split.settled = split.began - t0, split.settled - t0  # type: ignore[operator]
+    return seen, fetch.result()
+
+
+SERVER_URL = ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--poll-us", type=float, default=200.0, help="the scheduler's work between two polls")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, SERVER_URL
     DEVICE = os.environ["PDKV_BENCH_DEVICE"] = args.device
     from sglang.srt.disaggregation.base import conn
 
-    from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager, PdkvKVReceiver
+    from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager
 
     pages = 2 * max(args.sizes) // PAGE + 2
     server = PdkvKVBootstrapServer("127.0.0.1", 0)
+    SERVER_URL = server.url
     ctx = mp.get_context("spawn")
     orders, replies = [ctx.Queue() for _ in range(CP)], ctx.Queue()
     ranks = [ctx.Process(target=_prefill_rank, args=(server.url, r, pages, orders[r], replies)) for r in range(CP)]
@@ -118,37 +197,35 @@ def main() -> None:
     _env("", 0, 1)
     kv_args, _keep = _kv_args(range(LAYERS), pages, conn)
     mgr = PdkvKVManager(kv_args, "decode", None, True)
+    splits: list[Split] = []
+    _stamp_reads(splits)
     rows, decode_holds = [], []
     rng = np.random.default_rng(0)
     room = 1
     for n in args.sizes:
-        fetch_s, seen_s = [], []
+        ticket_s, fetch_s, seen_s, row_splits = [], [], [], []
         for i in range(args.runs + 1):
             k = n // PAGE
             src, dst = rng.permutation(np.arange(1, pages))[:k], rng.permutation(np.arange(1, pages))[:k]
-            for q in orders:
-                q.put((room, src.tolist()))
-            for _ in range(CP):
-                assert replies.get(timeout=120)[0] == "sent"
-            receiver = PdkvKVReceiver(mgr, server.url, room)
-            receiver.init(0)
-            while receiver.poll() == conn.KVPoll.Bootstrapping:
-                time.sleep(0.001)
-            holds = decode_holds if i else []
-            t0 = time.perf_counter()
-            _timed(holds, receiver.send_metadata, dst, 0)
-            while (state := _timed(holds, receiver.poll)) == conn.KVPoll.Transferring:
-                time.sleep(0.0002)  # the scheduler's other work between two polls
-            seen = time.perf_counter() - t0
-            assert state == conn.KVPoll.Success, state
-            for _ in range(CP):
-                assert replies.get(timeout=120)[0] == "done"
-            if i:
-                fetch_s.append(receiver._parts[0].fetch.result().seconds)  # type: ignore[union-attr]
-                seen_s.append(seen)
+            pins = _publish(orders, replies, room, src, ticket=True)
+            by_ticket = _ticket_fetch(mgr, room, src, dst, pins)
+            assert by_ticket.control_messages == 0, "a ticket fetch asked an owner"
+            _await_senders(replies)
             room += 1
+            _publish(orders, replies, room, src, ticket=False)
+            splits.append(Split())
+            seen, result = _receive(mgr, conn, room, dst, args.poll_us / 1e6, decode_holds if i else [], splits[-1])
+            _await_senders(replies)
+            room += 1
+            if result.control_messages:  # not read as a ticket's: the comparison would not hold
+                raise SystemExit(f"room {room - 1}: the receiver's read asked the owners ({result.control_messages})")
+            if i:  # the first is a warm-up
+                ticket_s.append(by_ticket.seconds)
+                fetch_s.append(result.seconds)
+                seen_s.append(seen)
+                row_splits.append(splits[-1])
         nbytes = n * LAYERS * (KV_ITEM + INDEX_ITEM) // PAGE
-        rows.append((n, nbytes, fetch_s, seen_s))
+        rows.append((n, nbytes, ticket_s, fetch_s, seen_s, row_splits))
     for q in orders:
         q.put(None)
     prefill_holds = []
@@ -159,14 +236,28 @@ def main() -> None:
         p.join(30)
     mgr.close()
     server.close()
+    _print(rows, args, decode_holds, prefill_holds)
 
-    print(f"pdkv through SGLang's interface: CP={CP} prefill processes, DSA-61 on {DEVICE}, {args.runs} runs")
-    head = ("tokens", "MB", "fetch ms", "via adapter", "added ms", "fetch GB/s", "adapter GB/s")
-    print("".join(f"{h:>13}" for h in head))
-    for n, nbytes, fetch_s, seen_s in rows:
-        f, s = statistics.median(fetch_s), statistics.median(seen_s)
-        cells = (n, nbytes / 1e6, 1e3 * f, 1e3 * s, 1e3 * (s - f), nbytes / f / 1e9, nbytes / s / 1e9)
-        print("".join(f"{c:>13.0f}" if j < 2 else f"{c:>13.2f}" for j, c in enumerate(cells)))
+
+def _print(rows, args, decode_holds, prefill_holds) -> None:  # type: ignore[no-untyped-def]
+    print(
+        f"pdkv through SGLang's interface: CP={CP} prefill processes, DSA-61 on {DEVICE}, {args.runs} runs, "
+        f"a poll every {args.poll_us:.0f} us; ms, medians"
+    )
+    head = ("tokens", "MB", "ticket ms", "via adapter", "x ticket", "to read", "read", "to poll", "ticket GB/s")
+    print("".join(f"{h:>12}" for h in head))
+    med = statistics.median
+    for n, nbytes, ticket_s, fetch_s, seen_s, splits in rows:
+        t, s = med(ticket_s), med(seen_s)
+        to_read = med(x.began for x in splits)
+        to_poll = med(seen - x.settled for seen, x in zip(seen_s, splits))
+        cells = (n, nbytes / 1e6, 1e3 * t, 1e3 * s, t / s, 1e3 * to_read, 1e3 * med(fetch_s), 1e3 * to_poll)
+        cells += (nbytes / t / 1e9,)
+        print("".join(f"{c:>12.0f}" if j < 2 else f"{c:>12.3f}" for j, c in enumerate(cells)))
+    print(
+        "to read: send_metadata's call to the read's start on pdkv's thread; read: its FetchResult.seconds; "
+        "to poll: its end to the first poll() that said Success"
+    )
     for side, holds in (("decode (send_metadata, poll)", decode_holds), ("prefill (init, send, poll)", prefill_holds)):
         us = np.array(holds) * 1e6
         p50, p99, top = np.percentile(us, 50), np.percentile(us, 99), us.max()

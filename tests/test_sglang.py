@@ -45,14 +45,19 @@ def _aux_row(room: int) -> bytes:
 DRAFT_BASE = 100  # a draft layer's pattern is that of layer DRAFT_BASE + its index
 
 
-def _kv_args(layers: range, fill: bool, drafts: int = 0) -> tuple[object, list[torch.Tensor]]:
-    """SGLang's KVArgs over a tensor per layer and kind (and the aux buffers); `drafts`: a
-    draft model's (MTP) layers, appended after the target's as SGLang does, with no layer
-    ids (SGLang's DSA pools report none). `keep`: latent, then indexer (target, then
-    draft), then aux."""
+def _kv_args(layers: range, fill: bool, drafts: int = 0, device: str = "cpu") -> tuple[object, list[torch.Tensor]]:
+    """SGLang's KVArgs over a tensor per layer and kind on `device` (and the aux buffers, on
+    the host as SGLang keeps them); `drafts`: a draft model's (MTP) layers, appended after the
+    target's as SGLang does, with no layer ids (SGLang's DSA pools report none). `keep`:
+    latent, then indexer (target, then draft), then aux."""
     every = [*layers, *range(DRAFT_BASE, DRAFT_BASE + drafts)]
-    kv = [torch.from_numpy(_pattern(x, 0) if fill else np.zeros((PAGES, KV_ITEM), np.uint8)) for x in every]
-    index = [torch.from_numpy(_pattern(x, 1) if fill else np.zeros((PAGES, INDEX_ITEM), np.uint8)) for x in every]
+
+    def tensor(x: int, kind: int) -> torch.Tensor:
+        item = (KV_ITEM, INDEX_ITEM)[kind]
+        return torch.from_numpy(_pattern(x, kind) if fill else np.zeros((PAGES, item), np.uint8)).to(device)
+
+    kv = [tensor(x, 0) for x in every]
+    index = [tensor(x, 1) for x in every]
     aux = [torch.zeros((AUX_ROWS, n), dtype=torch.uint8) for n in AUX_ITEMS]
     keep = kv + index + aux
     args = conn.KVArgs()
@@ -74,14 +79,21 @@ def _kv_args(layers: range, fill: bool, drafts: int = 0) -> tuple[object, list[t
     return args, keep
 
 
-def _env(registry: str, cp_rank: int, cp_size: int, tp: tuple = (0, 1)) -> None:
+def _env(registry: str, cp_rank: int, cp_size: int, tp: tuple = (0, 1), device: str = "cpu") -> None:
     from transfer.sglang.topology import environment
 
-    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, "cpu", *tp))
+    os.environ.update(environment(registry, cp_rank, cp_size, LAYERS, device, *tp))
 
 
 def _prefill_rank(
-    registry: str, cp_rank: int, cp_size: int, rooms: dict, results: mp.Queue, drafts: int = 0, tp: tuple = (0, 1)
+    registry: str,
+    cp_rank: int,
+    cp_size: int,
+    rooms: dict,
+    results: mp.Queue,
+    drafts: int = 0,
+    tp: tuple = (0, 1),
+    device: str = "cpu",
 ) -> None:
     """One CP rank's scheduler: a sender per request, polled once an iteration; the last CP
     rank holds the draft model's `drafts` layers, as under SGLang's layer split."""
@@ -89,8 +101,9 @@ def _prefill_rank(
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
 
-    _env(registry, cp_rank, cp_size, tp)
-    args, keep = _kv_args(_owned(cp_rank, cp_size), fill=True, drafts=drafts if cp_rank == cp_size - 1 else 0)
+    _env(registry, cp_rank, cp_size, tp, device)
+    drafts = drafts if cp_rank == cp_size - 1 else 0
+    args, keep = _kv_args(_owned(cp_rank, cp_size), fill=True, drafts=drafts, device=device)
     mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
     aux = keep[-len(AUX_ITEMS) :]
     try:
@@ -164,8 +177,13 @@ def bootstrap():
     server.close()
 
 
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
 @pytest.mark.parametrize("cp_size", [1, 2], ids=["plain-dsa", "layer-split-cp2"])
-def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size):
+def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size, device):
+    """On a GPU every KV buffer is a CUDA tensor: the receiver reads through the same-host lane."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
@@ -179,12 +197,13 @@ def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ranks = [
-        ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, cp_size, rooms, results)) for r in range(cp_size)
+        ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, cp_size, rooms, results, 0, (0, 1), device))
+        for r in range(cp_size)
     ]
     for p in ranks:
         p.start()
-    _env("", 0, 1)
-    args, keep = _kv_args(range(LAYERS), fill=False)
+    _env("", 0, 1, device=device)
+    args, keep = _kv_args(range(LAYERS), fill=False, device=device)
     mgr = PdkvKVManager(args, "decode", server_args=None, is_mla_backend=True)
     try:
         receivers = {room: PdkvKVReceiver(mgr, bootstrap.url.removeprefix("http://"), room) for room in rooms}
@@ -213,11 +232,13 @@ def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size):
             src = sum(rooms[room][0], [])
             kv, index = keep[:LAYERS], keep[LAYERS : 2 * LAYERS]
             for layer in range(LAYERS):
-                assert np.array_equal(kv[layer].numpy()[dst[room]], _pattern(layer, 0)[src]), (room, layer)
-                assert np.array_equal(index[layer].numpy()[dst[room]], _pattern(layer, 1)[src]), (room, layer)
+                assert np.array_equal(kv[layer].cpu().numpy()[dst[room]], _pattern(layer, 0)[src]), (room, layer)
+                assert np.array_equal(index[layer].cpu().numpy()[dst[room]], _pattern(layer, 1)[src]), (room, layer)
             aux = keep[2 * LAYERS :]
             got = b"".join(t[room % AUX_ROWS].numpy().tobytes() for t in aux)
             assert got == _aux_row(room)  # the first output token and the like came with the KV
+            fetched = receivers[room]._parts[0].fetch.result()
+            assert {o.path for o in fetched.owners} == {"cuda_ipc" if device == "cuda" else "ucx"}
             assert receivers[room].get_transfer_metric().transfer_total_bytes == len(src) * LAYERS * (
                 KV_ITEM + INDEX_ITEM
             )
@@ -226,7 +247,7 @@ def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size):
             receivers[103].failure_exception()
         assert "pdkv" in type(failure.value).__module__  # a typed pdkv error, not a bare Exception
         never_sent = dst[103][2:]  # the aborted room's chunks after the first never came
-        assert all(not keep[x].numpy()[never_sent].any() for x in range(LAYERS))
+        assert all(not keep[x].cpu().numpy()[never_sent].any() for x in range(LAYERS))
 
         for cp_rank, room, seen, nbytes, error in sent:
             assert seen[0] == KVPoll.Bootstrapping and seen[1] == KVPoll.WaitingForInput, seen
