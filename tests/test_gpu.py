@@ -389,6 +389,73 @@ def test_a_cancelled_fetch_lands_no_byte_after_it_raised(path):
     asyncio.run(run())
 
 
+def test_a_room_claimed_ahead_launches_on_the_callers_thread_and_a_cancel_waits_for_its_kernel(monkeypatch):
+    """SGLang's receiver path on the lane: with its claim granted, `SyncFetcher.read_claimed`
+    launches the gather on the calling thread (no hop to pdkv's); the read is byte-exact and
+    takes no control request; one cancelled at once settles only after its kernel (a sentinel
+    written as it says FAILED stays)."""
+    import threading
+
+    from pdkv import dsa_v32
+    from transfer.lanes.cuda_ipc.gather import Gatherer
+    from transfer.sync import FetchStatus, SyncFetcher
+
+    launched_on: list[int] = []
+    launch = Gatherer.launch
+
+    def recorded(self, plan):  # type: ignore[no-untyped-def]
+        launched_on.append(threading.get_ident())
+        return launch(self, plan)
+
+    monkeypatch.setattr(Gatherer, "launch", recorded)
+
+    async def settled(handle):  # type: ignore[no-untyped-def]
+        while handle.poll() is FetchStatus.PENDING:
+            await asyncio.sleep(0.0005)  # this loop serves the deployment: never block it
+        return handle.poll()
+
+    async def run():
+        spec = _lane_spec((4,), preset="dsa_v32", prefill_pool_tokens=73728, decode_pool_tokens=36864)
+        async with Deployment(spec) as d:
+            pool = DSAKVPool(dsa_v32(size=36864, device="cuda:0"))
+            fetcher = await asyncio.to_thread(SyncFetcher, pool, d.registry_url, path="cuda_ipc")
+            try:
+                cancelled = 0
+                for k, cancel in enumerate((False, True, True, False)):
+                    room, n = 9_500_000 + k, 32768
+                    await prefill(d, d.engines[0], room, n)
+                    claim = fetcher.claim("prefill0", room)
+                    assert await settled(claim) is FetchStatus.DONE
+                    pages = torch.from_numpy(fragmented_pages(pool, n, k)).cuda()
+                    launched_on.clear()
+                    handle = fetcher.read_claimed(claim, pages)
+                    assert launched_on == [threading.get_ident()]  # launched here, before the call returned
+                    if cancel:
+                        handle.cancel()
+                    if await settled(handle) is FetchStatus.DONE:
+                        result = handle.result()
+                        assert result.control_messages == 0 and {o.path for o in result.owners} == {"cuda_ipc"}
+                        assert kv_is_exact(pool, "prefill0", room, n, pages.cpu().numpy())
+                        continue
+                    assert cancel, handle.exception()
+                    cancelled += 1
+                    rows = [
+                        buf.view(torch.uint8).reshape(pool.layout.num_pages, -1)
+                        for buf in [*pool.kv_buffer, *pool.index_buffer]
+                    ]
+                    for r in rows:
+                        r[pages] = 0x5A
+                    torch.cuda.synchronize()
+                    await asyncio.sleep(0.5)
+                    torch.cuda.synchronize()
+                    assert all(bool((r[pages] == 0x5A).all()) for r in rows)
+                assert cancelled >= 1
+            finally:
+                await asyncio.to_thread(fetcher.close)
+
+    asyncio.run(run())
+
+
 def _check_engine_kv(shape, bufs, src, dst) -> None:
     from tests.engine_owners import layer_pattern
 

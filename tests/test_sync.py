@@ -151,3 +151,38 @@ def test_a_cancelled_handle_stays_pending_until_its_task_has_ended():
         assert isinstance(handle.exception(), ClosedError)
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("when", ["before its task exists", "before its first step"])
+def test_a_handle_cancelled_before_its_task_ran_still_runs_its_cleanup(when):
+    """A read launched on the caller's thread before its task was handed over (a room
+    claimed ahead) is waited for by that task: cancelled at once, the task still starts,
+    and the handle settles only after its cleanup."""
+    import asyncio
+
+    loop = BackgroundLoop("test-cancel-early")
+    started, cleaned = threading.Event(), threading.Event()
+    try:
+
+        async def waits_for_its_launch():
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            finally:
+                cleaned.set()
+
+        from transfer.sync import Handle, Job
+
+        busy = threading.Event()
+        loop.call(lambda: busy.wait(5))  # the loop is held: what follows queues behind it
+        job = Job(loop.loop, waits_for_its_launch())
+        if when == "before its first step":
+            loop.call(lambda: None)  # the task is made (its first step queued) before the cancel
+        handle = Handle(job)
+        handle.cancel()
+        busy.set()
+        _until_done(handle)
+        assert started.is_set() and cleaned.is_set()
+        assert isinstance(handle.exception(), ClosedError)
+    finally:
+        loop.stop()

@@ -105,7 +105,9 @@ class Lane(Protocol):
         ...
 
     def read_merged(self, merged: Any, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
-        """Run `merged` over `src` into `dst` (ids known to lie below `dst_below`); its seconds."""
+        """Start `merged` over `src` into `dst` (ids known to lie below `dst_below`) now, from
+        any thread (`merged` too may be asked from any); await the result on the decode's loop
+        for its seconds: it ends once every byte is in place, cancelled or not."""
         ...
 
     def prime(self) -> None:
