@@ -295,6 +295,7 @@ class RoomTable:
         """Issue `room`'s ticket once every layer is ready: its (slot, nonce). The ticket
         holds one of the room's claims. None if the room has no pin slot, died, or every
         claim is taken (a decode that began before the prefill ended claimed it)."""
+
         def whole_or_gone() -> bool:  # not `wait`: a chunked room moves with each chunk, whole or not
             r = self._live.get(room)
             return r is None or r.ready_upto == self.layers.stop
