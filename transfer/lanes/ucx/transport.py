@@ -41,9 +41,13 @@ __all__ = ["Regions", "UcxTransport"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_NOTIFY_DRIVE_S = 0.1  # how long the worker is driven after a notification, so that it leaves
+# How long the worker is driven after a notification, so that it leaves: a connection still
+# wiring up needs several rounds of both sides' progress, which on a loaded host took longer
+# than the 0.1 s this once was (a release left queued pins its room until the pin expires).
+_NOTIFY_DRIVE_S = 2.0
 _NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
-_NOTIFY_POLL_MAX_S = 0.01
+_NOTIFY_POLL_MAX_S = 0.02
+_NOTIFY_CLOSE_S = 0.1  # at most this long a closing transport still drives its last notifications
 
 
 class Regions:
@@ -323,7 +327,8 @@ class UcxTransport:
         if self._closed:
             return
         if self._driving:  # the last notifications leave before the agents close
-            await asyncio.sleep(max(0.0, self._drive_until - time.monotonic()) + _NOTIFY_POLL_S)
+            left = min(_NOTIFY_CLOSE_S, self._drive_until - time.monotonic())
+            await asyncio.sleep(max(0.0, left) + _NOTIFY_POLL_S)
         self._closed = True
         for name in list(self._peers):
             await self.remove_peer(name)
