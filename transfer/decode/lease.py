@@ -189,12 +189,18 @@ class RoomLease:
     async def _read_pinned(self, ticket: RoomTicket, job: Fetch, launched: LaunchedTicket | None) -> FetchResult:
         """Finish a read as a ticket's: `launched` already (`start_read_once`), or every owner now."""
         try:
+            result = await self._proved_read(ticket, job, launched)
+            return self._with_aux(result)  # from the room's pushed states: read before they are forgotten
+        finally:
+            self._forget()
+
+    async def _proved_read(self, ticket: RoomTicket, job: Fetch, launched: LaunchedTicket | None) -> FetchResult:
+        try:
             with fetching(self.engine_id):
                 if launched is not None:  # its bytes are awaited before anything may raise
-                    result = await self._tickets.land(launched, self._notify)
-                else:
-                    with self._activity.call():  # the claim is given up before close can end the client
-                        result = await self._tickets.fetch(self._owners, ticket, job, self._notify)
+                    return await self._tickets.land(launched, self._notify)
+                with self._activity.call():  # the claim is given up before close can end the client
+                    return await self._tickets.fetch(self._owners, ticket, job, self._notify)
         except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
             await self.give_up()
             if isinstance(exc, RoomAbortedError):
@@ -203,8 +209,9 @@ class RoomLease:
         except BaseException:
             await self.give_up()
             raise
-        finally:
-            self._forget()
+
+    def _with_aux(self, result: FetchResult) -> FetchResult:
+        """`result` with the request's aux bytes, where an owner's state carried them."""
         states = (self._state(r, o) for r, o in sorted(self._owners.items()))
         aux = next((s.aux for s in states if s is not None and s.aux is not None), None)
         if aux is None:
