@@ -304,7 +304,11 @@ class UcxTransport:
             self._driving = False
             return
         worker = self._sender
-        worker.executor.submit(quietly, worker.agent.get_new_notifs)
+        try:
+            worker.executor.submit(quietly, worker.agent.get_new_notifs)
+        except RuntimeError:  # its thread was shut down (the interpreter is exiting): nothing to drive
+            self._driving = False
+            return
         self._drive_interval = min(2 * self._drive_interval, _NOTIFY_POLL_MAX_S)
         asyncio.get_running_loop().call_later(self._drive_interval, self._poll_notifications)
 
