@@ -136,7 +136,7 @@ class Job(Generic[T]):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> None:
         self._loop = loop
-        self._task: asyncio.Task[T] | None = None
+        self._task: asyncio.Task[None] | None = None
         self._cancel_asked = False
         self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self.future.set_running_or_notify_cancel()  # from now on only the task settles it
@@ -147,18 +147,25 @@ class Job(Generic[T]):
             raise ClosedError("pdkv's loop has stopped") from exc
 
     def _start(self, coro: Coroutine[Any, Any, T]) -> None:
-        self._task = self._loop.create_task(coro)
-        self._task.add_done_callback(self._settle)
+        self._task = self._loop.create_task(self._settling(coro))
         if self._cancel_asked:
             self._cancel()
 
-    def _settle(self, task: asyncio.Task[T]) -> None:
-        if task.cancelled():
+    async def _settling(self, coro: Coroutine[Any, Any, T]) -> None:
+        """Run `coro` and settle `future` in its last step, not in a done-callback after it:
+        a fetch's releases, queued on its way out, would run first (the notifications'
+        sends hold the interpreter lock a while)."""
+        try:
+            result = await coro
+        except asyncio.CancelledError:
             self.future.set_exception(ClosedError("cancelled"))
-        elif task.exception() is not None:
-            self.future.set_exception(task.exception())
-        else:
-            self.future.set_result(task.result())
+            raise
+        except BaseException as exc:
+            self.future.set_exception(exc)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on up
+                raise
+            return
+        self.future.set_result(result)
 
     def cancel(self) -> None:
         """Ask the task to stop (from any thread); `future` settles once it has."""
