@@ -102,24 +102,11 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
 
 
 class Split:
-    """One receiver's timeline: when its read began on pdkv's thread, and when it settled."""
+    """One receiver's timeline from `send_metadata`: its read's start (the handle's settling
+    less the read's own `FetchResult.seconds`) and the handle's settling (pdkv's thread)."""
 
     def __init__(self) -> None:
-        self.began: float | None = None
-        self.settled: float | None = None
-
-
-def _stamp_reads(split: list[Split]) -> None:
-    """Stamp the start of each receiver's read on pdkv's thread (`split[-1]`'s)."""
-    import transfer.sync as sync
-
-    read = sync._read_claimed
-
-    async def stamped(*args):  # type: ignore[no-untyped-def]
-        split[-1].began = time.perf_counter()
-        return await read(*args)
-
-    sync._read_claimed = stamped
+        self.began = self.settled = 0.0
 
 
 def _publish(orders: list, replies, room: int, src: np.ndarray, ticket: bool) -> list:  # type: ignore[no-untyped-def]
@@ -161,13 +148,16 @@ def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, 
     t0 = time.perf_counter()
     _timed(holds, receiver.send_metadata, dst, 0)
     fetch = receiver._parts[0].fetch
-    fetch.on_done(lambda _: setattr(split, "settled", time.perf_counter()))
+    settled: list[float] = []
+    fetch.on_done(lambda _: settled.append(time.perf_counter()))
     while (state := _timed(holds, receiver.poll)) == conn.KVPoll.Transferring:
         time.sleep(poll_s)  # the scheduler's other work between two polls
     seen = time.perf_counter() - t0
     assert state == conn.KVPoll.Success, state
-    split.began, split.settled = split.began - t0, split.settled - t0  # type: ignore[operator]
-    return seen, fetch.result()
+    result = fetch.result()
+    split.settled = settled[0] - t0
+    split.began = split.settled - result.seconds
+    return seen, result
 
 
 SERVER_URL = ""
@@ -198,7 +188,6 @@ def main() -> None:
     kv_args, _keep = _kv_args(range(LAYERS), pages, conn)
     mgr = PdkvKVManager(kv_args, "decode", None, True)
     splits: list[Split] = []
-    _stamp_reads(splits)
     rows, decode_holds = [], []
     rng = np.random.default_rng(0)
     room = 1
@@ -255,8 +244,8 @@ def _print(rows, args, decode_holds, prefill_holds) -> None:  # type: ignore[no-
         cells += (nbytes / t / 1e9,)
         print("".join(f"{c:>12.0f}" if j < 2 else f"{c:>12.3f}" for j, c in enumerate(cells)))
     print(
-        "to read: send_metadata's call to the read's start on pdkv's thread; read: its FetchResult.seconds; "
-        "to poll: its end to the first poll() that said Success"
+        "to read: send_metadata's call to the read's start (on the caller's thread where it launches there); "
+        "read: its FetchResult.seconds; to poll: its handle settled to the first poll() that said Success"
     )
     for side, holds in (("decode (send_metadata, poll)", decode_holds), ("prefill (init, send, poll)", prefill_holds)):
         us = np.array(holds) * 1e6
