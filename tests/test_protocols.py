@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable
@@ -168,7 +167,6 @@ class FakeLane:
         self.in_flight = 0
         self.reads: list[tuple[int, range]] = []  # (cp rank, layers) of each plain read
         self.merged_calls: list[tuple[int, ...]] = []
-        self.merged_threads: list[int] = []  # the thread each merged read was started on
 
     def reach(self, rank: RankDescriptor) -> str | None:
         return None
@@ -199,16 +197,10 @@ class FakeLane:
         self.reads.append((peer.cp_rank, layers))
         return await self._move([(peer.cp_rank, layers)], src, dst)
 
-    def read_merged(self, merged: FakeMerged, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
-        """Started at the call (on whatever thread makes it, which is recorded); the copy
-        itself runs as the result is awaited on the loop."""
+    async def read_merged(self, merged: FakeMerged, src: np.ndarray, dst: np.ndarray, dst_below: int) -> float:
         assert int(dst.max()) < dst_below
         self.merged_calls.append(tuple(p.cp_rank for p in merged.peers))
-        self.merged_threads.append(threading.get_ident())
-        return self._merged_seconds([(p.cp_rank, p.layers) for p in merged.peers], src, dst)
-
-    async def _merged_seconds(self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray) -> float:
-        return (await self._move(parts, src, dst)).seconds
+        return (await self._move([(p.cp_rank, p.layers) for p in merged.peers], src, dst)).seconds
 
     async def _move(self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray) -> ReadStats:
         assert src.shape == dst.shape and src.dtype == dst.dtype == np.int64
@@ -860,31 +852,6 @@ async def test_ticket_merged_lane_reads_its_owners_in_one_call() -> None:
     ]
     assert result.nbytes == LAYERS * len(w.dst) * PAGE
     assert len(ucx.notified) == 3
-
-
-async def test_ticket_launched_on_another_thread_lands_and_is_proved_on_the_loop() -> None:
-    """A synchronous scheduler's thread starts the read (`launch`: a room claimed ahead);
-    the loop waits for its bytes, then proves each pin and releases, as for `fetch`."""
-    w, ucx, tickets, ticket = await ticket_world(merged=(0, 1, 2), mapped=(0, 1, 2))
-    merging = w.merging
-    launched = await asyncio.to_thread(tickets.launch, w.owners, ticket, w.job())
-    assert launched is not None and merging.merged_threads[0] != threading.get_ident()
-    assert not w.timeline.where("landed") and not w.timeline.where("pin_word")  # nothing before it is awaited
-    result = await reported(w, tickets.land(launched))
-    outcome = w.timeline.first("outcome")
-    await settle(5)
-
-    t = w.timeline
-    for cp in SPANS:
-        assert t.last("landed", cp) < t.first("pin_word", cp) < outcome < t.first("notify")
-    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))
-    assert [s.cp_rank for s in result.owners] == [0, 1, 2] and len(ucx.notified) == 3
-
-
-async def test_ticket_launch_declines_owners_on_several_lanes() -> None:
-    w, _, tickets, ticket = await ticket_world(merged=(0, 2), mapped=(0, 2))
-    assert tickets.launch(w.owners, ticket, w.job()) is None  # `fetch` reads them, task by task
-    assert not w.merging.merged_calls
 
 
 async def test_ticket_merged_and_plain_lanes_read_at_once() -> None:

@@ -155,16 +155,15 @@ def test_a_cancelled_handle_stays_pending_until_its_task_has_ended():
 
 @pytest.mark.parametrize("when", ["before its task exists", "before its first step"])
 def test_a_handle_cancelled_before_its_task_ran_still_runs_its_cleanup(when):
-    """A read launched on the caller's thread before its task was handed over (a room
-    claimed ahead) is waited for by that task: cancelled at once, the task still starts,
-    and the handle settles only after its cleanup."""
+    """Cancelled at once, the task still starts: its cleanup runs (a read claimed ahead gives
+    its claim up) and the handle settles, as `ClosedError`, only after it."""
     import asyncio
 
     loop = BackgroundLoop("test-cancel-early")
     started, cleaned = threading.Event(), threading.Event()
     try:
 
-        async def waits_for_its_launch():
+        async def cleans_up():
             started.set()
             try:
                 await asyncio.sleep(60)
@@ -175,7 +174,7 @@ def test_a_handle_cancelled_before_its_task_ran_still_runs_its_cleanup(when):
 
         busy = threading.Event()
         loop.call(lambda: busy.wait(5))  # the loop is held: what follows queues behind it
-        job = Job(loop.loop, waits_for_its_launch())
+        job = Job(loop.loop, cleans_up())
         if when == "before its first step":
             loop.call(lambda: None)  # the task is made (its first step queued) before the cancel
         handle = Handle(job)

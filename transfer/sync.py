@@ -178,8 +178,8 @@ class Job(Generic[T]):
         self._cancel_asked = True
         if self._task is not None:
             # After the task's first step (queued before this), not before: a task cancelled
-            # unstarted runs none of its code, and a read launched before it was handed over
-            # (`read_claimed`) must still be waited for.
+            # unstarted runs none of its code, so it would neither settle `future` nor clean up
+            # (a read claimed ahead would keep its claim until the pin expires).
             self._loop.call_soon(self._task.cancel)
 
 
@@ -257,15 +257,8 @@ class SyncFetcher:
     ) -> Handle[FetchResult]:
         """Read a room claimed ahead into `dst_pages`, then release it (`RoomLease.read_once`);
         returns a handle at once. Cancelling it cancels the claim too if it is still pending.
-        `dst_pages` is copied here.
-
-        With the claim granted (the usual case), on the GPU lane the read's kernel is launched
-        here, on the caller's thread (`RoomLease.start_read_once`), rather than after a hop to
-        pdkv's: a thread woken from idle takes a fifth of an 8k-token read to get going."""
+        `dst_pages` is copied here."""
         pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
-        if claim.poll() is FetchStatus.DONE:
-            self._bg._check_open()  # refuse before launching; a loop that stops later has closed every lane first
-            return Handle(self._bg.submit(claim.result().start_read_once(pages, timeout=timeout)))
         return Handle(self._bg.submit(_read_claimed(claim, pages, timeout)))
 
     def give_up(self, lease: RoomLease) -> Handle[None]:
@@ -362,15 +355,16 @@ async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 async def _read_claimed(claim: Handle[RoomLease], pages: PageIds, timeout: float | None) -> FetchResult:
-    """Wait for a claim still pending, then read under it."""
-    try:
-        await asyncio.wrap_future(claim._future)
-    except asyncio.CancelledError:
-        claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
-        if claim.poll() is FetchStatus.DONE:  # granted as this read was cancelled: give it up here
-            await claim.result().give_up()
-        raise
-    return await claim.result().read_once(pages, timeout=timeout)
+    if not claim._future.done():  # a claim granted already (the usual case) costs no turn of the loop
+        try:
+            await asyncio.wrap_future(claim._future)
+        except asyncio.CancelledError:
+            claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
+            if claim.poll() is FetchStatus.DONE:  # granted as this read was cancelled: give it up here
+                await claim.result().give_up()
+            raise
+    lease = claim.result()  # raises the claim's failure
+    return await lease.read_once(pages, timeout=timeout)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import msgspec
 
@@ -21,7 +19,7 @@ from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
 from transfer.decode.owners import Owner, pinned
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
-from transfer.decode.tickets import LaunchedTicket, TicketProtocol
+from transfer.decode.tickets import TicketProtocol
 from transfer.metadata import OwnerPin, RoomState, RoomStatus, RoomTicket
 from transfer.metrics import fetching
 from transfer.results import FetchResult
@@ -105,33 +103,10 @@ class RoomLease:
         Where every owner's claim found the room whole and named its pin, the room is read
         as a ticket's: every owner at once, each pin word proved after the data, the claims
         released by notifications after the return (`freed` is then unknown: False)."""
-        return await self.start_read_once(dst_pages, deadline=deadline, timeout=timeout)
-
-    def start_read_once(
-        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
-    ) -> Coroutine[Any, Any, FetchResult]:
-        """`read_once`, begun on the calling thread, which may be any (a synchronous
-        scheduler's): where the room reads as a ticket's on one lane that reads every owner
-        together (the GPU lane, owners on this host), its read is launched here and now,
-        with no hop to the decode's loop. Await what this returns on that loop: it waits for
-        the bytes whatever happens, then proves and releases. Otherwise the whole read runs
-        when it is awaited."""
         ticket = self._as_ticket()
-        if ticket is None:
-            return self._read_and_release(dst_pages, deadline, timeout)
         try:
-            for lane in {o.lane for o in self._owners.values() if o.lane is not None}:
-                lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
-            job = self._begin(dst_pages, deadline, timeout)
-            launched = self._tickets.launch(self._owners, ticket, job)
-        except BaseException as exc:  # nothing was launched
-            return self._given_up(exc)
-        return self._read_pinned(ticket, job, launched)
-
-    async def _read_and_release(
-        self, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
-    ) -> FetchResult:
-        try:
+            if ticket is not None:
+                return await self._read_pinned(ticket, dst_pages, deadline, timeout)
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
             freed = await self.release()
         except BaseException:
@@ -141,13 +116,6 @@ class RoomLease:
             self._forget()
         freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
         return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
-
-    async def _given_up(self, exc: BaseException) -> FetchResult:
-        try:
-            await self.give_up()
-        finally:
-            self._forget()
-        raise exc
 
     async def __aenter__(self) -> RoomLease:
         return self
@@ -186,32 +154,24 @@ class RoomLease:
             return pushed
         return self._claim.states.get(rank)
 
-    async def _read_pinned(self, ticket: RoomTicket, job: Fetch, launched: LaunchedTicket | None) -> FetchResult:
-        """Finish a read as a ticket's: `launched` already (`start_read_once`), or every owner now."""
-        try:
-            result = await self._proved_read(ticket, job, launched)
-            return self._with_aux(result)  # from the room's pushed states: read before they are forgotten
-        finally:
-            self._forget()
-
-    async def _proved_read(self, ticket: RoomTicket, job: Fetch, launched: LaunchedTicket | None) -> FetchResult:
-        try:
-            with fetching(self.engine_id):
-                if launched is not None:  # its bytes are awaited before anything may raise
-                    return await self._tickets.land(launched, self._notify)
-                with self._activity.call():  # the claim is given up before close can end the client
-                    return await self._tickets.fetch(self._owners, ticket, job, self._notify)
-        except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
-            await self.give_up()
-            if isinstance(exc, RoomAbortedError):
+    async def _read_pinned(
+        self, ticket: RoomTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
+    ) -> FetchResult:
+        for lane in {o.lane for o in self._owners.values() if o.lane is not None}:
+            lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
+        job = self._begin(dst_pages, deadline, timeout)
+        with self._activity.call():  # the claim is given up before close can end the client
+            try:
+                with fetching(self.engine_id):
+                    result = await self._tickets.fetch(self._owners, ticket, job, self._notify)
+            except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
+                await self.give_up()
+                if isinstance(exc, RoomAbortedError):
+                    raise
+                raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
+            except BaseException:
+                await self.give_up()
                 raise
-            raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
-        except BaseException:
-            await self.give_up()
-            raise
-
-    def _with_aux(self, result: FetchResult) -> FetchResult:
-        """`result` with the request's aux bytes, where an owner's state carried them."""
         states = (self._state(r, o) for r, o in sorted(self._owners.items()))
         aux = next((s.aux for s in states if s is not None and s.aux is not None), None)
         if aux is None:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,12 +23,12 @@ from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, observe_read, owner_urls, read_layers
 from transfer.decode.owners import Owner, lost_peer
 from transfer.decode.tasks import DecodeContext, Fetch
-from transfer.lanes.base import Lane, MergedRead
+from transfer.lanes.base import Lane
 from transfer.lanes.ucx.lane import UcxLane
 from transfer.metadata import ClaimRelease, OwnerPin, RoomTicket, TicketRelease, encode
 from transfer.results import FetchResult, OwnerStats
 
-__all__ = ["LaunchedTicket", "PinRelease", "TicketProtocol"]
+__all__ = ["PinRelease", "TicketProtocol"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,67 +53,30 @@ class TicketProtocol:
         the room is released once proved (a ticket's notifications by default); with one,
         the reader holds claims (their owners push an abort, which stops the reads at once)
         and a failure releases nothing (the caller gives its claims up)."""
+        src, dst = np.asarray(ticket.src_pages, dtype=np.int64), job.dst
+        if src.size != dst.size:
+            raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
         pins = {p.cp_rank: p for p in ticket.pins}
+        room, together = ticket.room, _merged_lanes(owners)
+        reads = [self._read_with_pin(o, pins[r], room, src, job) for r, o in owners.items() if o.lane not in together]
         every = [(o, pins[r]) for r, o in owners.items()]
         try:
-            launched = self.launch(owners, ticket, job)
-        except BaseException:  # nothing was launched
-            self._release_failed(every, ticket.room, release)
-            raise
-        if launched is not None:  # every owner on one lane: one read, awaited in this task
-            return await self.land(launched, release)
-        src, room, together = _source_pages(ticket, job), ticket.room, _merged_lanes(owners)
-        reads = [self._read_with_pin(o, pins[r], room, src, job) for r, o in owners.items() if o.lane not in together]
-        reads += [self._read_merged_with_pins(ln, g, ticket, src, job) for ln, g in together.items()]
-        try:
-            watch = self.ctx.feed.aborted(owner_urls(owners), room) if release is not None else None
-            per_task = await self.ctx.tasks.each(reads, watch)
+            if not reads and len(together) == 1:  # every owner on one lane: one read, awaited in this task
+                lane, group = next(iter(together.items()))
+                per_task = [await self._read_merged_with_pins(lane, group, pins, room, src, job)]
+            else:
+                reads += [self._read_merged_with_pins(ln, g, pins, room, src, job) for ln, g in together.items()]
+                watch = self.ctx.feed.aborted(owner_urls(owners), room) if release is not None else None
+                per_task = await self.ctx.tasks.each(reads, watch)
         except BaseException:  # every read has ended: release at once
-            self._release_failed(every, room, release)
+            if release is None:
+                self.release_pins(every, ticket.room)
             raise
-        return self._proved(ticket, job, every, sorted((s for t in per_task for s in t), key=_by_rank), release)
-
-    def launch(self, owners: dict[int, Owner], ticket: RoomTicket, job: Fetch) -> LaunchedTicket | None:
-        """Launch a ticket's read now, from any thread, where every owner is on one lane that
-        reads them together (this host's GPU lane); None where they are not (`fetch` reads
-        those). What a launch refuses (pages, a dropped owner) raises before anything is
-        launched. Finish it with `land`, on the loop."""
-        together = _merged_lanes(owners)
-        if len(together) != 1 or len(next(iter(together.values()))) != len(owners):
-            return None
-        lane, group = next(iter(together.items()))
-        return self._launch_merged(lane, group, ticket, _source_pages(ticket, job), job)
-
-    async def land(self, launched: LaunchedTicket, release: PinRelease | None = None) -> FetchResult:
-        """Wait for a launched read's bytes (cancelled too), prove each owner's pin word after
-        them, then release the room (`release`, as for `fetch`)."""
-        ticket = launched.ticket
-        pins = {p.cp_rank: p for p in ticket.pins}
-        every = [(o, pins[r]) for r, o in launched.owners.items()]
-        try:
-            stats = await self._land_merged(launched)
-        except BaseException:  # its bytes are in place or never will be: release at once
-            self._release_failed(every, ticket.room, release)
-            raise
-        return self._proved(ticket, launched.job, every, stats, release)
-
-    def _release_failed(self, pinned: list[tuple[Owner, OwnerPin]], room: int, release: PinRelease | None) -> None:
-        """A failed read releases a ticket's pins at once; a claim holder gives its claims up itself."""
-        if release is None:
-            self.release_pins(pinned, room)
-
-    def _proved(
-        self,
-        ticket: RoomTicket,
-        job: Fetch,
-        pinned: list[tuple[Owner, OwnerPin]],
-        stats: list[OwnerStats],
-        release: PinRelease | None,
-    ) -> FetchResult:
-        """The result of a read whose every pin was proved (`stats` by CP rank)."""
-        # Released after the fetch returns: notifications sent while other owners were still
-        # being read slowed those reads.
-        asyncio.get_running_loop().call_soon(release or self.release_pins, pinned, ticket.room)
+        # Released once every pin was proved, after the fetch returns: notifications sent
+        # while other owners were still being read slowed those reads.
+        asyncio.get_running_loop().call_soon(release or self.release_pins, every, ticket.room)
+        # One task (every owner in one read) already lists its owners by CP rank.
+        stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
         nbytes = sum([s.nbytes for s in stats])
         return FetchResult(
             job.engine_id, ticket.room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0
@@ -136,40 +98,24 @@ class TicketProtocol:
         return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.path)]
 
     async def _read_merged_with_pins(
-        self, lane: Lane, owners: dict[int, Owner], ticket: RoomTicket, src: np.ndarray, job: Fetch
+        self, lane: Lane, owners: dict[int, Owner], pins: dict[int, OwnerPin], room: int, src: np.ndarray, job: Fetch
     ) -> list[OwnerStats]:
-        """Read every layer of these owners (one lane's) as one operation, then prove each one's pin."""
-        return await self._land_merged(self._launch_merged(lane, owners, ticket, src, job))
-
-    def _launch_merged(
-        self, lane: Lane, owners: dict[int, Owner], ticket: RoomTicket, src: np.ndarray, job: Fetch
-    ) -> LaunchedTicket:
-        started = time.perf_counter()
+        """Read every layer of these owners (one lane's) as one operation, then prove each
+        one's pin; each owner's share of the time is its share of the bytes."""
+        t0 = time.perf_counter()
         merged = lane.merged(tuple(o.peer for o in owners.values()))
         assert merged is not None
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
-            ended = lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages)
-        except PeerLostError as exc:
-            raise _lost(owners, exc) from exc
-        return LaunchedTicket(ticket, job, lane, owners, merged, src.size, started, ended)
-
-    async def _land_merged(self, launched: LaunchedTicket) -> list[OwnerStats]:
-        """Wait for a merged read's bytes, then prove each owner's pin; each owner's share of
-        the time is its share of the bytes."""
-        owners, room, job = launched.owners, launched.ticket.room, launched.job
-        pins = {p.cp_rank: p for p in launched.ticket.pins}
-        try:
-            seconds = await launched.ended
+            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages)
             unmapped = _prove_mapped_pins([(o, pins[r]) for r, o in owners.items()], room)
             if unmapped:  # not the usual case: owners on this host map their pin tables
                 await self._prove_read_pins(unmapped, room, job.deadline)
         except PeerLostError as exc:
-            raise _lost(owners, exc) from exc
-        lane, merged = launched.lane, launched.merged
+            lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
+            raise (lost_peer(lost, exc) if lost is not None else exc) from exc
         asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
-        elapsed, n = time.perf_counter() - launched.started, launched.pages
-        per_byte = seconds / max(1, merged.page_bytes)
+        elapsed, n, per_byte = time.perf_counter() - t0, src.size, seconds / max(1, merged.page_bytes)
         return [
             OwnerStats(p.cp_rank, (p.layers.start, p.layers.stop), b * n, 0, 1, elapsed, b * per_byte, lane.name)
             for p, b in merged.shares
@@ -222,34 +168,6 @@ class TicketProtocol:
             self.ucx.notify(messages)
         except PdkvError as exc:
             logger.info("release of room %d: %s (its pins expire instead)", room, exc)
-
-
-@dataclass(frozen=True, eq=False)
-class LaunchedTicket:
-    """A ticket's read launched on one lane (`TicketProtocol.launch`): `ended` resolves, on
-    the decode's loop, once its bytes are in place."""
-
-    ticket: RoomTicket
-    job: Fetch
-    lane: Lane
-    owners: dict[int, Owner]
-    merged: MergedRead
-    pages: int
-    started: float
-    ended: Awaitable[float]
-
-
-def _source_pages(ticket: RoomTicket, job: Fetch) -> np.ndarray:
-    src = np.asarray(ticket.src_pages, dtype=np.int64)
-    if src.size != job.dst.size:
-        raise MetadataError(f"room {ticket.room}: {src.size} source pages, {job.dst.size} destination pages")
-    return src
-
-
-def _lost(owners: dict[int, Owner], exc: PeerLostError) -> PeerLostError:
-    """`exc` as the loss of the owner it names (one of `owners`), where it names one."""
-    lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
-    return lost_peer(lost, exc) if lost is not None else exc
 
 
 def _merged_lanes(owners: dict[int, Owner]) -> dict[Lane, dict[int, Owner]]:

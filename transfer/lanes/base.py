@@ -105,9 +105,7 @@ class Lane(Protocol):
         ...
 
     def read_merged(self, merged: Any, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
-        """Start `merged` over `src` into `dst` (ids known to lie below `dst_below`) now, from
-        any thread (`merged` too may be asked from any); await the result on the decode's loop
-        for its seconds: it ends once every byte is in place, cancelled or not."""
+        """Run `merged` over `src` into `dst` (ids known to lie below `dst_below`); its seconds."""
         ...
 
     def prime(self) -> None:

@@ -21,7 +21,6 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Awaitable
 
 import numpy as np
 import torch
@@ -81,10 +80,6 @@ class Launch:
         return None if self.start is None else self.start.seconds_until(self.done)
 
 
-async def _no_seconds() -> float:
-    return 0.0
-
-
 def _wait_then_wake(
     launch: Launch,
     loop: asyncio.AbstractEventLoop,
@@ -137,12 +132,12 @@ class _Waiter:
         while (item := self._queue.get()) is not None:
             _wait_then_wake(*item, failure)
 
-    def ended(self, launch: Launch, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[float | None]:
-        """A future of `loop` (default: the running one) resolved with `launch`'s GPU seconds
-        (None if untimed) once it ended. May be asked from any thread."""
+    def ended(self, launch: Launch) -> asyncio.Future[float | None]:
+        """A future of the running loop resolved with `launch`'s GPU seconds (None if
+        untimed) once it ended."""
         if self._closed:  # the thread is gone: the future would never resolve
             raise ClosedError("the GPU lane was closed")
-        loop = loop or asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         ended: asyncio.Future[float | None] = loop.create_future()
         self._queue.put((launch, loop, ended))
         return ended
@@ -168,11 +163,7 @@ class Gatherer:
         self._stream = self.kernel.stream(self.stream.cuda_stream)  # the driver's handle, wrapped once
         self.shape = shape  # (block bytes, warps); None: by the plan's size
         self._waiter = _Waiter(self.kernel)
-        # Launches come from the loop's thread or, for a room claimed ahead, from a synchronous
-        # scheduler's (`transfer.sync`): one at a time, and a lane's close() marks its peers
-        # closed under the same lock, so that a launch checks its peers and queues as one step.
-        self.lock = threading.RLock()
-        self._args = {ids: LaunchArgs(ids) for ids in self.kernel.capacities}  # one launch at a time uses them
+        self._args = {ids: LaunchArgs(ids) for ids in self.kernel.capacities}  # launches come from one thread
         self.timed = timed
         self._spare: list[Launch] = []  # launches whose events have passed: free to record again
 
@@ -191,21 +182,16 @@ class Gatherer:
         """Queue an empty kernel on the lane's stream now, ahead of a launch about to come:
         after an idle spell the GPU then wakes while the host still checks the fetch's pages,
         rather than when the gather arrives."""
-        with self.lock:
-            pushed = self.kernel.enter()  # not `current()`: its generator is Python on every fetch's path
-            try:
-                self.kernel.prime(self._stream)
-            finally:
-                if pushed:
-                    self.kernel.leave()
+        pushed = self.kernel.enter()  # not `current()`: its generator is Python on every fetch's path
+        try:
+            self.kernel.prime(self._stream)
+        finally:
+            if pushed:
+                self.kernel.leave()
 
     def launch(self, plan: GatherPlan) -> Launch:
         """Queue `plan` on the lane's stream: one launch, or several where its page ids
         outgrow a launch's parameters."""
-        with self.lock:
-            return self._launch(plan)
-
-    def _launch(self, plan: GatherPlan) -> Launch:
         block_bytes, warps = self.shape or _shape(plan.nbytes)
         block = max(1, block_bytes // plan.word)
         lists = plan.table.lists
@@ -237,30 +223,19 @@ class Gatherer:
     async def run(self, plan: GatherPlan) -> float:
         """Copy `plan` and return once the bytes are in place: its seconds on the GPU if
         timed, else from the launch call to the wake-up."""
-        return await self.start(plan, asyncio.get_running_loop())
-
-    def start(self, plan: GatherPlan, loop: asyncio.AbstractEventLoop) -> Awaitable[float]:
-        """Launch `plan` now, from any thread; await what this returns on `loop`: it ends
-        once the bytes are in place (as `run`), cancelled or not. The waiting thread starts
-        waiting at once, whenever the loop gets to it."""
         if plan.buffers == 0 or plan.pages == 0:
-            return _no_seconds()
+            return 0.0
         launched = time.perf_counter()
         launch = self.launch(plan)
-        return self._landed(launch, self._waiter.ended(launch, loop), launched)
-
-    async def _landed(self, launch: Launch, ended: asyncio.Future[float | None], launched: float) -> float:
         # The loop stays free while the GPU copies; the waiting thread wakes this task
         # directly (no executor future in between: each future hop is a turn of the loop).
         try:
-            seconds = await ended
+            seconds = await self._waiter.ended(launch)
         except asyncio.CancelledError:
-            # Bytes must not land in pages that may be handed out again: wait for the kernel
-            # (anew: the cancel took `ended` with it).
+            # Bytes must not land in pages that may be handed out again: wait for the kernel.
             await asyncio.wait([self._waiter.ended(launch)])
             raise
-        with self.lock:
-            self._spare.append(launch)
+        self._spare.append(launch)
         return time.perf_counter() - launched if seconds is None else seconds
 
     def close(self) -> None:

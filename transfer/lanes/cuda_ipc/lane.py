@@ -147,13 +147,11 @@ class CudaIpcLane:
         # Tables of several owners merged, by their parts: a room's owners go out as one launch.
         self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
         self._routes: dict[tuple[IpcPeer, ...], LaneRoute] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None  # the decode's, where launches are awaited
 
     def reach(self, rank: RankDescriptor) -> str | None:
         return ipc_unreachable(rank, self.device)
 
     async def open(self, rank: RankDescriptor, pairs: Pairs) -> IpcPeer:
-        self._loop = asyncio.get_running_loop()
         spans = await self._import_spans(rank)
         return self.map(rank, pairs, spans)
 
@@ -240,28 +238,24 @@ class CudaIpcLane:
             shares = tuple((p, p.table(p.layers).page_bytes) for p in sorted(peers, key=lambda p: p.cp_rank))
             return LaneRoute(peers, table, shares)
 
-        with self._gather.lock:  # its caches may be filled from a scheduler's thread too
-            return _cached(self._routes, peers, make)
+        return _cached(self._routes, peers, make)
 
-    # `read_route` and `run` launch before they return, from whatever thread calls them (a
-    # room claimed ahead is launched from a synchronous scheduler's: `transfer.sync`), and hand
-    # back the awaitable of its end, to be awaited on the decode's loop. Not a coroutine of
-    # their own: each layer of coroutines costs a fetch microseconds on a host just woken.
+    # `read_route` and `run` return the launch's awaitable rather than wrapping it in a
+    # coroutine of their own: each layer of coroutines costs a fetch microseconds on a host
+    # just woken. Both check everything before they return, and launch as the awaitable starts.
 
     def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
         """Gather `src` pages of every layer of `route`'s owners into `dst` pages (ids known
-        to lie below `dst_below`) with one launch, now; await it for its seconds
+        to lie below `dst_below`) with one launch; await it for its seconds
         (`Gatherer.run`) once the bytes are in place."""
         return self.run(gather_plan(route.table, [src], dst, dst_below=dst_below), route.peers)
 
     def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> Awaitable[float]:
-        """Launch `plan`, which reads `peers`, now; await it on the decode's loop for its
-        seconds once the bytes are in place (cancelled, it still waits for them)."""
-        with self._gather.lock:  # close() marks a peer under it: a mapping dropped is never launched at
-            for peer in peers:
-                if peer.closed:
-                    raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
-            return self._gather.start(plan, self._loop or asyncio.get_running_loop())
+        """Launch `plan`, which reads `peers`; await it for its seconds once the bytes are in place."""
+        for peer in peers:  # checked on the loop's thread, then awaited at once: no race with close()
+            if peer.closed:
+                raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
+        return self._gather.run(plan)
 
     async def read(
         self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline | None = None
@@ -283,10 +277,9 @@ class CudaIpcLane:
 
     async def close(self, peer: IpcPeer) -> None:
         """Drop `peer`'s mappings once no kernel can still read them (frees a dead owner's memory)."""
-        with self._gather.lock:  # a launch from another thread checks and queues under it
-            if peer.closed:
-                return
-            peer.closed = True
+        if peer.closed:
+            return
+        peer.closed = True
         self._peers.discard(peer)
         dropped = set(peer.tables.values())
         self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
