@@ -244,8 +244,8 @@ def _print(rows, args, decode_holds, prefill_holds) -> None:  # type: ignore[no-
         cells += (nbytes / t / 1e9,)
         print("".join(f"{c:>12.0f}" if j < 2 else f"{c:>12.3f}" for j, c in enumerate(cells)))
     print(
-        "to read: send_metadata's call to the read's start (on the caller's thread where it launches there); "
-        "read: its FetchResult.seconds; to poll: its handle settled to the first poll() that said Success"
+        "to read: send_metadata's call to the read's start on pdkv's thread; read: its FetchResult.seconds; "
+        "to poll: its handle settled to the first poll() that said Success"
     )
     for side, holds in (("decode (send_metadata, poll)", decode_holds), ("prefill (init, send, poll)", prefill_holds)):
         us = np.array(holds) * 1e6
