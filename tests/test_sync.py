@@ -185,3 +185,31 @@ def test_a_handle_cancelled_before_its_task_ran_still_runs_its_cleanup(when):
         assert isinstance(handle.exception(), ClosedError)
     finally:
         loop.stop()
+
+
+def test_a_handle_settles_before_what_its_operation_queued_on_its_way_out():
+    """A fetch queues its releases as it returns; its handle must not wait behind them (their
+    sends hold the interpreter lock): it settles in the step that returns the result."""
+    import asyncio
+
+    loop = BackgroundLoop("test-settle")
+    order: list[str] = []
+    try:
+
+        async def returns_and_queues():
+            asyncio.get_running_loop().call_soon(order.append, "queued on the way out")
+            return 7
+
+        from transfer.sync import Handle
+
+        busy = threading.Event()
+        loop.call(lambda: busy.wait(5))  # nothing runs before the callback is in place
+        handle = Handle(loop.submit(returns_and_queues()))
+        handle.on_done(lambda h: order.append("settled"))
+        busy.set()
+        _until_done(handle)
+        time.sleep(0.05)
+        assert handle.result() == 7
+        assert order == ["settled", "queued on the way out"]
+    finally:
+        loop.stop()
