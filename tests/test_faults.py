@@ -101,6 +101,8 @@ async def test_owner_killed_during_fetch_fails_fast_naming_it(d):
 
 
 async def test_restarted_engine_serves_with_new_keys(d):
+    out = await d.submit(100, engine_id="prefill1", decoder=0)  # decode0 holds prefill1's ranks, run alone too
+    assert out.ok, out.error
     await d.restart_engine("prefill0")
     for dec in (0, 1):  # decode0 dropped its stale peers; decode1 never knew the engine
         out = await d.submit(300, engine_id="prefill0", decoder=dec)
