@@ -4,16 +4,25 @@
 # the `gpu` extra's (GPU_WHEELS, default .whl4: nccl4py and cuda-pathfinder; the image has
 # cuda-bindings), run the CUDA tests and the GPU fetch benchmark (UCX and the same-host GPU
 # lane). Logs land in $OUT.
-#   scripts/gpu_check.sh [tests|bench|all]     (default all)
+#   scripts/gpu_check.sh [tests|bench|sglang|all]     (default all)
+# `sglang` (also in `all` where SGLang imports): its conformance test on CUDA buffers and
+# bench_sglang's GPU row. The image lacks SGLang: carry its wheel's package unpacked in
+# SGLANG_DIR (default .sgl) and the few wheels its imports need in SGLANG_WHEELS (default
+# .whl2; `scripts/sglang-cpu.txt` lists them); with nixl's wheel that is about the 64 MiB
+# a call may carry.
 # Elsewhere: run the same steps by hand after installing those packages.
 set -uo pipefail
 OUT=${OUT:-/tmp}
 STAGE=${1:-all}
 GPU_WHEELS=${GPU_WHEELS:-.whl4}
+SGLANG_DIR=${SGLANG_DIR:-.sgl}
+SGLANG_WHEELS=${SGLANG_WHEELS:-.whl2}
 wheels=(.whl/*.whl)
-if compgen -G "$GPU_WHEELS/*.whl" >/dev/null; then wheels+=("$GPU_WHEELS"/*.whl); fi
+for extra in "$GPU_WHEELS" "$SGLANG_WHEELS"; do
+  if compgen -G "$extra/*.whl" >/dev/null; then wheels+=("$extra"/*.whl); fi
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/$SGLANG_DIR:$PWD PYTHONUNBUFFERED=1
 python3 -c "import cuda.bindings.driver, nccl.bindings.nccl" 2>&1 | tail -1 || true  # the gpu extra: say if missing
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"
@@ -23,4 +32,8 @@ if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   timeout 300 python3 scripts/bench_fetch.py --device cuda --sizes 1024,8192,32768 --runs 5 2>&1 | quiet | tail -14 | tee "$OUT/bench_gpu.log"
+fi
+if [ "$STAGE" = sglang ] || { [ "$STAGE" = all ] && python3 -c "import sglang.srt.disaggregation.base.conn" 2>/dev/null; }; then
+  timeout 300 python3 -m pytest -p no:cacheprovider -v --tb=short tests/test_sglang.py -k cuda 2>&1 | quiet | tail -30 | tee "$OUT/sglang_tests.log"
+  timeout 120 python3 scripts/bench_sglang.py --device cuda --sizes 8192,32768 --runs 10 2>&1 | quiet | tail -9 | tee "$OUT/bench_sglang.log"
 fi
