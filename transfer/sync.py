@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import enum
 import logging
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -147,7 +148,7 @@ class Job(Generic[T]):
             raise ClosedError("pdkv's loop has stopped") from exc
 
     def _start(self, coro: Coroutine[Any, Any, T]) -> None:
-        self._task = self._loop.create_task(self._settling(coro))
+        self._task = _eager_task(self._loop, self._settling(coro))
         if self._cancel_asked:
             self._cancel()
 
@@ -336,6 +337,15 @@ class SyncExporter:
     def close(self, timeout: float = Timeouts.start) -> None:
         """Close the exporter and stop the thread (as `SyncFetcher.close`)."""
         self._bg.close(self.exporter.aclose(), timeout)
+
+
+def _eager_task(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A task whose first step runs in this call (Python >= 3.12), not at the loop's next
+    turn: a read handed over from another thread then launches before the loop looks for
+    other work (a turn that cost a claimed read 50-70 us on the H200's host)."""
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+    return loop.create_task(coro)
 
 
 def _start_or_stop(bg: BackgroundLoop, cls: Callable[..., Any], timeout: float, *args: Any, **kwargs: Any) -> Any:
