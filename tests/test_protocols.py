@@ -815,6 +815,24 @@ async def test_ticket_reads_every_owner_at_once_then_proves_each_pin() -> None:
     assert [(s.cp_rank, s.layers) for s in result.owners] == [(cp, (s.start, s.stop)) for cp, s in SPANS.items()]
 
 
+async def test_ticket_releases_wait_out_their_delay_unless_flushed() -> None:
+    w, ucx, _, ticket = await ticket_world()
+    tickets = TicketProtocol(w.ctx, ucx, release_delay=0.2)  # type: ignore[arg-type]
+    await tickets.fetch(w.owners, ticket, w.job())
+    await settle(20)
+    assert not ucx.notified  # a caller on another thread sees the outcome first
+    await asyncio.sleep(0.3)
+    assert set(ucx.releases()) == set(SPANS)
+
+    ucx.notified.clear()
+    tickets = TicketProtocol(w.ctx, ucx, release_delay=60)  # type: ignore[arg-type]
+    await tickets.fetch(w.owners, ticket, w.job())
+    tickets.flush()  # the fetcher closes: nothing may be left to the pins' expiry
+    assert set(ucx.releases()) == set(SPANS)
+    tickets.flush()
+    assert len(ucx.notified) == len(SPANS)  # sent once
+
+
 @pytest.mark.parametrize("mapped", [(0, 1, 2), ()], ids=["mapped", "read"])
 async def test_ticket_cleared_pin_word_fails_and_releases_at_once(mapped: tuple[int, ...]) -> None:
     w, ucx, tickets, ticket = await ticket_world(mapped=mapped)

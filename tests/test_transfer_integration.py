@@ -393,6 +393,26 @@ async def test_a_ticket_fetch_asks_nobody_and_its_release_rides_on_the_pin_read(
         assert all(s["pinned_pages"] == 0 and s["released"] >= 1 for s in await _stats_of(deployment, engine))
 
 
+async def test_a_release_waiting_out_its_delay_still_goes_when_the_fetcher_closes(deployment):
+    """A synchronous caller's releases wait a moment after the fetch (`release_delay`); a
+    fetcher closed meanwhile sends them as it closes, rather than leave the room pinned
+    on its owners until the pin expires."""
+    engine, room, n = deployment.engines[2], 7_750_000, 700
+    reply = await prefill(deployment, engine, room, n, ticket=True)
+    pool = DSAKVPool(tiny(size=8192))
+    pages = fragmented_pages(pool, n, 7)
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2, release_delay=600) as fetcher:
+        await fetcher.fetch(engine.engine_id, room, pages, ticket=reply.ticket)
+        await asyncio.sleep(0.3)
+        assert all(s["pinned_pages"] > 0 for s in await _stats_of(deployment, engine))  # still waiting
+    assert kv_is_exact(pool, engine.engine_id, room, n, pages)
+    for _ in range(100):
+        if all(s["pinned_pages"] == 0 for s in await _stats_of(deployment, engine)):
+            break
+        await asyncio.sleep(0.05)
+    assert all(s["pinned_pages"] == 0 and s["released"] >= 1 for s in await _stats_of(deployment, engine))
+
+
 async def test_a_ticket_whose_pages_were_reused_never_passes(deployment):
     """The ticket's room is aborted and its pages handed to another room; a fetch with the
     old ticket reads whatever the pages now hold, and the pin word says it is not the room."""

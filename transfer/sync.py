@@ -219,12 +219,19 @@ class Handle(Generic[T]):
         self._future.add_done_callback(lambda _: callback(self))
 
 
+# A synchronous caller sees an outcome only once it holds the interpreter lock, which the
+# releases' sends would take first: they wait this long after a fetch returns.
+SYNC_RELEASE_DELAY = 0.001
+
+
 class SyncFetcher:
-    """A `DecodeFetcher` driven from a synchronous scheduler thread."""
+    """A `DecodeFetcher` driven from a synchronous scheduler thread (its keyword arguments;
+    `release_delay` defaults to `SYNC_RELEASE_DELAY`)."""
 
     def __init__(
         self, pool: KVBuffers, registry_url: str, start_timeout: float = Timeouts.start, **kwargs: Any
     ) -> None:
+        kwargs.setdefault("release_delay", SYNC_RELEASE_DELAY)
         self._bg = BackgroundLoop("pdkv-decode")
         self.fetcher: DecodeFetcher = _start_or_stop(
             self._bg, DecodeFetcher, start_timeout, pool, registry_url, **kwargs

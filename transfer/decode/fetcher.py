@@ -69,7 +69,9 @@ class DecodeFetcher:
     the rest over UCX; "ucx" and "cuda_ipc" force one (the latter fails the lookup of an
     engine it cannot reach so). `time_kernels`: the GPU lane times each gather kernel on
     the GPU, in `OwnerStats.read_seconds` (else from its launch to the bytes in place); it
-    costs tens of microseconds a fetch.
+    costs tens of microseconds a fetch. `release_delay`: seconds a room read as a ticket's
+    waits after the fetch returned before its releases go (`TicketProtocol`; for callers
+    polling from another thread).
     """
 
     PATHS = ("auto", "ucx", "cuda_ipc")
@@ -91,6 +93,7 @@ class DecodeFetcher:
         merge_runs: bool = True,
         path: str = "auto",
         time_kernels: bool = False,
+        release_delay: float = 0.0,
     ) -> None:
         if path not in self.PATHS:
             raise ValueError(f"path must be one of {self.PATHS}, not {path!r}")
@@ -99,6 +102,7 @@ class DecodeFetcher:
         if len(pool.owned) != pool.layout.layer_num:
             raise IncompatibleLayoutError("a decode pool must hold every layer")
         self.path, self.time_kernels, self.merge_runs = path, time_kernels, merge_runs
+        self._release_delay = release_delay
         self.pool, self.timeouts = pool, timeouts
         self.consumer_id = consumer_id or f"decode-{uuid.uuid4().hex[:8]}"
         self._registry = registry_client(registry_url, timeouts, secret)
@@ -119,7 +123,7 @@ class DecodeFetcher:
             notifies=True,  # ticket releases
         )
         self._ucx = UcxLane(transport, merge_runs=self.merge_runs, transfer_timeout=self.timeouts.transfer)
-        self._tickets = TicketProtocol(self._ctx, self._ucx)
+        self._tickets = TicketProtocol(self._ctx, self._ucx, self._release_delay)
         transport.register([*self.pool.registered_buffers(), self._tickets.pin_windows])
         lanes: list[Lane] = []
         if self.pool.device.type == "cuda" and self.path != "ucx":
@@ -162,6 +166,7 @@ class DecodeFetcher:
         await self._registry.aclose()
         await self._ctx.client.aclose()
         if started:
+            self._tickets.flush()  # before the connections go
             await self._owners.aclose()
             for lane in self._owners.lanes:
                 if lane is not self._ucx:

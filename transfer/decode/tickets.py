@@ -5,12 +5,14 @@ fetch makes no control request at all: every owner is read at once (owners on a 
 reads several together, in one operation), then each owner's pin word is checked; the
 nonce still being there proves that no page was freed while it was read. Words of owners
 on this host are loads from their mapped tables; others are READ over UCX. The room is
-then released by a UCX notification to each owner.
+then released by a UCX notification to each owner, `release_delay` seconds after the fetch
+returned (see `TicketProtocol`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -39,12 +41,20 @@ PinRelease = Callable[[list[tuple[Owner, OwnerPin]], int], None]  # how a proved
 
 
 class TicketProtocol:
-    """Reads rooms by their tickets. `ucx` READs remote pin words and sends the releases."""
+    """Reads rooms by their tickets. `ucx` READs remote pin words and sends the releases.
 
-    def __init__(self, ctx: DecodeContext, ucx: UcxLane) -> None:
-        self.ctx, self.ucx = ctx, ucx
+    `release_delay`: seconds a proved room's releases wait after the fetch returned. 0 (an
+    async caller): at the loop's next turn, after the caller's own continuation. A caller
+    polling from another thread (`transfer.sync`) needs the interpreter lock to see the
+    outcome, and the releases' sends hold it: sent at once, they kept SGLang's receiver from
+    seeing its read done for 0.2 ms, whether it polled every 50 or 200 us (H200 host). `flush`
+    sends those still waiting (at close)."""
+
+    def __init__(self, ctx: DecodeContext, ucx: UcxLane, release_delay: float = 0.0) -> None:
+        self.ctx, self.ucx, self.release_delay = ctx, ucx, release_delay
         self.pin_windows = torch.zeros((PIN_WINDOWS, PIN_WINDOW), dtype=torch.int64)  # owners' pin words land here
         self._next_window = 0
+        self._deferred: dict[asyncio.TimerHandle, Callable[[], None]] = {}  # releases waiting out the delay
 
     async def fetch(
         self, owners: dict[int, Owner], ticket: RoomTicket, job: Fetch, release: PinRelease | None = None
@@ -74,7 +84,7 @@ class TicketProtocol:
             raise
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads.
-        asyncio.get_running_loop().call_soon(release or self.release_pins, every, ticket.room)
+        self._release_later(functools.partial(release or self.release_pins, every, ticket.room))
         # One task (every owner in one read) already lists its owners by CP rank.
         stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
         nbytes = sum([s.nbytes for s in stats])
@@ -144,6 +154,27 @@ class TicketProtocol:
         addr = owner.rank.pins.addr + 8 * first
         await self.ucx.read_word(owner.rank.agent_name, addr, window, deadline.within(self.ctx.timeouts.request))
         return int(window[pin.slot - first])
+
+    def _release_later(self, send: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        if self.release_delay <= 0:
+            loop.call_soon(send)
+            return
+
+        def fire() -> None:
+            self._deferred.pop(timer, None)
+            send()
+
+        timer = loop.call_later(self.release_delay, fire)
+        self._deferred[timer] = send
+
+    def flush(self) -> None:
+        """Send the releases still waiting out `release_delay` now (the fetcher is closing:
+        a release that never went would leave its room pinned until the pin expired)."""
+        deferred, self._deferred = self._deferred, {}
+        for timer, send in deferred.items():
+            timer.cancel()
+            send()
 
     def release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
         """Release a ticket's room on these owners: a notification each, no answer, queued
