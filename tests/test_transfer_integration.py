@@ -32,6 +32,7 @@ from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRe
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
 from transfer.decode import DecodeFetcher, FetchResult
+from transfer.metadata import RoomStatus
 from transfer.timeouts import Timeouts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -284,6 +285,34 @@ async def test_a_room_claimed_ahead_reads_like_a_ticket_and_is_released_by_notif
         assert all(s["pinned_pages"] == 0 for s in stats), stats
         with pytest.raises(UnknownRoomError, match="released"):
             await fetcher.fetch("prefill2", room, pages)
+
+
+async def test_a_claim_prepares_its_whole_room_read_and_an_abort_pushed_since_voids_it(deployment):
+    """A lease on a room found whole lays its read out as the claim is granted (reused by
+    each read while the owners' states stand); an abort pushed since makes the read fail
+    rather than go ahead as prepared."""
+    engine, n, room = deployment.engines[2], 900, 7_360_100
+    await prefill(deployment, engine, room, n)
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=2) as fetcher:
+        lease = await fetcher.claim("prefill2", room)
+        prepared = lease._prepared_read()
+        assert prepared is not None and prepared is lease._prepared_read()
+        url = engine.controls[1]
+        await deployment.client.request("POST", f"{url}/v1/rooms/{room}/abort")
+        for _ in range(100):  # the abort is pushed on the owner's readiness stream
+            state = fetcher._ctx.feed.latest(url, room)
+            if state is not None and state.status is RoomStatus.ABORTED:
+                break
+            await asyncio.sleep(0.05)
+        assert lease._prepared_read() is None
+        with pytest.raises(ClaimLostError):
+            await lease.read_once(fragmented_pages(pool, n, 9))
+    for _ in range(100):
+        if all(s["pinned_pages"] == 0 for s in await _stats_of(deployment, engine)):
+            break
+        await asyncio.sleep(0.05)
+    assert all(s["pinned_pages"] == 0 for s in await _stats_of(deployment, engine))
 
 
 async def test_bad_destination_pages_are_refused_before_anything_is_asked(deployment):

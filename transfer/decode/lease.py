@@ -19,7 +19,7 @@ from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
 from transfer.decode.owners import Owner, pinned
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
-from transfer.decode.tickets import TicketProtocol
+from transfer.decode.tickets import PreparedTicket, TicketProtocol
 from transfer.metadata import OwnerPin, RoomState, RoomStatus, RoomTicket
 from transfer.metrics import fetching
 from transfer.results import FetchResult
@@ -46,6 +46,10 @@ class RoomLease:
         self._ctx, self._activity, self._claims, self._tickets = ctx, activity, claims, tickets
         self.engine_id, self._owners, self._claim = engine_id, owners, claim
         self._released: bool | None = None
+        # The room's read as a ticket's and the owners' states it was made from: made as the
+        # claim is granted, ahead of the pages (`_prepared_read`).
+        self._prepared: tuple[tuple[RoomState | None, ...], PreparedTicket | None] | None = None
+        self._prepared_read()
 
     @property
     def room(self) -> int:
@@ -103,10 +107,10 @@ class RoomLease:
         Where every owner's claim found the room whole and named its pin, the room is read
         as a ticket's: every owner at once, each pin word proved after the data, the claims
         released by notifications after the return (`freed` is then unknown: False)."""
-        ticket = self._as_ticket()
+        prepared = self._prepared_read()
         try:
-            if ticket is not None:
-                return await self._read_pinned(ticket, dst_pages, deadline, timeout)
+            if prepared is not None:
+                return await self._read_pinned(prepared, dst_pages, deadline, timeout)
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
             freed = await self.release()
         except BaseException:
@@ -132,13 +136,23 @@ class RoomLease:
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
         return Fetch(self.engine_id, self.room, dst, budget(ctx.timeouts.fetch, deadline, timeout), started)
 
-    def _as_ticket(self) -> RoomTicket | None:
-        """The room as a ticket names it, from the claims' answers; None unless each owner's
-        found it whole (same pages everywhere) and named its pin."""
+    def _prepared_read(self) -> PreparedTicket | None:
+        """The room's read as a ticket's (`TicketProtocol.prepare`), made once for the owners'
+        states as they stand: usually as the claim is granted, on the decode's thread, so a
+        read handed over later with its pages (SGLang's `send_metadata`) only checks them and
+        launches. None unless the room reads as a ticket's (`_as_ticket`)."""
+        states = tuple(self._state(r, o) for r, o in self._owners.items())
+        if self._prepared is None or any(a is not b for a, b in zip(states, self._prepared[0])):
+            ticket = self._as_ticket(states)
+            self._prepared = (states, None if ticket is None else self._tickets.prepare(self._owners, ticket))
+        return self._prepared[1]
+
+    def _as_ticket(self, states: tuple[RoomState | None, ...]) -> RoomTicket | None:
+        """The room as a ticket names it, from the owners' `states`; None unless each found
+        it whole (same pages everywhere) and named its pin."""
         pins: list[OwnerPin] = []
         pages: list[int] | None = None
-        for r, o in self._owners.items():
-            s = self._state(r, o)
+        for s in states:
             if s is None or s.pin is None or s.status is not RoomStatus.READY or pages not in (None, s.src_pages):
                 return None
             pins.append(s.pin)
@@ -155,15 +169,15 @@ class RoomLease:
         return self._claim.states.get(rank)
 
     async def _read_pinned(
-        self, ticket: RoomTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
+        self, prepared: PreparedTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
     ) -> FetchResult:
-        for lane in {o.lane for o in self._owners.values() if o.lane is not None}:
+        for lane, _, _ in prepared.together:
             lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
         job = self._begin(dst_pages, deadline, timeout)
         with self._activity.call():  # the claim is given up before close can end the client
             try:
                 with fetching(self.engine_id):
-                    result = await self._tickets.fetch(self._owners, ticket, job, self._notify)
+                    result = await self._tickets.read(prepared, job, self._notify)
             except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
                 await self.give_up()
                 if isinstance(exc, RoomAbortedError):

@@ -16,6 +16,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ from transfer.lanes.ucx.lane import UcxLane
 from transfer.metadata import ClaimRelease, OwnerPin, RoomTicket, TicketRelease, encode
 from transfer.results import FetchResult, OwnerStats
 
-__all__ = ["PinRelease", "TicketProtocol"]
+__all__ = ["PinRelease", "PreparedTicket", "TicketProtocol"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,21 @@ PIN_WINDOW = 2048  # words of an owner's pin table READ around a slot (16 KiB)
 PIN_WINDOWS = 64  # such READs in flight at once (reused in turn: a clash can only fail a check)
 
 PinRelease = Callable[[list[tuple[Owner, OwnerPin]], int], None]  # how a proved room is released
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedTicket:
+    """A ticket's read laid out before its destination pages are known: its source pages
+    as an array, each owner with its pin, and the owners each lane reads together with
+    their route (looked up once). A room claimed ahead is prepared as its claim is granted
+    (`RoomLease`), so that once its pages are named only their check and the launch remain."""
+
+    room: int
+    urls: dict[str, int]  # each owner's control URL and CP rank (its pushed aborts)
+    src: np.ndarray
+    every: list[tuple[Owner, OwnerPin]]
+    together: list[tuple[Lane, list[tuple[Owner, OwnerPin]], Any]]  # a merging lane, its owners, their route
+    alone: list[tuple[Owner, OwnerPin]]  # owners read one at a time
 
 
 class TicketProtocol:
@@ -56,41 +73,53 @@ class TicketProtocol:
         self._next_window = 0
         self._deferred: dict[asyncio.TimerHandle, Callable[[], None]] = {}  # releases waiting out the delay
 
+    def prepare(self, owners: dict[int, Owner], ticket: RoomTicket) -> PreparedTicket:
+        """`ticket`'s read over `owners`, laid out before its destination pages are known."""
+        pins = {p.cp_rank: p for p in ticket.pins}
+        merges = _merged_lanes(owners)
+        together = [
+            (lane, [(o, pins[r]) for r, o in group.items()], lane.merged(tuple(o.peer for o in group.values())))
+            for lane, group in merges.items()
+        ]
+        alone = [(o, pins[r]) for r, o in owners.items() if o.lane not in merges]
+        every = [(o, pins[r]) for r, o in owners.items()]
+        src = np.asarray(ticket.src_pages, dtype=np.int64)
+        return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone)
+
     async def fetch(
         self, owners: dict[int, Owner], ticket: RoomTicket, job: Fetch, release: PinRelease | None = None
     ) -> FetchResult:
-        """Read every owner at once and prove each pin word after the data. `release`: how
-        the room is released once proved (a ticket's notifications by default); with one,
-        the reader holds claims (their owners push an abort, which stops the reads at once)
-        and a failure releases nothing (the caller gives its claims up)."""
-        src, dst = np.asarray(ticket.src_pages, dtype=np.int64), job.dst
+        """Read every owner at once and prove each pin word after the data (`read`)."""
+        return await self.read(self.prepare(owners, ticket), job, release)
+
+    async def read(self, prepared: PreparedTicket, job: Fetch, release: PinRelease | None = None) -> FetchResult:
+        """Read a prepared ticket's owners at once and prove each pin word after the data.
+        `release`: how the room is released once proved (a ticket's notifications by
+        default); with one, the reader holds claims (their owners push an abort, which stops
+        the reads at once) and a failure releases nothing (the caller gives its claims up)."""
+        src, dst, room = prepared.src, job.dst, prepared.room
         if src.size != dst.size:
-            raise MetadataError(f"room {ticket.room}: {src.size} source pages, {dst.size} destination pages")
-        pins = {p.cp_rank: p for p in ticket.pins}
-        room, together = ticket.room, _merged_lanes(owners)
-        reads = [self._read_with_pin(o, pins[r], room, src, job) for r, o in owners.items() if o.lane not in together]
-        every = [(o, pins[r]) for r, o in owners.items()]
+            raise MetadataError(f"room {room}: {src.size} source pages, {dst.size} destination pages")
+        reads = [self._read_with_pin(o, pin, room, src, job) for o, pin in prepared.alone]
         try:
-            if not reads and len(together) == 1:  # every owner on one lane: one read, awaited in this task
-                lane, group = next(iter(together.items()))
-                per_task = [await self._read_merged_with_pins(lane, group, pins, room, src, job)]
+            if not reads and len(prepared.together) == 1:  # every owner on one lane: one read, awaited in this task
+                lane, pinned, merged = prepared.together[0]
+                per_task = [await self._read_merged_with_pins(lane, pinned, merged, room, src, job)]
             else:
-                reads += [self._read_merged_with_pins(ln, g, pins, room, src, job) for ln, g in together.items()]
-                watch = self.ctx.feed.aborted(owner_urls(owners), room) if release is not None else None
+                reads += [self._read_merged_with_pins(*together, room, src, job) for together in prepared.together]
+                watch = self.ctx.feed.aborted(prepared.urls, room) if release is not None else None
                 per_task = await self.ctx.tasks.each(reads, watch)
         except BaseException:  # every read has ended: release at once
             if release is None:
-                self.release_pins(every, ticket.room)
+                self.release_pins(prepared.every, room)
             raise
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads.
-        self._release_later(functools.partial(release or self.release_pins, every, ticket.room))
+        self._release_later(functools.partial(release or self.release_pins, prepared.every, room))
         # One task (every owner in one read) already lists its owners by CP rank.
         stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
         nbytes = sum([s.nbytes for s in stats])
-        return FetchResult(
-            job.engine_id, ticket.room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0
-        )
+        return FetchResult(job.engine_id, room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0)
 
     async def _read_with_pin(
         self, owner: Owner, pin: OwnerPin, room: int, src: np.ndarray, job: Fetch
@@ -108,21 +137,20 @@ class TicketProtocol:
         return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.path)]
 
     async def _read_merged_with_pins(
-        self, lane: Lane, owners: dict[int, Owner], pins: dict[int, OwnerPin], room: int, src: np.ndarray, job: Fetch
+        self, lane: Lane, pinned: list[tuple[Owner, OwnerPin]], merged: Any, room: int, src: np.ndarray, job: Fetch
     ) -> list[OwnerStats]:
-        """Read every layer of these owners (one lane's) as one operation, then prove each
-        one's pin; each owner's share of the time is its share of the bytes."""
+        """Read every layer of these owners (one lane's, `merged` its route over them) as one
+        operation, then prove each one's pin; each owner's share of the time is its share of
+        the bytes."""
         t0 = time.perf_counter()
-        merged = lane.merged(tuple(o.peer for o in owners.values()))
-        assert merged is not None
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
             seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages)
-            unmapped = _prove_mapped_pins([(o, pins[r]) for r, o in owners.items()], room)
+            unmapped = _prove_mapped_pins(pinned, room)
             if unmapped:  # not the usual case: owners on this host map their pin tables
                 await self._prove_read_pins(unmapped, room, job.deadline)
         except PeerLostError as exc:
-            lost = next((o.rank for o in owners.values() if o.rank.agent_name == exc.peer), None)
+            lost = next((o.rank for o, _ in pinned if o.rank.agent_name == exc.peer), None)
             raise (lost_peer(lost, exc) if lost is not None else exc) from exc
         asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
         elapsed, n, per_byte = time.perf_counter() - t0, src.size, seconds / max(1, merged.page_bytes)
