@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -28,8 +29,9 @@ from pdkv.errors import ClaimLostError, ClosedError, RoomAbortedError
 from tests.wire_helpers import LAYOUT, rank_descriptor
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.lease import RoomLease
 from transfer.decode.owners import Owner
-from transfer.decode.tasks import DecodeContext, Fetch
+from transfer.decode.tasks import Activity, DecodeContext, Fetch
 from transfer.decode.tickets import TicketProtocol
 from transfer.lanes.base import Lane, ReadStats
 from transfer.metadata import (
@@ -831,6 +833,29 @@ async def test_ticket_releases_wait_out_their_delay_unless_flushed() -> None:
     assert set(ucx.releases()) == set(SPANS)
     tickets.flush()
     assert len(ucx.notified) == len(SPANS)  # sent once
+
+
+async def test_lease_whose_owner_names_another_ranks_pin_reads_by_claims() -> None:
+    """A claim answer whose pin is another rank's does not make the room read as a
+    ticket's (that read would look the owner's pin up and fail untyped): it is read by
+    claims, which need no pin, byte for byte."""
+    same = [1, 4, 9, 16, 25]
+    w = await world(pins=True, src_pages=dict.fromkeys(SPANS, same))
+    claim = Claim(ROOM)
+    claims = w.claims()
+    await claims.claim_all(w.owners, claim, w.job().deadline)
+    for cp, state in claim.states.items():
+        other = (cp + 1) % len(SPANS)
+        pin = OwnerPin(cp_rank=other, incarnation="abc", slot=SLOT, nonce=nonce(other))
+        claim.states[cp] = msgspec.structs.replace(state, pin=pin)
+    activity = Activity("decode-test")
+    activity.open = True
+    ucx = FakeUcx(w.timeline)
+    lease = RoomLease(w.ctx, activity, claims, TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)  # type: ignore[arg-type]
+    assert lease._prepared_read() is None
+    result = await lease.read_once(w.dst)
+    assert result.freed and not ucx.notified  # released by claims, not by notifications
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(same))))
 
 
 @pytest.mark.parametrize("mapped", [(0, 1, 2), ()], ids=["mapped", "read"])

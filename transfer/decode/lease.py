@@ -148,12 +148,14 @@ class RoomLease:
         return self._prepared[1]
 
     def _as_ticket(self, states: tuple[RoomState | None, ...]) -> RoomTicket | None:
-        """The room as a ticket names it, from the owners' `states`; None unless each found
-        it whole (same pages everywhere) and named its pin."""
+        """The room as a ticket names it, from the owners' `states` (in `_owners`' order);
+        None unless each found it whole (same pages everywhere) and named its own pin."""
         pins: list[OwnerPin] = []
         pages: list[int] | None = None
-        for s in states:
+        for r, s in zip(self._owners, states):
             if s is None or s.pin is None or s.status is not RoomStatus.READY or pages not in (None, s.src_pages):
+                return None
+            if s.pin.cp_rank != r:  # a pin another rank's: read by claims, which need none
                 return None
             pins.append(s.pin)
             pages = s.src_pages
