@@ -35,6 +35,7 @@ from transfer.decode.tasks import Activity, DecodeContext, Fetch
 from transfer.decode.tickets import TicketProtocol
 from transfer.lanes.base import Lane, ReadStats
 from transfer.metadata import (
+    ClaimRelease,
     ClaimRequest,
     OwnerPin,
     PinTable,
@@ -273,6 +274,7 @@ class FakeOwner:
     script: list[int] = field(default_factory=list)  # each poll first makes layers up to the next ready
     tokens: set[str] = field(default_factory=set)  # claims granted and not yet released
     moved: asyncio.Event = field(default_factory=asyncio.Event)
+    pin: OwnerPin | None = None  # named in its states once the room is whole, as a pinning owner does
 
     @property
     def cp(self) -> int:
@@ -280,7 +282,8 @@ class FakeOwner:
 
     def state(self) -> RoomState:
         status = RoomStatus.READY if self.ready_upto >= self.rank.layer_end else RoomStatus.PENDING
-        return RoomState(room=ROOM, status=status, src_pages=self.src_pages, ready_upto=self.ready_upto)
+        pin = self.pin if status is RoomStatus.READY else None
+        return RoomState(room=ROOM, status=status, src_pages=self.src_pages, ready_upto=self.ready_upto, pin=pin)
 
     def advance(self, upto: int) -> None:
         self.ready_upto = upto
@@ -833,6 +836,50 @@ async def test_ticket_releases_wait_out_their_delay_unless_flushed() -> None:
     assert set(ucx.releases()) == set(SPANS)
     tickets.flush()
     assert len(ucx.notified) == len(SPANS)  # sent once
+
+
+def pinned_lease(w: World, claim: Claim) -> tuple[RoomLease, FakeUcx]:
+    """A lease on `w`'s room under `claim`, each owner pinning it (its pin table mapped here)."""
+    activity = Activity("decode-test")
+    activity.open = True
+    ucx = FakeUcx(w.timeline)
+    for cp, o in w.owners.items():
+        ucx.cp_of[o.rank.agent_name] = cp
+        w.fake[cp].pin = OwnerPin(cp_rank=cp, incarnation="abc", slot=SLOT, nonce=nonce(cp))
+        o.pins = FakePins(w.timeline, cp, {SLOT: nonce(cp)})  # type: ignore[assignment]
+    lease = RoomLease(w.ctx, activity, w.claims(), TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)  # type: ignore[arg-type]
+    return lease, ucx
+
+
+@pytest.mark.parametrize("cleared", [False, True], ids=["proved", "pin-cleared"])
+async def test_lease_read_as_written_is_proved_by_pin_words_not_release_round_trips(cleared: bool) -> None:
+    """A room claimed before it was whole is read by claims as its layers come; once every
+    owner's last state names its pin, the read is proved by the pin words after the data and
+    the claims released by notifications: no release request. A pin word cleared meanwhile
+    fails the read and gives the claims up."""
+    same = [1, 4, 9, 16, 25]
+    w = await world(pins=True, src_pages=dict.fromkeys(SPANS, same), ready={0: 1, 2: 7})
+    claim = Claim(ROOM)
+    lease, ucx = pinned_lease(w, claim)
+    await w.claims().claim_all(w.owners, claim, w.job().deadline)
+    assert lease._prepared_read() is None  # not whole at the claim: read by claims
+    w.fake[0].script, w.fake[2].script = [SPANS[0].stop], [SPANS[2].stop]  # the rest comes while it is read
+    if cleared:
+        w.owners[1].pins.words[SLOT] = 0  # type: ignore[union-attr]
+        with pytest.raises(ClaimLostError, match="cp rank 1 "):
+            await lease.read_once(w.dst)
+        assert not ucx.notified and all(w.client.of(cp, "give_up") for cp in SPANS)
+        return
+    result = await lease.read_once(w.dst)
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(same))))
+    t = w.timeline
+    for cp in SPANS:
+        assert t.last("landed", cp) < t.first("pin_word", cp)  # each word after its owner's data
+        assert not w.client.of(cp, "release") and not w.client.of(cp, "give_up")
+    await asyncio.sleep(0)
+    assert {ucx.cp_of[agent] for agent, _ in ucx.notified} == set(SPANS)  # released by notifications
+    assert all(decode(body, ClaimRelease, FP).claim == claim.token for _, body in ucx.notified)
+    assert not result.freed and result.freed_on == ()
 
 
 async def test_lease_whose_owner_names_another_ranks_pin_reads_by_claims() -> None:

@@ -326,6 +326,7 @@ class PrefillExporter:
         state = await self.rooms.wait(room, after, self.timeouts.poll, after_pages)
         if claim is not None:
             self.rooms.check_claim(room, claim)
+            state = self._with_pin(state)  # a claim holder's, as its pushed states are
         return reply(state, self.pool.layout.fingerprint)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:

@@ -50,6 +50,9 @@ class Claim:
     # cp rank -> the room as its claim found it, for the first read under the claim only (a
     # later read asks again, so a room aborted meanwhile is caught at once, not at release)
     states: dict[int, RoomState] = field(default_factory=dict)
+    # cp rank -> the room as the last read under the claim left it: whole, and with its pin
+    # where the owner pins (a lease then proves the read by the pin words, `RoomLease`)
+    final: dict[int, RoomState] = field(default_factory=dict)
     messages: int = 0  # control requests made under it (claims, polls, releases)
 
     @property
@@ -200,6 +203,7 @@ class ClaimProtocol:
             if cursor >= r.layer_end:
                 break
             state = await self._poll(owner, claim, cursor, job.deadline)
+        claim.final[r.cp_rank] = state
         span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
         return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path)
 
@@ -219,6 +223,7 @@ class ClaimProtocol:
                 busy += xfer.seconds
                 done = src.size
             if state.ready_upto >= r.layer_end:  # the last chunk is in
+                claim.final[r.cp_rank] = state
                 span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
                 return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path, state.aux)
             state = await self._poll(owner, claim, state.ready_upto, job.deadline, after_pages=done)

@@ -106,13 +106,15 @@ class RoomLease:
 
         Where every owner's claim found the room whole and named its pin, the room is read
         as a ticket's: every owner at once, each pin word proved after the data, the claims
-        released by notifications after the return (`freed` is then unknown: False)."""
+        released by notifications after the return (`freed` is then unknown: False). A room
+        read as it was written (by claims) is proved the same way where every owner's last
+        state named its pin, rather than by a release round trip to each owner."""
         prepared = self._prepared_read()
         try:
             if prepared is not None:
                 return await self._read_pinned(prepared, dst_pages, deadline, timeout)
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
-            freed = await self.release()
+            freed = False if await self._proved_by_pins() else await self.release()
         except BaseException:
             await self.give_up()
             raise
@@ -194,6 +196,19 @@ class RoomLease:
             return result
         owners = (msgspec.structs.replace(result.owners[0], aux=aux), *result.owners[1:])
         return msgspec.structs.replace(result, owners=owners)
+
+    async def _proved_by_pins(self) -> bool:
+        """After a read by claims: if every owner's last state found the room whole and named
+        its pin, prove the read by the pin words and release by notification; False (nothing
+        done) if not: `release` proves it then. A pin word unchanged after the data proves
+        the room never ended while it was read: it is cleared before the pages are freed,
+        and a room that ended never becomes whole again."""
+        ticket = self._as_ticket(tuple(self._claim.final.get(r) for r in self._owners))
+        if ticket is None:
+            return False
+        prepared = self._tickets.prepare(self._owners, ticket)
+        await self._tickets.prove(prepared, Deadline.after(self._ctx.timeouts.request), self._notify)
+        return True
 
     def _notify(self, pinned_owners: list[tuple[Owner, OwnerPin]], room: int) -> None:
         """Release the claim on every owner by a notification (its bytes proved by the pin words)."""

@@ -121,6 +121,16 @@ class TicketProtocol:
         nbytes = sum([s.nbytes for s in stats])
         return FetchResult(job.engine_id, room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0)
 
+    async def prove(self, prepared: PreparedTicket, deadline: Deadline, release: PinRelease) -> None:
+        """Prove a read that has already landed (by claims, every owner read) by each owner's
+        pin word, then `release` the room as `read` does: no round trip to any owner."""
+        try:
+            await self._prove_pins(prepared.every, prepared.room, deadline)
+        except PeerLostError as exc:
+            lost = next((o.rank for o, _ in prepared.every if o.rank.agent_name == exc.peer), None)
+            raise (lost_peer(lost, exc) if lost is not None else exc) from exc
+        self._release_later(functools.partial(release, prepared.every, prepared.room))
+
     async def _read_with_pin(
         self, owner: Owner, pin: OwnerPin, room: int, src: np.ndarray, job: Fetch
     ) -> list[OwnerStats]:
