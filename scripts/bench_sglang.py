@@ -12,7 +12,10 @@ time is split: from `send_metadata` to the read's start on pdkv's thread, the re
 (`FetchResult.seconds`), and from its end to the first `poll()` that says Success. Needs
 sglang (scripts/sglang-cpu.txt).
 
-    python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda] [--poll-us 200]
+    python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda] [--poll-us 200] [--early-ms 50]
+
+`--early-ms`: a second table, the decode naming its pages that long before the prefill sends
+(the room then read as it is written, by claims): from the prefill's last send to Success.
 
 With `--device cuda` every KV buffer is a CUDA tensor (one per layer and kind, as SGLang's
 pools): the decode reads the prefill's through the same-host GPU lane.
@@ -87,13 +90,15 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
     mgr = PdkvKVManager(args, "prefill", None, True)
     holds: list[float] = []
     while (order := orders.get()) is not None:
-        room, src, ticket = order
+        room, src, ticket, forward_s = order
         sender = PdkvKVSender(mgr, registry, room)
         _timed(holds, sender.init, len(src), 0)
+        time.sleep(forward_s)  # the forward pass, while the decode may already name its pages
         _timed(holds, sender.should_send_kv_chunk, len(src), True)
+        sent_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
         _timed(holds, sender.send, np.asarray(src, dtype=np.int32), None)
         pin = mgr.exporter.pin(room).result(timeout=60) if ticket else None  # as a router hands it over
-        replies.put(("sent", rank, pin))
+        replies.put(("sent", rank, (pin, sent_at)))
         while _timed(holds, sender.poll) not in (conn.KVPoll.Success, conn.KVPoll.Failed):
             time.sleep(0.0002)
         replies.put(("done", rank))
@@ -109,16 +114,20 @@ class Split:
         self.began = self.settled = 0.0
 
 
-def _publish(orders: list, replies, room: int, src: np.ndarray, ticket: bool) -> list:  # type: ignore[no-untyped-def]
-    """Every prefill rank sends `room` in one chunk; their pins (None unless `ticket`)."""
+def _publish(orders: list, replies, room: int, src: np.ndarray, ticket: bool, forward_s: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+    """Every prefill rank publishes `room`, then (after `forward_s`) sends it in one chunk."""
     for q in orders:
-        q.put((room, src.tolist(), ticket))
-    pins = {}
+        q.put((room, src.tolist(), ticket, forward_s))
+
+
+def _sent(replies) -> tuple[list, float]:  # type: ignore[no-untyped-def]
+    """Once every rank has sent: their pins (None unless asked for) and the last send's time."""
+    pins, last = {}, 0.0
     for _ in range(CP):
-        kind, rank, pin = replies.get(timeout=120)
+        kind, rank, (pin, sent_at) = replies.get(timeout=120)
         assert kind == "sent", kind
-        pins[rank] = pin
-    return [pins[r] for r in range(CP)]
+        pins[rank], last = pin, max(last, sent_at)
+    return [pins[r] for r in range(CP)], last
 
 
 def _await_senders(replies) -> None:  # type: ignore[no-untyped-def]
@@ -160,6 +169,24 @@ def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, 
     return seen, result
 
 
+def _receive_early(mgr, conn, room: int, dst: np.ndarray, poll_s: float):  # type: ignore[no-untyped-def]
+    """SGLang's receiver names its pages as soon as it is bootstrapped, before the prefill
+    sends (as a decode with free pages does): when `send_metadata` ran, the first poll
+    that said Success (perf_counter), and the read's `FetchResult`."""
+    from transfer.sglang.conn import PdkvKVReceiver
+
+    receiver = PdkvKVReceiver(mgr, SERVER_URL, room)
+    receiver.init(0)
+    while receiver.poll() == conn.KVPoll.Bootstrapping:
+        time.sleep(poll_s)
+    named = time.perf_counter()
+    receiver.send_metadata(dst, 0)
+    while (state := receiver.poll()) == conn.KVPoll.Transferring:
+        time.sleep(poll_s)
+    assert state == conn.KVPoll.Success, state
+    return named, time.perf_counter(), receiver._parts[0].fetch.result()
+
+
 SERVER_URL = ""
 
 
@@ -169,6 +196,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--poll-us", type=float, default=200.0, help="the scheduler's work between two polls")
+    ap.add_argument(
+        "--early-ms", type=float, default=0.0, help="also: the decode names its pages this long before the sends"
+    )
     args = ap.parse_args()
     global DEVICE, SERVER_URL
     DEVICE = os.environ["PDKV_BENCH_DEVICE"] = args.device
@@ -196,12 +226,14 @@ def main() -> None:
         for i in range(args.runs + 1):
             k = n // PAGE
             src, dst = rng.permutation(np.arange(1, pages))[:k], rng.permutation(np.arange(1, pages))[:k]
-            pins = _publish(orders, replies, room, src, ticket=True)
+            _publish(orders, replies, room, src, ticket=True)
+            pins, _ = _sent(replies)
             by_ticket = _ticket_fetch(mgr, room, src, dst, pins)
             assert by_ticket.control_messages == 0, "a ticket fetch asked an owner"
             _await_senders(replies)
             room += 1
             _publish(orders, replies, room, src, ticket=False)
+            _sent(replies)
             splits.append(Split())
             seen, result = _receive(mgr, conn, room, dst, args.poll_us / 1e6, decode_holds if i else [], splits[-1])
             _await_senders(replies)
@@ -215,6 +247,23 @@ def main() -> None:
                 row_splits.append(splits[-1])
         nbytes = n * LAYERS * (KV_ITEM + INDEX_ITEM) // PAGE
         rows.append((n, nbytes, ticket_s, fetch_s, seen_s, row_splits))
+    early_rows = []
+    for n in args.sizes if args.early_ms else []:
+        tails, released = [], []
+        for i in range(args.runs + 1):
+            k = n // PAGE
+            src, dst = rng.permutation(np.arange(1, pages))[:k], rng.permutation(np.arange(1, pages))[:k]
+            _publish(orders, replies, room, src, ticket=False, forward_s=args.early_ms / 1e3)
+            named, seen, result = _receive_early(mgr, conn, room, dst, args.poll_us / 1e6)
+            _, last_sent = _sent(replies)
+            _await_senders(replies)
+            room += 1
+            if named > last_sent:
+                raise SystemExit(f"room {room - 1}: the pages were named after the send (raise --early-ms)")
+            if i:
+                tails.append(seen - last_sent)
+                released.append("notification" if not result.freed else "request")
+        early_rows.append((n, tails, released))
     for q in orders:
         q.put(None)
     prefill_holds = []
@@ -226,6 +275,18 @@ def main() -> None:
     mgr.close()
     server.close()
     _print(rows, args, decode_holds, prefill_holds)
+    _print_early(early_rows, args)
+
+
+def _print_early(rows, args) -> None:  # type: ignore[no-untyped-def]
+    if not rows:
+        return
+    print(f"pages named {args.early_ms:.0f} ms before the prefill sends: from its last send to the first Success")
+    print("".join(f"{h:>14}" for h in ("tokens", "p50 ms", "p90 ms", "released by")))
+    for n, tails, released in rows:
+        p50, p90 = 1e3 * np.percentile(tails, 50), 1e3 * np.percentile(tails, 90)
+        how = "/".join(sorted(set(released)))
+        print(f"{n:>14}{p50:>14.3f}{p90:>14.3f}{how:>14}")
 
 
 def _print(rows, args, decode_holds, prefill_holds) -> None:  # type: ignore[no-untyped-def]
