@@ -33,3 +33,15 @@ def test_a_table_of_another_host_or_tag_is_not_mapped():
         assert map_pins(msgspec.structs.replace(wire, fd=wire.fd + 1000)) is None
     finally:
         owner.close()
+
+
+def test_a_closed_table_proves_nothing_to_a_decode_that_still_maps_it():
+    owner = PinWords(16)
+    mapped = map_pins(owner.wire())
+    assert mapped is not None
+    try:
+        owner.words[3] = 987654321
+        owner.close()  # its rooms are no longer kept: their words must not pass any more
+        assert mapped.word(3) == 0
+    finally:
+        mapped.close()

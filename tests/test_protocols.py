@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pdkv.errors import ClaimLostError, ClosedError, RoomAbortedError
+from pdkv.errors import ClaimLostError, ClosedError, PeerLostError, RoomAbortedError
 from tests.wire_helpers import LAYOUT, rank_descriptor
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
@@ -880,6 +880,48 @@ async def test_lease_read_as_written_is_proved_by_pin_words_not_release_round_tr
     assert {ucx.cp_of[agent] for agent, _ in ucx.notified} == set(SPANS)  # released by notifications
     assert all(decode(body, ClaimRelease, FP).claim == claim.token for _, body in ucx.notified)
     assert not result.freed and result.freed_on == ()
+    await lease.release()  # as leaving `async with lease` does: released already, nothing asked
+    await lease.give_up()
+    assert not any(w.client.of(cp, "release") or w.client.of(cp, "give_up") for cp in SPANS)
+
+
+async def test_lease_released_by_notifications_is_released_at_once_for_its_holder() -> None:
+    """The notifications of a read proved by pin words may leave a moment after it returned;
+    the claim counts as released from the return, so a `release` or `give_up` right after
+    asks no owner (a release request racing the notification could fail a proved read, a
+    give-up would abort a room that was read)."""
+    same = [1, 4, 9, 16, 25]
+    w = await world(pins=True, src_pages=dict.fromkeys(SPANS, same))
+    claim = Claim(ROOM)
+    lease, ucx = pinned_lease(w, claim)
+    lease._tickets.release_delay = 60  # the notifications wait: the holder acts first
+    await w.claims().claim_all(w.owners, claim, w.job().deadline)
+    await lease.read_once(w.dst)  # read as a ticket's: the room was whole at the claim
+    assert await lease.release() is False
+    await lease.give_up()
+    assert not any(w.client.of(cp, "release") or w.client.of(cp, "give_up") for cp in SPANS)
+    lease._tickets.flush()
+    assert {ucx.cp_of[agent] for agent, _ in ucx.notified} == set(SPANS)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["as-a-ticket", "by-claims"])
+async def test_lease_whose_owner_was_forgotten_fails_its_read_typed_and_gives_up(whole: bool) -> None:
+    """An owner forgotten between the claim and its lease (its engine re-registered, a peer
+    lost) leaves the lease unprepared rather than failing the claim with its room held; the
+    read then fails typed and gives the claims up, whether the room reads as a ticket's (its
+    claim answers named the pins) or by claims."""
+    same = [1, 4, 9, 16, 25]
+    w = await world(pins=True, src_pages=dict.fromkeys(SPANS, same))
+    claim = Claim(ROOM)
+    if whole:
+        pinned_lease(w, claim)  # the owners pin: their claim answers name the pins
+    await w.claims().claim_all(w.owners, claim, w.job().deadline)
+    w.owners[1].lane = None
+    lease, _ = pinned_lease(w, claim)
+    assert lease._prepared is None or not whole  # the preparation failed quietly, at the claim
+    with pytest.raises(PeerLostError):
+        await lease.read_once(w.dst)
+    assert all(w.client.of(cp, "give_up") for cp in SPANS)
 
 
 async def test_lease_whose_owner_names_another_ranks_pin_reads_by_claims() -> None:

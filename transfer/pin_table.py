@@ -59,9 +59,16 @@ class PinWords:
             tag=self.tag,
         )
 
+    def clear(self) -> None:
+        """Clear every word: the owner no longer keeps any room's pages pinned (it is closing),
+        so no read on this host may be proved by them any more."""
+        if not self._closed:
+            self.words[:] = 0
+
     def close(self) -> None:
         if self._closed:
             return
+        self.clear()  # a decode's mapping outlives this one
         self._closed = True
         self.words = np.zeros(0, dtype=np.int64)
         with contextlib.suppress(BufferError):  # views still exist: freed with the last of them

@@ -172,6 +172,7 @@ class PrefillExporter:
         logger.info("exporter %s/cp%d serving layers %s on %s", self.engine_id, self.cp_rank, self.pool.owned, url)
 
     async def aclose(self) -> None:
+        self._pins.clear()  # from now on no read proves itself by a word of this owner
         untrack_exporter(self)
         self._readiness.close()  # event streams end before the HTTP server stops
         for t in self._tasks:

@@ -276,7 +276,8 @@ class ClaimProtocol:
 
 async def read_layers(owner: Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline) -> ReadStats:
     """Copy `layers` of one owner through its lane."""
-    assert owner.lane is not None
+    if owner.lane is None:  # forgotten meanwhile (its engine re-registered or a peer was lost)
+        raise PeerLostError(f"cp rank {owner.rank.cp_rank}: its connection was dropped", owner.rank.agent_name)
     xfer = await owner.lane.read(owner.peer, layers, src, dst, deadline)
     observe_read(owner.lane.name, xfer.seconds)
     return xfer

@@ -166,7 +166,8 @@ class DecodeFetcher:
         await self._registry.aclose()
         await self._ctx.client.aclose()
         if started:
-            self._tickets.flush()  # before the connections go
+            self._tickets.flush()  # before the connections go, and driven out before they do
+            await self._ucx.transport.drain_notifications()
             await self._owners.aclose()
             for lane in self._owners.lanes:
                 if lane is not self._ucx:
@@ -302,12 +303,14 @@ class DecodeFetcher:
             claim = Claim(room, readers)
             try:
                 await self._claims.claim_all(owners, claim, limit)
+                for o in owners.values():  # the room's later states are pushed to this claim holder
+                    self._ctx.feed.want(o.rank.control_url, room)
+                return RoomLease(self._ctx, self._activity, self._claims, self._tickets, engine_id, owners, claim)
             except BaseException:
+                for o in owners.values():
+                    self._ctx.feed.forget(o.rank.control_url, room)
                 await self._claims.release_all(owners, claim)
                 raise
-            for o in owners.values():  # the room's later states are pushed to this claim holder
-                self._ctx.feed.want(o.rank.control_url, room)
-            return RoomLease(self._ctx, self._activity, self._claims, self._tickets, engine_id, owners, claim)
 
 
 def _observe(result: FetchResult) -> None:

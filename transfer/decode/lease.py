@@ -8,12 +8,13 @@ async with await fetcher.claim(engine_id, room) as lease:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import msgspec
 
-from pdkv.errors import ClaimLostError, ClosedError, RoomAbortedError
+from pdkv.errors import ClaimLostError, ClosedError, PdkvError, RoomAbortedError
 from pdkv.pages import PageIds, page_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
@@ -49,7 +50,8 @@ class RoomLease:
         # The room's read as a ticket's and the owners' states it was made from: made as the
         # claim is granted, ahead of the pages (`_prepared_read`).
         self._prepared: tuple[tuple[RoomState | None, ...], PreparedTicket | None] | None = None
-        self._prepared_read()
+        with contextlib.suppress(PdkvError):  # not prepared now: the read tries again, and fails there
+            self._prepared_read()
 
     @property
     def room(self) -> int:
@@ -109,12 +111,13 @@ class RoomLease:
         released by notifications after the return (`freed` is then unknown: False). A room
         read as it was written (by claims) is proved the same way where every owner's last
         state named its pin, rather than by a release round trip to each owner."""
-        prepared = self._prepared_read()
         try:
+            prepared = self._prepared_read()
             if prepared is not None:
                 return await self._read_pinned(prepared, dst_pages, deadline, timeout)
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
-            freed = False if await self._proved_by_pins() else await self.release()
+            with self._activity.call():  # close waits for the proof and the release too
+                freed = False if await self._proved_by_pins() else await self.release()
         except BaseException:
             await self.give_up()
             raise
@@ -182,6 +185,7 @@ class RoomLease:
             try:
                 with fetching(self.engine_id):
                     result = await self._tickets.read(prepared, job, self._notify)
+                self._released_by_notifications()
             except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
                 await self.give_up()
                 if isinstance(exc, RoomAbortedError):
@@ -208,13 +212,19 @@ class RoomLease:
             return False
         prepared = self._tickets.prepare(self._owners, ticket)
         await self._tickets.prove(prepared, Deadline.after(self._ctx.timeouts.request), self._notify)
+        self._released_by_notifications()
         return True
+
+    def _released_by_notifications(self) -> None:
+        """The read was proved by the pin words: the claim counts as released from now (its
+        notifications may leave a moment later), so neither `release` nor `give_up` asks the
+        owners again."""
+        self._released = False
+        for r in self._owners:
+            self._claim.released[r] = False
 
     def _notify(self, pinned_owners: list[tuple[Owner, OwnerPin]], room: int) -> None:
         """Release the claim on every owner by a notification (its bytes proved by the pin words)."""
-        self._released = False
-        for owner, _ in pinned_owners:
-            self._claim.released[owner.rank.cp_rank] = False
         self._tickets.release_claims([o for o, _ in pinned_owners], self._claim)
 
     def _forget(self) -> None:

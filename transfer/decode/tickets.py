@@ -243,7 +243,8 @@ def _merged_lanes(owners: dict[int, Owner]) -> dict[Lane, dict[int, Owner]]:
     """Owners whose lane reads several together, by lane."""
     by_lane: dict[Lane, dict[int, Owner]] = {}
     for r, o in owners.items():
-        assert o.lane is not None
+        if o.lane is None:  # forgotten meanwhile (its engine re-registered or a peer was lost)
+            raise PeerLostError(f"cp rank {r}: its connection was dropped", o.rank.agent_name)
         by_lane.setdefault(o.lane, {})[r] = o
     return {lane: group for lane, group in by_lane.items() if lane.merges}
 

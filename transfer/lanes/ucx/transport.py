@@ -327,12 +327,17 @@ class UcxTransport:
         worker = self._workers[0]
         return await worker.call(worker.agent.get_new_notifs)
 
+    async def drain_notifications(self) -> None:
+        """Let notifications just sent leave (driven for at most `_NOTIFY_CLOSE_S`): before
+        their peers' connections are dropped, or the agents closed."""
+        if self._driving and not self._closed:
+            left = min(_NOTIFY_CLOSE_S, self._drive_until - time.monotonic())
+            await asyncio.sleep(max(0.0, left) + _NOTIFY_POLL_S)
+
     async def aclose(self) -> None:
         if self._closed:
             return
-        if self._driving:  # the last notifications leave before the agents close
-            left = min(_NOTIFY_CLOSE_S, self._drive_until - time.monotonic())
-            await asyncio.sleep(max(0.0, left) + _NOTIFY_POLL_S)
+        await self.drain_notifications()  # the last notifications leave before the agents close
         self._closed = True
         for name in list(self._peers):
             await self.remove_peer(name)
