@@ -333,6 +333,7 @@ class UcxTransport:
         if self._driving and not self._closed:
             left = min(_NOTIFY_CLOSE_S, self._drive_until - time.monotonic())
             await asyncio.sleep(max(0.0, left) + _NOTIFY_POLL_S)
+            self._drive_until = min(self._drive_until, time.monotonic())  # driven: a second drain waits no more
 
     async def aclose(self) -> None:
         if self._closed:
