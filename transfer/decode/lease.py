@@ -210,8 +210,7 @@ class RoomLease:
         ticket = self._as_ticket(tuple(self._claim.final.get(r) for r in self._owners))
         if ticket is None:
             return False
-        prepared = self._tickets.prepare(self._owners, ticket)
-        await self._tickets.prove(prepared, Deadline.after(self._ctx.timeouts.request), self._notify)
+        await self._tickets.prove(self._owners, ticket, Deadline.after(self._ctx.timeouts.request), self._notify)
         self._released_by_notifications()
         return True
 

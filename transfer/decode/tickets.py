@@ -121,15 +121,19 @@ class TicketProtocol:
         nbytes = sum([s.nbytes for s in stats])
         return FetchResult(job.engine_id, room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0)
 
-    async def prove(self, prepared: PreparedTicket, deadline: Deadline, release: PinRelease) -> None:
-        """Prove a read that has already landed (by claims, every owner read) by each owner's
-        pin word, then `release` the room as `read` does: no round trip to any owner."""
+    async def prove(
+        self, owners: dict[int, Owner], ticket: RoomTicket, deadline: Deadline, release: PinRelease
+    ) -> None:
+        """Prove a read of `ticket`'s room that has already landed (by claims, every owner
+        read) by each owner's pin word, then `release` the room as `read` does: no round
+        trip to any owner."""
+        pins = {p.cp_rank: p for p in ticket.pins}
+        pinned = [(o, pins[r]) for r, o in owners.items()]
         try:
-            await self._prove_pins(prepared.every, prepared.room, deadline)
+            await self._prove_pins(pinned, ticket.room, deadline)
         except PeerLostError as exc:
-            lost = next((o.rank for o, _ in prepared.every if o.rank.agent_name == exc.peer), None)
-            raise (lost_peer(lost, exc) if lost is not None else exc) from exc
-        self._release_later(functools.partial(release, prepared.every, prepared.room))
+            raise _lost_among(pinned, exc) from exc
+        self._release_later(functools.partial(release, pinned, ticket.room))
 
     async def _read_with_pin(
         self, owner: Owner, pin: OwnerPin, room: int, src: np.ndarray, job: Fetch
@@ -160,8 +164,7 @@ class TicketProtocol:
             if unmapped:  # not the usual case: owners on this host map their pin tables
                 await self._prove_read_pins(unmapped, room, job.deadline)
         except PeerLostError as exc:
-            lost = next((o.rank for o, _ in pinned if o.rank.agent_name == exc.peer), None)
-            raise (lost_peer(lost, exc) if lost is not None else exc) from exc
+            raise _lost_among(pinned, exc) from exc
         asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
         elapsed, n, per_byte = time.perf_counter() - t0, src.size, seconds / max(1, merged.page_bytes)
         return [
@@ -237,6 +240,12 @@ class TicketProtocol:
             self.ucx.notify(messages)
         except PdkvError as exc:
             logger.info("release of room %d: %s (its pins expire instead)", room, exc)
+
+
+def _lost_among(pinned: list[tuple[Owner, OwnerPin]], exc: PeerLostError) -> PeerLostError:
+    """`exc` naming the engine and CP rank of the owner it lost, where it is one of these."""
+    lost = next((o.rank for o, _ in pinned if o.rank.agent_name == exc.peer), None)
+    return lost_peer(lost, exc) if lost is not None else exc
 
 
 def _merged_lanes(owners: dict[int, Owner]) -> dict[Lane, dict[int, Owner]]:
