@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,9 +23,12 @@ from transfer.deadline import Deadline
 from transfer.lanes.pages import BufferPair
 from transfer.metadata import RankDescriptor
 
-__all__ = ["Lane", "LanePeer", "MergedRead", "ReadGroup", "ReadSlot", "ReadStats", "host_id"]
+__all__ = ["Lane", "LanePeer", "MergedRead", "ReadGroup", "ReadSlot", "ReadStats", "Watch", "host_id"]
 
 Pairs = dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), local and remote
+# Handed, as a read is launched, a way for any thread to ask without blocking whether its
+# bytes are in place (a synchronous scheduler's poll asks it: `transfer.decode.landing`).
+Watch = Callable[[Callable[[], bool]], None]
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,12 @@ class Lane(Protocol):
         """The read of every layer of `peers` together, or None (this lane reads one at a time)."""
         ...
 
-    def read_merged(self, merged: Any, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
-        """Run `merged` over `src` into `dst` (ids known to lie below `dst_below`); its seconds."""
+    def read_merged(
+        self, merged: Any, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
+    ) -> Awaitable[float]:
+        """Run `merged` over `src` into `dst` (ids known to lie below `dst_below`); its seconds.
+        A lane that can tell from another thread when the bytes are in place hands `watch`
+        how to ask, as it launches; others ignore it."""
         ...
 
     def prime(self) -> None:

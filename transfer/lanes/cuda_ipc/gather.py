@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pdkv.errors import ClosedError, TransferError
+from transfer.lanes.base import Watch
 from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel, LaunchArgs
 from transfer.lanes.cuda_ipc.plan import GatherPlan, GatherTable
 
@@ -78,6 +79,12 @@ class Launch:
     def seconds(self) -> float | None:
         """Seconds on the GPU (after `wait`); None if not timed."""
         return None if self.start is None else self.start.seconds_until(self.done)
+
+    def passed(self) -> bool:
+        """Whether the kernel has ended, without blocking (any thread). Asked after the
+        launch was handed back for reuse (`Gatherer.run` returned), it may say False for a
+        launch that passed: never True for one that has not."""
+        return self.done.passed()
 
 
 def _wait_then_wake(
@@ -220,13 +227,16 @@ class Gatherer:
         start = DriverEvent(self.kernel) if self.timed else None
         return Launch(start, DriverEvent(self.kernel, timed=self.timed))
 
-    async def run(self, plan: GatherPlan) -> float:
+    async def run(self, plan: GatherPlan, watch: Watch | None = None) -> float:
         """Copy `plan` and return once the bytes are in place: its seconds on the GPU if
-        timed, else from the launch call to the wake-up."""
+        timed, else from the launch call to the wake-up. `watch` is handed, as the plan is
+        launched, a way for any thread to ask whether its bytes are in place (`Launch.passed`)."""
         if plan.buffers == 0 or plan.pages == 0:
             return 0.0
         launched = time.perf_counter()
         launch = self.launch(plan)
+        if watch is not None:
+            watch(launch.passed)
         # The loop stays free while the GPU copies; the waiting thread wakes this task
         # directly (no executor future in between: each future hop is a turn of the loop).
         try:

@@ -26,7 +26,7 @@ import torch
 
 from pdkv.errors import PdkvError, PeerLostError, TransferError
 from transfer.deadline import Deadline
-from transfer.lanes.base import Pairs, ReadStats, host_id
+from transfer.lanes.base import Pairs, ReadStats, Watch, host_id
 from transfer.lanes.cuda_ipc.driver import CudaDriver, IpcMapping
 from transfer.lanes.cuda_ipc.export import NO_SECRET
 from transfer.lanes.cuda_ipc.fd_pass import close_fds, fetch_fds
@@ -244,18 +244,20 @@ class CudaIpcLane:
     # coroutine of their own: each layer of coroutines costs a fetch microseconds on a host
     # just woken. Both check everything before they return, and launch as the awaitable starts.
 
-    def read_route(self, route: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
+    def read_route(
+        self, route: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
+    ) -> Awaitable[float]:
         """Gather `src` pages of every layer of `route`'s owners into `dst` pages (ids known
         to lie below `dst_below`) with one launch; await it for its seconds
-        (`Gatherer.run`) once the bytes are in place."""
-        return self.run(gather_plan(route.table, [src], dst, dst_below=dst_below), route.peers)
+        (`Gatherer.run`) once the bytes are in place. `watch`: as `Gatherer.run`."""
+        return self.run(gather_plan(route.table, [src], dst, dst_below=dst_below), route.peers, watch)
 
-    def run(self, plan: GatherPlan, peers: Sequence[IpcPeer]) -> Awaitable[float]:
+    def run(self, plan: GatherPlan, peers: Sequence[IpcPeer], watch: Watch | None = None) -> Awaitable[float]:
         """Launch `plan`, which reads `peers`; await it for its seconds once the bytes are in place."""
         for peer in peers:  # checked on the loop's thread, then awaited at once: no race with close()
             if peer.closed:
                 raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
-        return self._gather.run(plan)
+        return self._gather.run(plan, watch)
 
     async def read(
         self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline | None = None
@@ -272,8 +274,10 @@ class CudaIpcLane:
     def merged(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
         return self.route(peers)
 
-    def read_merged(self, merged: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
-        return self.read_route(merged, src, dst, dst_below)
+    def read_merged(
+        self, merged: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
+    ) -> Awaitable[float]:
+        return self.read_route(merged, src, dst, dst_below, watch)
 
     async def close(self, peer: IpcPeer) -> None:
         """Drop `peer`'s mappings once no kernel can still read them (frees a dead owner's memory)."""

@@ -14,7 +14,7 @@ import torch
 
 from pdkv.errors import TransferError
 from transfer.deadline import Deadline
-from transfer.lanes.base import Pairs, ReadStats
+from transfer.lanes.base import Pairs, ReadStats, Watch
 from transfer.lanes.ucx.plan import ReadTable, read_plan, read_table
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.metadata import RankDescriptor
@@ -86,7 +86,9 @@ class UcxLane:
     def merged(self, peers: tuple[UcxPeer, ...]) -> None:
         return None
 
-    def read_merged(self, merged: object, src: np.ndarray, dst: np.ndarray, dst_below: int) -> Awaitable[float]:
+    def read_merged(
+        self, merged: object, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
+    ) -> Awaitable[float]:
         raise TransferError("the UCX lane reads one owner at a time")
 
     def prime(self) -> None:
