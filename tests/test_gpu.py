@@ -516,3 +516,54 @@ def test_engine_owner_killed_while_a_fetch_waits_for_its_prefill_is_peer_lost_wi
             await registry.aclose()
 
     asyncio.run(run())
+
+
+def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
+    """A synchronous caller's poll asks the GPU lane's launch itself: with pdkv's loop held
+    (it cannot hear the kernel's end), the poll still sees the read land, proves its pins
+    and reports it, byte-exact; the loop finishes behind once let go."""
+    import threading
+
+    from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
+    from transfer.metadata import RoomTicket
+    from transfer.registry.server import RegistryServer
+    from transfer.sync import BackgroundLoop, FetchStatus, SyncFetcher
+
+    shape = Shape(layers=11, page_size=64, pages=257)
+    src, dst = list(range(0, 256, 2)), list(range(1, 257, 2))
+    bg = BackgroundLoop("test-registry")
+    registry = RegistryServer()
+    url = bg.run(registry.start(), 10)
+    procs, stop, reports = start_owners(url, "eng1", 4, shape, {5: src})
+    held, free = threading.Event(), threading.Event()
+    try:
+        bufs = engine_buffers(shape, range(shape.layers), fill=False)
+        ticket = RoomTicket(engine_id="eng1", room=5, src_pages=src, pins=[reports[r][1][5] for r in range(4)])
+        fetcher = SyncFetcher(engine_kv(shape, range(shape.layers), bufs), url, path="cuda_ipc")
+        try:
+            lane = fetcher.fetcher._owners.lanes[0]
+            with torch.cuda.stream(lane._gather.stream):
+                torch.cuda._sleep(200_000_000)  # the gather queues behind this: it ends after the loop is held
+            handle = fetcher.fetch("eng1", 5, dst, ticket=ticket)
+            end = time.monotonic() + 30
+            while handle._landing._passed is None:  # not launched yet
+                assert time.monotonic() < end, "the read never launched"
+                time.sleep(0.001)
+            fetcher._bg.call(lambda: (held.set(), free.wait(60)))
+            assert held.wait(10)
+            while handle.poll() is FetchStatus.PENDING:
+                assert time.monotonic() < end, "the poll never saw the read land"
+                time.sleep(0.0002)
+            assert not free.is_set()  # pdkv's loop was held all along: the poll saw it land
+            result = handle.result()
+            assert {o.path for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
+            assert result.nbytes == len(src) * shape.layers * (shape.kv_item + shape.index_item)
+            _check_engine_kv(shape, bufs, src, dst)
+            free.set()
+        finally:
+            free.set()
+            fetcher.close()
+    finally:
+        stop_owners(procs, stop)
+        bg.run(registry.aclose(), 10)
+        bg.stop()

@@ -29,11 +29,12 @@ from pdkv.errors import ClaimLostError, ClosedError, PeerLostError, RoomAbortedE
 from tests.wire_helpers import LAYOUT, rank_descriptor
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.landing import Landing
 from transfer.decode.lease import RoomLease
 from transfer.decode.owners import Owner
 from transfer.decode.tasks import Activity, DecodeContext, Fetch
 from transfer.decode.tickets import TicketProtocol
-from transfer.lanes.base import Lane, ReadStats
+from transfer.lanes.base import Lane, ReadStats, Watch
 from transfer.metadata import (
     ClaimRelease,
     ClaimRequest,
@@ -48,6 +49,7 @@ from transfer.metadata import (
     TicketRelease,
     decode,
 )
+from transfer.results import FetchResult
 from transfer.timeouts import Timeouts
 
 T = TypeVar("T")
@@ -170,6 +172,7 @@ class FakeLane:
         self.in_flight = 0
         self.reads: list[tuple[int, range]] = []  # (cp rank, layers) of each plain read
         self.merged_calls: list[tuple[int, ...]] = []
+        self.heard: asyncio.Event | None = None  # set: a read's end reaches its task only then
 
     def reach(self, rank: RankDescriptor) -> str | None:
         return None
@@ -200,12 +203,19 @@ class FakeLane:
         self.reads.append((peer.cp_rank, layers))
         return await self._move([(peer.cp_rank, layers)], src, dst)
 
-    async def read_merged(self, merged: FakeMerged, src: np.ndarray, dst: np.ndarray, dst_below: int) -> float:
+    async def read_merged(
+        self, merged: FakeMerged, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
+    ) -> float:
         assert int(dst.max()) < dst_below
         self.merged_calls.append(tuple(p.cp_rank for p in merged.peers))
-        return (await self._move([(p.cp_rank, p.layers) for p in merged.peers], src, dst)).seconds
+        landed = [False]  # as a launch's event: passed once the bytes are in place
+        if watch is not None:
+            watch(lambda: landed[0])
+        return (await self._move([(p.cp_rank, p.layers) for p in merged.peers], src, dst, landed)).seconds
 
-    async def _move(self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray) -> ReadStats:
+    async def _move(
+        self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray, landed: list[bool] | None = None
+    ) -> ReadStats:
         assert src.shape == dst.shape and src.dtype == dst.dtype == np.int64
         cps = tuple(cp for cp, _ in parts)
         gates = [self.gates[cp] for cp in cps if cp in self.gates]
@@ -233,6 +243,10 @@ class FakeLane:
                 self.timeline.add("read_failed", cps)
                 raise error
             self._land(parts, src, dst)
+            if landed is not None:
+                landed[0] = True
+            if self.heard is not None:  # the loop hears of the landing only once it is set
+                await _uncancellable([self.heard])
         finally:
             self.in_flight -= 1
             self.timeline.add("read_end", cps)
@@ -984,6 +998,50 @@ async def test_ticket_merged_lane_reads_its_owners_in_one_call() -> None:
     ]
     assert result.nbytes == LAYERS * len(w.dst) * PAGE
     assert len(ucx.notified) == 3
+
+
+async def landed_read(aux: bytes | None = None) -> tuple[World, Landing, asyncio.Task[FetchResult]]:
+    """A merged read of every owner (pin tables mapped) with a landing, stopped where its
+    bytes have landed but its task has not heard it yet (a GPU kernel that has passed)."""
+    w, _, tickets, ticket = await ticket_world(merged=(0, 1, 2), mapped=(0, 1, 2))
+    merging, landing = w.merging, Landing()
+    merging.gates[0], merging.heard = asyncio.Event(), asyncio.Event()
+    job = Fetch("e0", ROOM, w.dst, Deadline.after(300), time.perf_counter(), landing)
+    read = asyncio.create_task(reported(w, tickets.read(tickets.prepare(w.owners, ticket, aux), job)))
+    await until(lambda: merging.in_flight == 1, "the read launched")
+    assert landing.probe() is None  # launched, not landed
+    merging.gates[0].set()
+    await until(lambda: len(w.timeline.where("landed")) == len(SPANS), "the bytes landed")
+    return w, landing, read
+
+
+async def test_a_landing_sees_a_merged_read_land_before_its_task_and_the_proof_is_made_once() -> None:
+    w, landing, read = await landed_read(aux=b"first token")
+    seen = landing.probe()  # as a scheduler's poll does, before the decode's loop hears of it
+    assert seen is not None and not read.done()
+    assert (seen.room, seen.nbytes, seen.aux) == (ROOM, LAYERS * len(w.dst) * PAGE, b"first token")
+    t = w.timeline
+    assert all(t.last("landed", cp) < t.first("pin_word", cp) for cp in SPANS)  # proved after the data
+    src = np.asarray(w.fake[0].src_pages)
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, src)))
+    for o in w.owners.values():  # the room ends on its owners after it was proved: too late to matter
+        o.pins.words.clear()  # type: ignore[union-attr]
+    w.merging.heard.set()
+    result = await read
+    assert len(t.where("pin_word")) == len(SPANS)  # proved once, by the probe; the task followed it
+    assert (result.nbytes, result.aux) == (seen.nbytes, b"first token")
+    assert landing.probe() is not None  # and it stays said
+
+
+async def test_a_landing_that_finds_a_pin_word_cleared_never_reports_the_read() -> None:
+    w, landing, read = await landed_read()
+    w.owners[1].pins.words.clear()  # type: ignore[union-attr]  # aborted on cp 1 before any proof
+    assert landing.probe() is None
+    w.merging.heard.set()
+    with pytest.raises(ClaimLostError):
+        await read
+    assert len(w.timeline.where("pin_word", 1)) == 1  # the task took the probe's verdict
+    assert landing.probe() is None
 
 
 async def test_ticket_merged_and_plain_lanes_read_at_once() -> None:

@@ -213,3 +213,103 @@ def test_a_handle_settles_before_what_its_operation_queued_on_its_way_out():
         assert order == ["settled", "queued on the way out"]
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_a_fetch_handle_reports_what_a_poll_saw_land_and_the_task_cannot_change_it(then):
+    """A read that armed its landing (on the GPU lane: its kernel's event) is reported by the
+    poll that sees it land and proves it, while pdkv's loop is still busy with it; whatever
+    the task ends with afterwards, and a cancel after the report, changes nothing."""
+    import asyncio
+
+    from pdkv.errors import RoomAbortedError
+    from transfer.decode.landing import Landing
+    from transfer.results import FetchResult
+    from transfer.sync import FetchHandle
+
+    loop = BackgroundLoop("test-landing")
+    passed, finish, ended = threading.Event(), threading.Event(), []
+    seen, later = FetchResult("e0", 1, 10, 0.1, ()), FetchResult("e0", 1, 10, 0.2, ())
+    landing = Landing()
+    try:
+
+        async def read():
+            landing.arm(passed.is_set, lambda: None, lambda: seen)
+            try:
+                await asyncio.to_thread(finish.wait, 30)  # the loop has yet to hear of the landing
+            except asyncio.CancelledError:
+                ended.append("cancelled")
+                raise
+            ended.append(then)
+            if then == "raises":
+                raise RoomAbortedError("freed on its owner after the proof")
+            return later
+
+        handle = FetchHandle(loop.submit(read()), landing)
+        time.sleep(0.05)
+        assert handle.poll() is FetchStatus.PENDING  # launched, not landed
+        passed.set()
+        assert handle.poll() is FetchStatus.DONE and handle.result() is seen
+        handle.cancel()  # reported: nothing to stop
+        finish.set()
+        end = time.monotonic() + 10
+        while not ended and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert ended == [then]
+        assert handle.poll() is FetchStatus.DONE and handle.result() is seen
+    finally:
+        finish.set()
+        loop.stop()
+
+
+def test_a_landings_proof_is_made_once_whichever_threads_ask_at_once():
+    from transfer.decode.landing import Landing
+    from transfer.results import FetchResult
+
+    result, proofs = FetchResult("e0", 1, 10, 0.1, ()), []
+    landing = Landing()
+
+    def prove() -> None:
+        proofs.append(threading.get_ident())
+        time.sleep(0.01)  # long enough for every other thread to arrive meanwhile
+
+    landing.arm(lambda: True, prove, lambda: result)
+    start, seen = threading.Barrier(9), []
+
+    def poll() -> None:
+        start.wait()
+        seen.append(landing.probe())
+
+    threads = [threading.Thread(target=poll) for _ in range(8)]
+    for t in threads:
+        t.start()
+    start.wait()
+    landing.decide(prove)  # the loop, as its kernel's end reaches it
+    for t in threads:
+        t.join(10)
+    assert len(proofs) == 1 and seen == [result] * 8
+
+
+def test_a_landings_probe_never_raises_into_the_scheduler():
+    """What fails in a probe (the event's query, a proof that is not a `PdkvError`) is left
+    to pdkv's loop, which reports the read; the scheduler's poll just sees it pending."""
+    from transfer.decode.landing import Landing
+    from transfer.results import FetchResult
+
+    result = FetchResult("e0", 1, 10, 0.1, ())
+
+    def sticky() -> bool:
+        raise RuntimeError("cuEventQuery: an illegal address was encountered")
+
+    def buggy() -> None:
+        raise AssertionError("not a verdict")
+
+    landing = Landing()
+    landing.arm(sticky, lambda: None, lambda: result)
+    assert landing.probe() is None
+    landing = Landing()
+    landing.arm(lambda: True, buggy, lambda: result)
+    assert landing.probe() is None
+    with pytest.raises(AssertionError):
+        landing.decide(buggy)  # the loop's read raises it

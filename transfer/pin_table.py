@@ -85,9 +85,12 @@ class MappedPins:
         self._closed = False
 
     def word(self, slot: int) -> int:
+        """The word at `slot`; any thread (a scheduler's poll proves a read with it while the
+        decode's loop may close the table: the reference taken first keeps the mapping)."""
+        words = self._words
         if self._closed:
             raise PeerLostError("the owner's pin table was dropped (the engine was forgotten)")
-        return int(self._words[_HEADER_WORDS + slot])
+        return int(words[_HEADER_WORDS + slot])
 
     def close(self) -> None:
         self._closed = True

@@ -36,13 +36,14 @@ import torch
 from pdkv.errors import ClosedError
 from pdkv.pages import PageIds
 from transfer.decode import DecodeFetcher, RoomLease
+from transfer.decode.landing import Landing
 from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill import PrefillExporter
 from transfer.results import FetchResult
 from transfer.timeouts import Timeouts
 
-__all__ = ["BackgroundLoop", "Job", "Handle", "FetchStatus", "SyncFetcher", "SyncExporter"]
+__all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "SyncFetcher", "SyncExporter"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +130,12 @@ class BackgroundLoop:
 class Job(Generic[T]):
     """A task on a `BackgroundLoop`, seen from other threads.
 
-    `future` settles only once the task has ended, never earlier: a cancelled fetch is still
+    `future` settles once the task has ended, never earlier: a cancelled fetch is still
     waiting for its READs (and kernels) to end, and until they have, bytes may land in its
     destination pages. A `concurrent.futures` future cancelled from outside would report the
-    end at once, which is why cancellation goes to the task instead (`cancel`).
+    end at once, which is why cancellation goes to the task instead (`cancel`). The one
+    exception: a poll that saw a read's bytes land and proved them (`Handle`, `Landing`)
+    settles it with that result while the task finishes behind (releases, bookkeeping).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> None:
@@ -159,17 +162,33 @@ class Job(Generic[T]):
         try:
             result = await coro
         except asyncio.CancelledError:
-            self.future.set_exception(ClosedError("cancelled"))
+            self._settle_failed(ClosedError("cancelled"))
             raise
         except BaseException as exc:
-            self.future.set_exception(exc)
+            self._settle_failed(exc)
             if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on up
                 raise
             return
-        self.future.set_result(result)
+        if not self.future.done():  # else a poll saw the read land (`settle`)
+            self.settle(result)
+
+    def settle(self, result: T) -> None:
+        """Report `result` now (from any thread), if nothing was reported yet."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # the other thread was first
+            self.future.set_result(result)
+
+    def _settle_failed(self, exc: BaseException) -> None:
+        if self.future.done():  # a poll reported it done: the bytes were proved before this
+            logger.info("a read already reported done ended with %r afterwards (its bytes were proved)", exc)
+            return
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.future.set_exception(exc)
 
     def cancel(self) -> None:
-        """Ask the task to stop (from any thread); `future` settles once it has."""
+        """Ask the task to stop (from any thread); `future` settles once it has. Nothing to
+        do once `future` has settled (a read seen landed by a poll finishes unhindered)."""
+        if self.future.done():
+            return
         try:
             self._loop.call_soon_threadsafe(self._cancel)
         except RuntimeError:  # the loop is closed: the task cannot run any more
@@ -215,8 +234,24 @@ class Handle(Generic[T]):
         self._job.cancel()
 
     def on_done(self, callback: Callable[[Handle[T]], None]) -> None:
-        """Call `callback(self)` once finished (on pdkv's thread, or at once if it is)."""
+        """Call `callback(self)` once finished: on pdkv's thread, on the thread whose `poll`
+        saw a read land, or at once if it has."""
         self._future.add_done_callback(lambda _: callback(self))
+
+
+class FetchHandle(Handle[FetchResult]):
+    """A fetch's handle. Where its read is one launch on the GPU lane, `poll` asks the
+    launch itself whether the bytes are in place and proves them (`Landing`), rather than
+    waiting for pdkv's loop to hear it and report."""
+
+    def __init__(self, job: Job[FetchResult], landing: Landing) -> None:
+        super().__init__(job)
+        self._landing = landing
+
+    def poll(self) -> FetchStatus:
+        if not self._future.done() and (landed := self._landing.probe()) is not None:
+            self._job.settle(landed)
+        return super().poll()
 
 
 # A synchronous caller sees an outcome only once it holds the interpreter lock, which the
@@ -246,14 +281,17 @@ class SyncFetcher:
         ticket: RoomTicket | None = None,
         timeout: float | None = None,
         readers: int = 1,
-    ) -> Handle[FetchResult]:
+    ) -> FetchHandle:
         """Start `DecodeFetcher.fetch` on pdkv's loop; returns a handle at once.
 
         `dst_pages` is copied here, so the caller may reuse its list or array.
         """
         pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
-        coro = self.fetcher.fetch(engine_id, room, pages, ticket=ticket, timeout=timeout, readers=readers)
-        return Handle(self._bg.submit(coro))
+        landing = Landing()
+        coro = self.fetcher.fetch(
+            engine_id, room, pages, ticket=ticket, timeout=timeout, readers=readers, landing=landing
+        )
+        return FetchHandle(self._bg.submit(coro), landing)
 
     def claim(self, engine_id: str, room: int, *, readers: int = 1) -> Handle[RoomLease]:
         """Start claiming `room` ahead of its read (`DecodeFetcher.claim`): it waits for the
@@ -262,12 +300,13 @@ class SyncFetcher:
 
     def read_claimed(
         self, claim: Handle[RoomLease], dst_pages: PageIds, *, timeout: float | None = None
-    ) -> Handle[FetchResult]:
+    ) -> FetchHandle:
         """Read a room claimed ahead into `dst_pages`, then release it (`RoomLease.read_once`);
         returns a handle at once. Cancelling it cancels the claim too if it is still pending.
         `dst_pages` is copied here."""
         pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
-        return Handle(self._bg.submit(_read_claimed(claim, pages, timeout)))
+        landing = Landing()
+        return FetchHandle(self._bg.submit(_read_claimed(claim, pages, timeout, landing)), landing)
 
     def give_up(self, lease: RoomLease) -> Handle[None]:
         """Start `RoomLease.give_up`: a room claimed ahead will not be read."""
@@ -371,7 +410,9 @@ async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return obj
 
 
-async def _read_claimed(claim: Handle[RoomLease], pages: PageIds, timeout: float | None) -> FetchResult:
+async def _read_claimed(
+    claim: Handle[RoomLease], pages: PageIds, timeout: float | None, landing: Landing
+) -> FetchResult:
     if not claim._future.done():  # a claim granted already (the usual case) costs no turn of the loop
         try:
             await asyncio.wrap_future(claim._future)
@@ -381,7 +422,7 @@ async def _read_claimed(claim: Handle[RoomLease], pages: PageIds, timeout: float
                 await claim.result().give_up()
             raise
     lease = claim.result()  # raises the claim's failure
-    return await lease.read_once(pages, timeout=timeout)
+    return await lease.read_once(pages, timeout=timeout, landing=landing)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

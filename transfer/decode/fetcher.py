@@ -35,6 +35,7 @@ from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError, Trans
 from pdkv.pages import PageIds, page_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.landing import Landing
 from transfer.decode.lease import RoomLease
 from transfer.decode.owners import Owner, Owners, ticket_readable
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
@@ -202,6 +203,7 @@ class DecodeFetcher:
         timeout: float | None = None,
         ticket: RoomTicket | None = None,
         readers: int = 1,
+        landing: Landing | None = None,
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
@@ -216,6 +218,8 @@ class DecodeFetcher:
         `PdkvError` and the destination pages hold no valid KV. `readers`: this fetch is
         one of that many reads of the room by one group (a decode's attention-TP ranks,
         each reading it whole by claims): the room grants at least that many claims.
+        `landing`: for a caller polling from another thread (`transfer.sync`), where a
+        ticket's read is one launch on the GPU lane, that thread may see it land.
         """
         started = time.perf_counter()
         self._activity.check()
@@ -223,7 +227,7 @@ class DecodeFetcher:
             for lane in self._owners.lanes:
                 lane.prime()  # a read follows within a fraction of a millisecond
         dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
-        job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started)
+        job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
         if ticket is not None and (ticket.engine_id, ticket.room) != (engine_id, room):
             raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
         try:

@@ -18,6 +18,7 @@ from pdkv.errors import ClaimLostError, ClosedError, PdkvError, RoomAbortedError
 from pdkv.pages import PageIds, page_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, pinned
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
 from transfer.decode.tickets import PreparedTicket, TicketProtocol
@@ -101,7 +102,12 @@ class RoomLease:
         await self._claims.release_all(self._owners, self._claim)
 
     async def read_once(
-        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
+        self,
+        dst_pages: PageIds,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        landing: Landing | None = None,
     ) -> FetchResult:
         """`read`, then `release` (which proves the bytes): a fetch whose claim was taken
         ahead. On any failure, cancellation too, the claim is given up.
@@ -110,11 +116,15 @@ class RoomLease:
         as a ticket's: every owner at once, each pin word proved after the data, the claims
         released by notifications after the return (`freed` is then unknown: False). A room
         read as it was written (by claims) is proved the same way where every owner's last
-        state named its pin, rather than by a release round trip to each owner."""
+        state named its pin, rather than by a release round trip to each owner. `landing`:
+        where such a read is one launch on the GPU lane, a polling caller's thread may see it
+        land (`transfer.decode.landing`)."""
         try:
             prepared = self._prepared_read()
             if prepared is not None:
-                return await self._read_pinned(prepared, dst_pages, deadline, timeout)
+                for lane, _, _ in prepared.together:
+                    lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
+                return await self._read_pinned(prepared, self._begin(dst_pages, deadline, timeout, landing))
             result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
             with self._activity.call():  # close waits for the proof and the release too
                 freed = False if await self._proved_by_pins() else await self.release()
@@ -133,13 +143,15 @@ class RoomLease:
         await self.release()
 
     # ---- internals -------------------------------------------------------------------------------
-    def _begin(self, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None) -> Fetch:
+    def _begin(
+        self, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None, landing: Landing | None = None
+    ) -> Fetch:
         """A read's start: its clock, its checked destination pages and its budget."""
         if self._released is not None:
             raise ClosedError(f"lease on room {self.room} was already released")
         started, ctx = time.perf_counter(), self._ctx
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
-        return Fetch(self.engine_id, self.room, dst, budget(ctx.timeouts.fetch, deadline, timeout), started)
+        return Fetch(self.engine_id, self.room, dst, budget(ctx.timeouts.fetch, deadline, timeout), started, landing)
 
     def _prepared_read(self) -> PreparedTicket | None:
         """The room's read as a ticket's (`TicketProtocol.prepare`), made once for the owners'
@@ -149,7 +161,8 @@ class RoomLease:
         states = tuple(self._state(r, o) for r, o in self._owners.items())
         if self._prepared is None or any(a is not b for a, b in zip(states, self._prepared[0])):
             ticket = self._as_ticket(states)
-            self._prepared = (states, None if ticket is None else self._tickets.prepare(self._owners, ticket))
+            aux = _aux(self._owners, states)
+            self._prepared = (states, None if ticket is None else self._tickets.prepare(self._owners, ticket, aux))
         return self._prepared[1]
 
     def _as_ticket(self, states: tuple[RoomState | None, ...]) -> RoomTicket | None:
@@ -175,12 +188,7 @@ class RoomLease:
             return pushed
         return self._claim.states.get(rank)
 
-    async def _read_pinned(
-        self, prepared: PreparedTicket, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None
-    ) -> FetchResult:
-        for lane, _, _ in prepared.together:
-            lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
-        job = self._begin(dst_pages, deadline, timeout)
+    async def _read_pinned(self, prepared: PreparedTicket, job: Fetch) -> FetchResult:
         with self._activity.call():  # the claim is given up before close can end the client
             try:
                 with fetching(self.engine_id):
@@ -194,12 +202,7 @@ class RoomLease:
             except BaseException:
                 await self.give_up()
                 raise
-        states = (self._state(r, o) for r, o in sorted(self._owners.items()))
-        aux = next((s.aux for s in states if s is not None and s.aux is not None), None)
-        if aux is None:
-            return result
-        owners = (msgspec.structs.replace(result.owners[0], aux=aux), *result.owners[1:])
-        return msgspec.structs.replace(result, owners=owners)
+        return result
 
     async def _proved_by_pins(self) -> bool:
         """After a read by claims: if every owner's last state found the room whole and named
@@ -230,3 +233,9 @@ class RoomLease:
         """Stop keeping the room's pushed states (wanted since the claim)."""
         for o in self._owners.values():
             self._ctx.feed.forget(o.rank.control_url, self.room)
+
+
+def _aux(owners: dict[int, Owner], states: tuple[RoomState | None, ...]) -> bytes | None:
+    """The request's auxiliary bytes, from the lowest CP rank whose state (in `owners`' order) carried them."""
+    by_rank = sorted(zip(owners, states), key=lambda rank_state: rank_state[0])
+    return next((s.aux for _, s in by_rank if s is not None and s.aux is not None), None)

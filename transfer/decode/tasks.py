@@ -17,6 +17,7 @@ import numpy as np
 
 from pdkv.errors import ClosedError
 from transfer.deadline import Deadline
+from transfer.decode.landing import Landing
 from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient
 from transfer.readiness import ReadinessFeed
@@ -30,13 +31,15 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class Fetch:
     """One fetch (or one read under a lease) as it travels down: its room, its checked
-    destination pages, its budget and its clock."""
+    destination pages, its budget and its clock; and, for a caller that polls from another
+    thread, where a read on the GPU lane tells it it has landed."""
 
     engine_id: str
     room: int
     dst: np.ndarray
     deadline: Deadline
     started: float
+    landing: Landing | None = None
 
 
 class TaskSet:

@@ -19,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, observe_read, owner_urls, read_layers
+from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, lost_peer
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import Lane
@@ -55,6 +57,7 @@ class PreparedTicket:
     every: list[tuple[Owner, OwnerPin]]
     together: list[tuple[Lane, list[tuple[Owner, OwnerPin]], Any]]  # a merging lane, its owners, their route
     alone: list[tuple[Owner, OwnerPin]]  # owners read one at a time
+    aux: bytes | None = None  # the request's auxiliary bytes, where the owners' states carried them
 
 
 class TicketProtocol:
@@ -73,8 +76,9 @@ class TicketProtocol:
         self._next_window = 0
         self._deferred: dict[asyncio.TimerHandle, Callable[[], None]] = {}  # releases waiting out the delay
 
-    def prepare(self, owners: dict[int, Owner], ticket: RoomTicket) -> PreparedTicket:
-        """`ticket`'s read over `owners`, laid out before its destination pages are known."""
+    def prepare(self, owners: dict[int, Owner], ticket: RoomTicket, aux: bytes | None = None) -> PreparedTicket:
+        """`ticket`'s read over `owners`, laid out before its destination pages are known
+        (`aux`: the request's auxiliary bytes, which the result then carries)."""
         pins = {p.cp_rank: p for p in ticket.pins}
         merges = _merged_lanes(owners)
         together = [
@@ -84,7 +88,7 @@ class TicketProtocol:
         alone = [(o, pins[r]) for r, o in owners.items() if o.lane not in merges]
         every = [(o, pins[r]) for r, o in owners.items()]
         src = np.asarray(ticket.src_pages, dtype=np.int64)
-        return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone)
+        return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone, aux)
 
     async def fetch(
         self, owners: dict[int, Owner], ticket: RoomTicket, job: Fetch, release: PinRelease | None = None
@@ -104,7 +108,9 @@ class TicketProtocol:
         try:
             if not reads and len(prepared.together) == 1:  # every owner on one lane: one read, awaited in this task
                 lane, pinned, merged = prepared.together[0]
-                per_task = [await self._read_merged_with_pins(lane, pinned, merged, room, src, job)]
+                landing = job.landing if all(o.pins is not None for o, _ in pinned) else None
+                merged_read = self._read_merged_with_pins(lane, pinned, merged, room, src, job, landing, prepared.aux)
+                per_task = [await merged_read]
             else:
                 reads += [self._read_merged_with_pins(*together, room, src, job) for together in prepared.together]
                 watch = self.ctx.feed.aborted(prepared.urls, room) if release is not None else None
@@ -118,8 +124,7 @@ class TicketProtocol:
         self._release_later(functools.partial(release or self.release_pins, prepared.every, room))
         # One task (every owner in one read) already lists its owners by CP rank.
         stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
-        nbytes = sum([s.nbytes for s in stats])
-        return FetchResult(job.engine_id, room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0)
+        return _result(job, room, stats, prepared.aux)
 
     async def prove(
         self, owners: dict[int, Owner], ticket: RoomTicket, deadline: Deadline, release: PinRelease
@@ -151,26 +156,41 @@ class TicketProtocol:
         return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.path)]
 
     async def _read_merged_with_pins(
-        self, lane: Lane, pinned: list[tuple[Owner, OwnerPin]], merged: Any, room: int, src: np.ndarray, job: Fetch
+        self,
+        lane: Lane,
+        pinned: list[tuple[Owner, OwnerPin]],
+        merged: Any,
+        room: int,
+        src: np.ndarray,
+        job: Fetch,
+        landing: Landing | None = None,
+        aux: bytes | None = None,
     ) -> list[OwnerStats]:
         """Read every layer of these owners (one lane's, `merged` its route over them) as one
         operation, then prove each one's pin; each owner's share of the time is its share of
-        the bytes."""
+        the bytes. With a `landing` (every pin table mapped: the proof is loads), the caller's
+        thread may see the bytes land and prove them first (`Landing`); the proof is made once."""
         t0 = time.perf_counter()
+        watch = None
+        if landing is not None:
+            prove = functools.partial(_prove_all_mapped, pinned, room)
+
+            def landed() -> FetchResult:  # the result as a poll that proved the read reports it
+                elapsed = time.perf_counter() - t0
+                return _result(job, room, _merged_stats(lane, merged, src.size, elapsed, elapsed), aux)
+
+            watch = functools.partial(landing.arm, prove=prove, result=landed)
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
-            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages)
-            unmapped = _prove_mapped_pins(pinned, room)
-            if unmapped:  # not the usual case: owners on this host map their pin tables
+            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages, watch)
+            if landing is not None:
+                landing.decide(prove)
+            elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
                 await self._prove_read_pins(unmapped, room, job.deadline)
         except PeerLostError as exc:
             raise _lost_among(pinned, exc) from exc
         asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
-        elapsed, n, per_byte = time.perf_counter() - t0, src.size, seconds / max(1, merged.page_bytes)
-        return [
-            OwnerStats(p.cp_rank, (p.layers.start, p.layers.stop), b * n, 0, 1, elapsed, b * per_byte, lane.name)
-            for p, b in merged.shares
-        ]
+        return _merged_stats(lane, merged, src.size, time.perf_counter() - t0, seconds)
 
     async def _prove_pins(self, pinned: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
         """Check each owner's pin word for `room` after its data: still the nonce, or raise.
@@ -256,6 +276,30 @@ def _merged_lanes(owners: dict[int, Owner]) -> dict[Lane, dict[int, Owner]]:
             raise PeerLostError(f"cp rank {r}: its connection was dropped", o.rank.agent_name)
         by_lane.setdefault(o.lane, {})[r] = o
     return {lane: group for lane, group in by_lane.items() if lane.merges}
+
+
+def _merged_stats(lane: Lane, merged: Any, pages: int, elapsed: float, seconds: float) -> list[OwnerStats]:
+    """Each owner of a merged read of `pages` pages (by CP rank), its share of the time its
+    share of the bytes."""
+    per_byte = seconds / max(1, merged.page_bytes)
+    return [
+        OwnerStats(p.cp_rank, (p.layers.start, p.layers.stop), b * pages, 0, 1, elapsed, b * per_byte, lane.name)
+        for p, b in merged.shares
+    ]
+
+
+def _result(job: Fetch, room: int, stats: list[OwnerStats], aux: bytes | None) -> FetchResult:
+    """A proved read's result (`stats` by CP rank; the lowest carries `aux`)."""
+    if aux is not None and stats:
+        stats = [msgspec.structs.replace(stats[0], aux=aux), *stats[1:]]
+    nbytes = sum([s.nbytes for s in stats])
+    return FetchResult(job.engine_id, room, nbytes, time.perf_counter() - job.started, tuple(stats), False, 0)
+
+
+def _prove_all_mapped(pinned: list[tuple[Owner, OwnerPin]], room: int) -> None:
+    """Check pins whose tables are all mapped here (loads only)."""
+    unmapped = _prove_mapped_pins(pinned, room)
+    assert not unmapped, "a landing is given only where every pin table is mapped"
 
 
 def _prove_mapped_pins(pinned: list[tuple[Owner, OwnerPin]], room: int) -> list[tuple[Owner, OwnerPin]]:
