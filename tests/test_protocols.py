@@ -1044,6 +1044,19 @@ async def test_a_landing_that_finds_a_pin_word_cleared_never_reports_the_read() 
     assert landing.probe() is None
 
 
+async def test_a_landed_read_whose_owner_was_forgotten_meanwhile_fails_typed() -> None:
+    """An owner forgotten while the kernel ran (its table dropped: another fetch lost its
+    peer) cannot be proved by a load: neither the poll nor the loop passes the read."""
+    w, landing, read = await landed_read()
+    owner = w.owners[1]
+    owner.pins.close()  # type: ignore[union-attr]  # as `Owners` forgets an engine
+    owner.pins = None
+    assert landing.probe() is None
+    w.merging.heard.set()
+    with pytest.raises(PeerLostError, match="cp rank 1"):
+        await read
+
+
 async def test_ticket_merged_and_plain_lanes_read_at_once() -> None:
     w, ucx, tickets, ticket = await ticket_world(merged=(0, 2), mapped=(0, 2))
     merging = w.merging

@@ -313,3 +313,35 @@ def test_a_landings_probe_never_raises_into_the_scheduler():
     assert landing.probe() is None
     with pytest.raises(AssertionError):
         landing.decide(buggy)  # the loop's read raises it
+
+
+def test_a_fetch_handle_cancelled_before_its_read_landed_reports_the_tasks_end():
+    """A cancel asked before a poll saw the read land wins: polls stop asking the launch,
+    and the handle reports the cancelled task's end (its claims given up), not a success."""
+    import asyncio
+
+    from transfer.decode.landing import Landing
+    from transfer.results import FetchResult
+    from transfer.sync import FetchHandle
+
+    loop = BackgroundLoop("test-landing-cancel")
+    passed, landing = threading.Event(), Landing()
+    try:
+
+        async def read():
+            landing.arm(passed.is_set, lambda: None, lambda: FetchResult("e0", 1, 10, 0.1, ()))
+            try:
+                await asyncio.sleep(60)
+            finally:
+                passed.set()  # the kernel ends during the cancelled task's cleanup
+                await asyncio.to_thread(time.sleep, 0.2)
+
+        handle = FetchHandle(loop.submit(read()), landing)
+        time.sleep(0.05)
+        handle.cancel()
+        passed.set()
+        assert handle.poll() is FetchStatus.PENDING
+        _until_done(handle)
+        assert isinstance(handle.exception(), ClosedError)
+    finally:
+        loop.stop()

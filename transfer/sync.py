@@ -134,14 +134,16 @@ class Job(Generic[T]):
     waiting for its READs (and kernels) to end, and until they have, bytes may land in its
     destination pages. A `concurrent.futures` future cancelled from outside would report the
     end at once, which is why cancellation goes to the task instead (`cancel`). The one
-    exception: a poll that saw a read's bytes land and proved them (`Handle`, `Landing`)
-    settles it with that result while the task finishes behind (releases, bookkeeping).
+    exception: a poll that saw a read's bytes land and proved them (`FetchHandle`, `Landing`)
+    settles it with that result while the task finishes behind (releases, bookkeeping),
+    unless a cancel was asked first.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> None:
         self._loop = loop
         self._task: asyncio.Task[None] | None = None
         self._cancel_asked = False
+        self.cancel_requested = False  # set on the caller's thread: a poll then reports only the task's end
         self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self.future.set_running_or_notify_cancel()  # from now on only the task settles it
         try:
@@ -189,6 +191,7 @@ class Job(Generic[T]):
         do once `future` has settled (a read seen landed by a poll finishes unhindered)."""
         if self.future.done():
             return
+        self.cancel_requested = True
         try:
             self._loop.call_soon_threadsafe(self._cancel)
         except RuntimeError:  # the loop is closed: the task cannot run any more
@@ -230,7 +233,8 @@ class Handle(Generic[T]):
 
     def cancel(self) -> None:
         """Ask the operation to stop; a fetch then raises and leaves nothing pinned. It is
-        over only once `poll()` says so: until then its bytes may still land."""
+        over only once `poll()` says so: until then its bytes may still land. Once `poll()`
+        has said DONE there is nothing left to stop."""
         self._job.cancel()
 
     def on_done(self, callback: Callable[[Handle[T]], None]) -> None:
@@ -249,8 +253,11 @@ class FetchHandle(Handle[FetchResult]):
         self._landing = landing
 
     def poll(self) -> FetchStatus:
-        if not self._future.done() and (landed := self._landing.probe()) is not None:
-            self._job.settle(landed)
+        """As `Handle.poll`; a read seen landed here is settled here, and `on_done`'s
+        callbacks then run on this thread. After `cancel()` it waits for the task."""
+        job = self._job
+        if not self._future.done() and not job.cancel_requested and (landed := self._landing.probe()) is not None:
+            job.settle(landed)
         return super().poll()
 
 

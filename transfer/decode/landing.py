@@ -20,7 +20,6 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-from pdkv.errors import PdkvError
 from transfer.results import FetchResult
 
 __all__ = ["Landing"]
@@ -38,12 +37,12 @@ class Landing:
         self._passed: Callable[[], bool] | None = None
         self._prove: Callable[[], None] = _unarmed
         self._result: Callable[[], FetchResult] = _unarmed
-        self._verdict: PdkvError | None | bool = None  # None: not proved yet; True: proved; an error: refused
+        self._verdict: Exception | None | bool = None  # None: not proved yet; True: proved; an error: refused
 
     def arm(self, passed: Callable[[], bool], prove: Callable[[], None], result: Callable[[], FetchResult]) -> None:
         """The read has launched (on the decode's loop): `passed` asks, without blocking,
         whether its bytes are in place; `prove` (asked only once they are, and never
-        awaiting) checks every owner's pin word, raising a `PdkvError` if one is not the
+        awaiting) checks every owner's pin word, raising (a `PdkvError`) if one is not the
         room's; `result` is what the read then reports."""
         self._prove, self._result = prove, result
         self._passed = passed  # last: a thread that sees it armed sees the other two
@@ -67,17 +66,17 @@ class Landing:
         """On the loop, once the bytes are in place: prove them with `prove` unless a probe
         did already; raises the proof's failure, whichever thread made it."""
         verdict = self._decide(prove)
-        if isinstance(verdict, PdkvError):
+        if isinstance(verdict, Exception):
             raise verdict
 
-    def _decide(self, prove: Callable[[], None]) -> PdkvError | bool:
+    def _decide(self, prove: Callable[[], None]) -> Exception | bool:
         with self._lock:
             verdict = self._verdict
             if verdict is None:
                 try:
                     prove()
                     verdict = True
-                except PdkvError as exc:
+                except Exception as exc:  # any failure is final: a probe never asks again
                     verdict = exc
                 self._verdict = verdict
             return verdict

@@ -161,8 +161,10 @@ class RoomLease:
         states = tuple(self._state(r, o) for r, o in self._owners.items())
         if self._prepared is None or any(a is not b for a, b in zip(states, self._prepared[0])):
             ticket = self._as_ticket(states)
-            aux = _aux(self._owners, states)
-            self._prepared = (states, None if ticket is None else self._tickets.prepare(self._owners, ticket, aux))
+            prepared = None
+            if ticket is not None:
+                prepared = self._tickets.prepare(self._owners, ticket, _aux(self._owners, states))
+            self._prepared = (states, prepared)
         return self._prepared[1]
 
     def _as_ticket(self, states: tuple[RoomState | None, ...]) -> RoomTicket | None:
@@ -236,6 +238,7 @@ class RoomLease:
 
 
 def _aux(owners: dict[int, Owner], states: tuple[RoomState | None, ...]) -> bytes | None:
-    """The request's auxiliary bytes, from the lowest CP rank whose state (in `owners`' order) carried them."""
+    """The request's auxiliary bytes, from the lowest CP rank whose state carried them
+    (`states` given in `owners`' order)."""
     by_rank = sorted(zip(owners, states), key=lambda rank_state: rank_state[0])
     return next((s.aux for _, s in by_rank if s is not None and s.aux is not None), None)
