@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -208,13 +208,10 @@ class FakeLane:
     ) -> float:
         assert int(dst.max()) < dst_below
         self.merged_calls.append(tuple(p.cp_rank for p in merged.peers))
-        landed = [False]  # as a launch's event: passed once the bytes are in place
-        if watch is not None:
-            watch(lambda: landed[0])
-        return (await self._move([(p.cp_rank, p.layers) for p in merged.peers], src, dst, landed)).seconds
+        return (await self._move([(p.cp_rank, p.layers) for p in merged.peers], src, dst, watch)).seconds
 
     async def _move(
-        self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray, landed: list[bool] | None = None
+        self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray, watch: Watch | None = None
     ) -> ReadStats:
         assert src.shape == dst.shape and src.dtype == dst.dtype == np.int64
         cps = tuple(cp for cp, _ in parts)
@@ -243,8 +240,8 @@ class FakeLane:
                 self.timeline.add("read_failed", cps)
                 raise error
             self._land(parts, src, dst)
-            if landed is not None:
-                landed[0] = True
+            if watch is not None:  # as the GPU lane's waiting thread does, before its loop hears
+                self.timeline.add("told", watch.landed())
             if self.heard is not None:  # the loop hears of the landing only once it is set
                 await _uncancellable([self.heard])
         finally:
@@ -1000,9 +997,12 @@ async def test_ticket_merged_lane_reads_its_owners_in_one_call() -> None:
     assert len(ucx.notified) == 3
 
 
-async def landed_read(aux: bytes | None = None) -> tuple[World, Landing, asyncio.Task[FetchResult]]:
+async def landed_read(
+    aux: bytes | None = None, before_the_data: Callable[[World], None] | None = None
+) -> tuple[World, Landing, asyncio.Task[FetchResult]]:
     """A merged read of every owner (pin tables mapped) with a landing, stopped where its
-    bytes have landed but its task has not heard it yet (a GPU kernel that has passed)."""
+    bytes have landed and the lane has told the landing, but its task has not heard yet (a
+    GPU kernel that has passed). `before_the_data` runs while the read is in flight."""
     w, _, tickets, ticket = await ticket_world(merged=(0, 1, 2), mapped=(0, 1, 2))
     merging, landing = w.merging, Landing()
     merging.gates[0], merging.heard = asyncio.Event(), asyncio.Event()
@@ -1010,48 +1010,55 @@ async def landed_read(aux: bytes | None = None) -> tuple[World, Landing, asyncio
     read = asyncio.create_task(reported(w, tickets.read(tickets.prepare(w.owners, ticket, aux), job)))
     await until(lambda: merging.in_flight == 1, "the read launched")
     assert landing.probe() is None  # launched, not landed
+    if before_the_data is not None:
+        before_the_data(w)
     merging.gates[0].set()
-    await until(lambda: len(w.timeline.where("landed")) == len(SPANS), "the bytes landed")
+    await until(lambda: w.timeline.where("told"), "the lane told the landing")
     return w, landing, read
 
 
-async def test_a_landing_sees_a_merged_read_land_before_its_task_and_the_proof_is_made_once() -> None:
+async def test_a_landing_holds_a_merged_reads_result_before_its_task_hears_and_the_proof_is_made_once() -> None:
     w, landing, read = await landed_read(aux=b"first token")
-    seen = landing.probe()  # as a scheduler's poll does, before the decode's loop hears of it
-    assert seen is not None and not read.done()
+    seen = landing.probe()  # as a scheduler's poll finds it, before the decode's loop hears of the landing
+    assert seen is not None and not read.done() and w.timeline.where("told", True)
     assert (seen.room, seen.nbytes, seen.aux) == (ROOM, LAYERS * len(w.dst) * PAGE, b"first token")
     t = w.timeline
-    assert all(t.last("landed", cp) < t.first("pin_word", cp) for cp in SPANS)  # proved after the data
+    assert all(t.last("landed", cp) < t.first("pin_word", cp) < t.first("told") for cp in SPANS)  # after the data
     src = np.asarray(w.fake[0].src_pages)
     np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, src)))
     for o in w.owners.values():  # the room ends on its owners after it was proved: too late to matter
         o.pins.words.clear()  # type: ignore[union-attr]
     w.merging.heard.set()
     result = await read
-    assert len(t.where("pin_word")) == len(SPANS)  # proved once, by the probe; the task followed it
+    assert len(t.where("pin_word")) == len(SPANS)  # proved once, by the lane's thread; the task followed it
     assert (result.nbytes, result.aux) == (seen.nbytes, b"first token")
-    assert landing.probe() is not None  # and it stays said
 
 
-async def test_a_landing_that_finds_a_pin_word_cleared_never_reports_the_read() -> None:
-    w, landing, read = await landed_read()
-    w.owners[1].pins.words.clear()  # type: ignore[union-attr]  # aborted on cp 1 before any proof
-    assert landing.probe() is None
+def _abort_on_cp1(w: World) -> None:
+    w.owners[1].pins.words.clear()  # type: ignore[union-attr]
+
+
+async def test_a_landing_whose_pin_word_was_cleared_during_the_read_never_holds_a_result() -> None:
+    w, landing, read = await landed_read(before_the_data=_abort_on_cp1)
+    assert w.timeline.where("told", False) and landing.probe() is None  # refused: nothing for the caller
     w.merging.heard.set()
     with pytest.raises(ClaimLostError):
         await read
-    assert len(w.timeline.where("pin_word", 1)) == 1  # the task took the probe's verdict
+    assert len(w.timeline.where("pin_word", 1)) == 1  # the task took the lane thread's verdict
     assert landing.probe() is None
+
+
+def _forget_cp1(w: World) -> None:
+    owner = w.owners[1]
+    owner.pins.close()  # type: ignore[union-attr]  # as `Owners` forgets an engine (another fetch lost its peer)
+    owner.pins = None
 
 
 async def test_a_landed_read_whose_owner_was_forgotten_meanwhile_fails_typed() -> None:
-    """An owner forgotten while the kernel ran (its table dropped: another fetch lost its
-    peer) cannot be proved by a load: neither the poll nor the loop passes the read."""
-    w, landing, read = await landed_read()
-    owner = w.owners[1]
-    owner.pins.close()  # type: ignore[union-attr]  # as `Owners` forgets an engine
-    owner.pins = None
-    assert landing.probe() is None
+    """An owner forgotten while the kernel ran (its table dropped) cannot be proved by a
+    load: neither the lane's thread nor the loop passes the read."""
+    w, landing, read = await landed_read(before_the_data=_forget_cp1)
+    assert w.timeline.where("told", False) and landing.probe() is None
     w.merging.heard.set()
     with pytest.raises(PeerLostError, match="cp rank 1"):
         await read

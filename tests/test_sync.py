@@ -216,10 +216,10 @@ def test_a_handle_settles_before_what_its_operation_queued_on_its_way_out():
 
 
 @pytest.mark.parametrize("then", ["returns", "raises"])
-def test_a_fetch_handle_reports_what_a_poll_saw_land_and_the_task_cannot_change_it(then):
-    """A read that armed its landing (on the GPU lane: its kernel's event) is reported by the
-    poll that sees it land and proves it, while pdkv's loop is still busy with it; whatever
-    the task ends with afterwards, and a cancel after the report, changes nothing."""
+def test_a_fetch_handle_reports_what_its_lane_proved_and_the_task_cannot_change_it(then):
+    """A read whose landing was told by its lane (on the GPU lane: its waiting thread, as the
+    kernel ends) is reported by the next poll while pdkv's loop is still busy with it;
+    whatever the task ends with afterwards, and a cancel after the report, changes nothing."""
     import asyncio
 
     from pdkv.errors import RoomAbortedError
@@ -228,13 +228,13 @@ def test_a_fetch_handle_reports_what_a_poll_saw_land_and_the_task_cannot_change_
     from transfer.sync import FetchHandle
 
     loop = BackgroundLoop("test-landing")
-    passed, finish, ended = threading.Event(), threading.Event(), []
+    finish, ended = threading.Event(), []
     seen, later = FetchResult("e0", 1, 10, 0.1, ()), FetchResult("e0", 1, 10, 0.2, ())
     landing = Landing()
     try:
 
         async def read():
-            landing.arm(passed.is_set, lambda: None, lambda: seen)
+            landing.arm(lambda: None, lambda: seen)
             try:
                 await asyncio.to_thread(finish.wait, 30)  # the loop has yet to hear of the landing
             except asyncio.CancelledError:
@@ -248,7 +248,7 @@ def test_a_fetch_handle_reports_what_a_poll_saw_land_and_the_task_cannot_change_
         handle = FetchHandle(loop.submit(read()), landing)
         time.sleep(0.05)
         assert handle.poll() is FetchStatus.PENDING  # launched, not landed
-        passed.set()
+        assert landing.landed()  # the lane's thread
         assert handle.poll() is FetchStatus.DONE and handle.result() is seen
         handle.cancel()  # reported: nothing to stop
         finish.set()
@@ -263,7 +263,7 @@ def test_a_fetch_handle_reports_what_a_poll_saw_land_and_the_task_cannot_change_
         loop.stop()
 
 
-def test_a_landings_proof_is_made_once_whichever_threads_ask_at_once():
+def test_a_landings_proof_is_made_once_whichever_threads_come_at_once():
     from transfer.decode.landing import Landing
     from transfer.results import FetchResult
 
@@ -274,49 +274,48 @@ def test_a_landings_proof_is_made_once_whichever_threads_ask_at_once():
         proofs.append(threading.get_ident())
         time.sleep(0.01)  # long enough for every other thread to arrive meanwhile
 
-    landing.arm(lambda: True, prove, lambda: result)
-    start, seen = threading.Barrier(9), []
+    landing.arm(prove, lambda: result)
+    start, told = threading.Barrier(9), []
 
-    def poll() -> None:
+    def lane() -> None:
         start.wait()
-        seen.append(landing.probe())
+        told.append(landing.landed())
 
-    threads = [threading.Thread(target=poll) for _ in range(8)]
+    threads = [threading.Thread(target=lane) for _ in range(8)]
     for t in threads:
         t.start()
     start.wait()
     landing.decide(prove)  # the loop, as its kernel's end reaches it
     for t in threads:
         t.join(10)
-    assert len(proofs) == 1 and seen == [result] * 8
+    assert len(proofs) == 1 and told == [True] * 8 and landing.probe() is result
 
 
-def test_a_landings_probe_never_raises_into_the_scheduler():
-    """What fails in a probe (the event's query, a proof that is not a `PdkvError`) is left
-    to pdkv's loop, which reports the read; the scheduler's poll just sees it pending."""
+def test_what_fails_on_the_lanes_thread_is_left_to_the_loop():
+    """A proof that fails in a way that is not a verdict, or a result that cannot be made,
+    never raises on the lane's thread: nothing is held for the caller, and the loop reports."""
     from transfer.decode.landing import Landing
     from transfer.results import FetchResult
-
-    result = FetchResult("e0", 1, 10, 0.1, ())
-
-    def sticky() -> bool:
-        raise RuntimeError("cuEventQuery: an illegal address was encountered")
 
     def buggy() -> None:
         raise AssertionError("not a verdict")
 
+    def no_result() -> FetchResult:
+        raise MemoryError("out of memory building a result")
+
     landing = Landing()
-    landing.arm(sticky, lambda: None, lambda: result)
-    assert landing.probe() is None
-    landing = Landing()
-    landing.arm(lambda: True, buggy, lambda: result)
-    assert landing.probe() is None
+    landing.arm(buggy, lambda: FetchResult("e0", 1, 10, 0.1, ()))
+    assert not landing.landed() and landing.probe() is None
     with pytest.raises(AssertionError):
         landing.decide(buggy)  # the loop's read raises it
+    landing = Landing()
+    landing.arm(lambda: None, no_result)
+    assert not landing.landed() and landing.probe() is None
+    landing.decide(lambda: None)  # proved: the loop builds its own result
 
 
 def test_a_fetch_handle_cancelled_before_its_read_landed_reports_the_tasks_end():
-    """A cancel asked before a poll saw the read land wins: polls stop asking the launch,
+    """A cancel asked before the lane told the landing wins: polls stop taking its result,
     and the handle reports the cancelled task's end (its claims given up), not a success."""
     import asyncio
 
@@ -325,22 +324,21 @@ def test_a_fetch_handle_cancelled_before_its_read_landed_reports_the_tasks_end()
     from transfer.sync import FetchHandle
 
     loop = BackgroundLoop("test-landing-cancel")
-    passed, landing = threading.Event(), Landing()
+    landing = Landing()
     try:
 
         async def read():
-            landing.arm(passed.is_set, lambda: None, lambda: FetchResult("e0", 1, 10, 0.1, ()))
+            landing.arm(lambda: None, lambda: FetchResult("e0", 1, 10, 0.1, ()))
             try:
                 await asyncio.sleep(60)
             finally:
-                passed.set()  # the kernel ends during the cancelled task's cleanup
+                landing.landed()  # the kernel ends during the cancelled task's cleanup
                 await asyncio.to_thread(time.sleep, 0.2)
 
         handle = FetchHandle(loop.submit(read()), landing)
         time.sleep(0.05)
         handle.cancel()
-        passed.set()
-        assert handle.poll() is FetchStatus.PENDING
+        assert landing.landed() and handle.poll() is FetchStatus.PENDING
         _until_done(handle)
         assert isinstance(handle.exception(), ClosedError)
     finally:

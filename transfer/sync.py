@@ -134,7 +134,7 @@ class Job(Generic[T]):
     waiting for its READs (and kernels) to end, and until they have, bytes may land in its
     destination pages. A `concurrent.futures` future cancelled from outside would report the
     end at once, which is why cancellation goes to the task instead (`cancel`). The one
-    exception: a poll that saw a read's bytes land and proved them (`FetchHandle`, `Landing`)
+    exception: a poll that finds a read's bytes landed and proved (`FetchHandle`, `Landing`)
     settles it with that result while the task finishes behind (releases, bookkeeping),
     unless a cancel was asked first.
     """
@@ -171,7 +171,7 @@ class Job(Generic[T]):
             if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on up
                 raise
             return
-        if not self.future.done():  # else a poll saw the read land (`settle`)
+        if not self.future.done():  # else a poll found the read proved (`settle`)
             self.settle(result)
 
     def settle(self, result: T) -> None:
@@ -239,22 +239,22 @@ class Handle(Generic[T]):
 
     def on_done(self, callback: Callable[[Handle[T]], None]) -> None:
         """Call `callback(self)` once finished: on pdkv's thread, on the thread whose `poll`
-        saw a read land, or at once if it has."""
+        found a read proved, or at once if it has."""
         self._future.add_done_callback(lambda _: callback(self))
 
 
 class FetchHandle(Handle[FetchResult]):
-    """A fetch's handle. Where its read is one launch on the GPU lane, `poll` asks the
-    launch itself whether the bytes are in place and proves them (`Landing`), rather than
-    waiting for pdkv's loop to hear it and report."""
+    """A fetch's handle. Where its read is one launch on the GPU lane, the lane's own thread
+    proves it as the kernel ends and leaves the result in its `Landing`: `poll` takes it from
+    there, rather than waiting for pdkv's loop to hear of it and report."""
 
     def __init__(self, job: Job[FetchResult], landing: Landing) -> None:
         super().__init__(job)
         self._landing = landing
 
     def poll(self) -> FetchStatus:
-        """As `Handle.poll`; a read seen landed here is settled here, and `on_done`'s
-        callbacks then run on this thread. After `cancel()` it waits for the task."""
+        """As `Handle.poll`; a read the lane proved is settled here, and `on_done`'s callbacks
+        then run on this thread. After `cancel()` it waits for the task."""
         job = self._job
         if not self._future.done() and not job.cancel_requested and (landed := self._landing.probe()) is not None:
             job.settle(landed)

@@ -168,21 +168,21 @@ class TicketProtocol:
     ) -> list[OwnerStats]:
         """Read every layer of these owners (one lane's, `merged` its route over them) as one
         operation, then prove each one's pin; each owner's share of the time is its share of
-        the bytes. With a `landing` (every pin table mapped: the proof is loads), the caller's
-        thread may see the bytes land and prove them first (`Landing`); the proof is made once."""
+        the bytes. With a `landing` (every pin table mapped: the proof is loads), the lane's
+        own thread may prove the bytes as they land and leave the result for a polling caller
+        (`Landing`); the proof is made once."""
         t0 = time.perf_counter()
-        watch = None
         if landing is not None:
             prove = functools.partial(_prove_all_mapped, pinned, room)
 
-            def landed() -> FetchResult:  # the result as a poll that proved the read reports it
+            def landed() -> FetchResult:  # the result as the lane's thread reports it
                 elapsed = time.perf_counter() - t0  # the read's seconds too: the GPU's own are read on the loop
                 return _result(job, room, _merged_stats(lane, merged, src.size, elapsed, elapsed), aux)
 
-            watch = functools.partial(landing.arm, prove=prove, result=landed)
+            landing.arm(prove, landed)
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
-            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages, watch)
+            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages, landing)
             if landing is not None:
                 landing.decide(prove)
             elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,9 +26,16 @@ from transfer.metadata import RankDescriptor
 __all__ = ["Lane", "LanePeer", "MergedRead", "ReadGroup", "ReadSlot", "ReadStats", "Watch", "host_id"]
 
 Pairs = dict[int, tuple[BufferPair, BufferPair]]  # layer -> (latent, index), local and remote
-# Handed, as a read is launched, a way for any thread to ask without blocking whether its
-# bytes are in place (a synchronous scheduler's poll asks it: `transfer.decode.landing`).
-Watch = Callable[[Callable[[], bool]], None]
+
+
+class Watch(Protocol):
+    """Told, on a lane's own thread, that a read's bytes are in place, before the decode's
+    loop hears of it (`transfer.decode.landing`: a synchronous caller's outcome)."""
+
+    def landed(self) -> bool:
+        """The bytes are in place; True if the read's caller was given its outcome here (the
+        loop's continuation may then wait). Never raises."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,8 @@ class Lane(Protocol):
         self, merged: Any, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
     ) -> Awaitable[float]:
         """Run `merged` over `src` into `dst` (ids known to lie below `dst_below`); its seconds.
-        A lane that can tell from another thread when the bytes are in place hands `watch`
-        how to ask, as it launches; others ignore it."""
+        A lane that learns on a thread of its own when the bytes are in place tells `watch`
+        there; others ignore it."""
         ...
 
     def prime(self) -> None:

@@ -80,33 +80,43 @@ class Launch:
         """Seconds on the GPU (after `wait`); None if not timed."""
         return None if self.start is None else self.start.seconds_until(self.done)
 
-    def passed(self) -> bool:
-        """Whether the kernel has ended, without blocking (any thread). Asked after the
-        launch was handed back for reuse (`Gatherer.run` returned), it may say False for a
-        launch that passed: never True for one that has not."""
-        return self.done.passed()
+
+# A read whose caller was told on the waiting thread (`Watch.landed`) wakes its loop this
+# much later: the loop's continuation holds the interpreter lock a while, and the caller (a
+# synchronous scheduler) needs it to see its outcome.
+CALLER_FIRST = 0.001
 
 
 def _wait_then_wake(
     launch: Launch,
     loop: asyncio.AbstractEventLoop,
     ended: asyncio.Future[float | None],
+    watch: Watch | None,
     failure: Exception | None = None,
 ) -> None:
-    """On the lane's waiting thread: block until the kernel ends, then resolve `ended` with
-    its GPU seconds if timed (read here, where the thread is awake, not on the loop after its
-    wake), else None. `failure`: the thread cannot wait (no context): fail `ended` with it."""
-    seconds, error = None, failure
+    """On the lane's waiting thread: block until the kernel ends, tell `watch`, then resolve
+    `ended` with its GPU seconds if timed (read here, where the thread is awake, not on the
+    loop after its wake), else None. `failure`: the thread cannot wait (no context): fail
+    `ended` with it."""
+    seconds, error, told = None, failure, False
     if error is None:
         try:
             launch.wait()
             seconds = launch.seconds()
         except Exception as exc:  # a sticky CUDA error: every later wait fails the same way
             error = exc
+        else:
+            told = watch is not None and watch.landed()
     try:
-        loop.call_soon_threadsafe(_settle, ended, seconds, error)
+        if told:
+            loop.call_soon_threadsafe(loop.call_later, CALLER_FIRST, _settle, ended, seconds, error)
+        else:
+            loop.call_soon_threadsafe(_settle, ended, seconds, error)
     except RuntimeError:  # its loop was closed meanwhile: nobody waits for this launch
         pass
+
+
+_Wait = tuple[Launch, asyncio.AbstractEventLoop, asyncio.Future[float | None], Watch | None]
 
 
 def _settle(ended: asyncio.Future[float | None], seconds: float | None, exc: BaseException | None) -> None:
@@ -125,8 +135,7 @@ class _Waiter:
     microseconds of Python on every fetch's path."""
 
     def __init__(self, kernel: GatherKernel) -> None:
-        self._queue: queue.SimpleQueue[tuple[Launch, asyncio.AbstractEventLoop, asyncio.Future[float | None]] | None]
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
         self._closed = False
         threading.Thread(target=self._serve, args=(kernel,), name="pdkv-gather-wait", daemon=True).start()
 
@@ -139,14 +148,14 @@ class _Waiter:
         while (item := self._queue.get()) is not None:
             _wait_then_wake(*item, failure)
 
-    def ended(self, launch: Launch) -> asyncio.Future[float | None]:
+    def ended(self, launch: Launch, watch: Watch | None = None) -> asyncio.Future[float | None]:
         """A future of the running loop resolved with `launch`'s GPU seconds (None if
-        untimed) once it ended."""
+        untimed) once it ended; `watch` is told first, on this thread."""
         if self._closed:  # the thread is gone: the future would never resolve
             raise ClosedError("the GPU lane was closed")
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[float | None] = loop.create_future()
-        self._queue.put((launch, loop, ended))
+        self._queue.put((launch, loop, ended, watch))
         return ended
 
     def close(self) -> None:
@@ -229,18 +238,16 @@ class Gatherer:
 
     async def run(self, plan: GatherPlan, watch: Watch | None = None) -> float:
         """Copy `plan` and return once the bytes are in place: its seconds on the GPU if
-        timed, else from the launch call to the wake-up. `watch` is handed, as the plan is
-        launched, a way for any thread to ask whether its bytes are in place (`Launch.passed`)."""
+        timed, else from the launch call to the wake-up. `watch` is told on the waiting
+        thread as the kernel ends, before this task hears it."""
         if plan.buffers == 0 or plan.pages == 0:
             return 0.0
         launched = time.perf_counter()
         launch = self.launch(plan)
-        if watch is not None:
-            watch(launch.passed)
         # The loop stays free while the GPU copies; the waiting thread wakes this task
         # directly (no executor future in between: each future hop is a turn of the loop).
         try:
-            seconds = await self._waiter.ended(launch)
+            seconds = await self._waiter.ended(launch, watch)
         except asyncio.CancelledError:
             # Bytes must not land in pages that may be handed out again: wait for the kernel.
             await asyncio.wait([self._waiter.ended(launch)])

@@ -176,7 +176,7 @@ class DriverEvent:
     `timed`: it takes a timestamp (for `seconds_until`); an untimed one is cheaper to record.
     `event`: the bindings' `CUevent`; `handle`: its address."""
 
-    __slots__ = ("_k", "event", "handle", "_record", "_sync", "_query")
+    __slots__ = ("_k", "event", "handle", "_record", "_sync")
 
     def __init__(self, kernel: GatherKernel, timed: bool = True) -> None:
         self._k = kernel
@@ -186,7 +186,7 @@ class DriverEvent:
             kernel.check(rc, "cuEventCreate")
         self.event = event
         self.handle = int(event)
-        self._record, self._sync, self._query = drv.cuEventRecord, drv.cuEventSynchronize, drv.cuEventQuery
+        self._record, self._sync = drv.cuEventRecord, drv.cuEventSynchronize
 
     def record(self, stream: Any) -> None:
         """Record on `stream` (a `CUstream` from `GatherKernel.stream`)."""
@@ -199,16 +199,6 @@ class DriverEvent:
         rc = self._sync(self.event)[0]
         if rc:
             self._k.check(rc, "cuEventSynchronize")
-
-    def passed(self) -> bool:
-        """Whether the event has passed, without blocking (any thread). An error (a sticky
-        one: the waiting thread raises it) counts as not passed."""
-        pushed = self._k.enter()
-        try:
-            return not self._query(self.event)[0]  # CUDA_SUCCESS; CUDA_ERROR_NOT_READY while pending
-        finally:
-            if pushed:
-                self._k.leave()
 
     def seconds_until(self, end: DriverEvent) -> float:
         rc, ms = self._k.drv.cuEventElapsedTime(self.event, end.event)
