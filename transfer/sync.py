@@ -255,10 +255,13 @@ class FetchHandle(Handle[FetchResult]):
     def poll(self) -> FetchStatus:
         """As `Handle.poll`; a read the lane proved is settled here, and `on_done`'s callbacks
         then run on this thread. After `cancel()` it waits for the task."""
-        job = self._job
-        if not self._future.done() and not job.cancel_requested and (landed := self._landing.probe()) is not None:
-            job.settle(landed)
-        return super().poll()
+        future = self._future
+        if not future.done():  # written out, not `super().poll()`: a scheduler calls it every iteration
+            landed = self._landing.probe()
+            if landed is None or self._job.cancel_requested:
+                return FetchStatus.PENDING
+            self._job.settle(landed)
+        return FetchStatus.FAILED if future.exception() else FetchStatus.DONE
 
 
 # A synchronous caller sees an outcome only once it holds the interpreter lock, which the
