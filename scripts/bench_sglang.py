@@ -8,9 +8,9 @@ the decode's receiver gets its pages and is polled until Success (every `--poll-
 scheduler's other work in between). Each run also reads a room of the same size with its
 ticket through pdkv's own API (`DecodeFetcher.fetch`, the prefill ranks' pins handed over as
 a router would), into the same pages: what the adapter's path is set against. The adapter's
-time is split: from `send_metadata` to the read's start on pdkv's thread, the read
-(`FetchResult.seconds`), and from its end to the first `poll()` that says Success. Needs
-sglang (scripts/sglang-cpu.txt).
+time is split: the read itself (`FetchResult.seconds`: from its start on pdkv's thread to its
+proof), the rest (handing the read over, reporting it), and of that, from the handle's
+settling to the first `poll()` that says Success. Needs sglang (scripts/sglang-cpu.txt).
 
     python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda] [--poll-us 200] [--early-ms 50]
 
@@ -107,11 +107,11 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
 
 
 class Split:
-    """One receiver's timeline from `send_metadata`: its read's start (the handle's settling
-    less the read's own `FetchResult.seconds`) and the handle's settling (pdkv's thread)."""
+    """One receiver's timeline from `send_metadata`: when its handle settled (on pdkv's
+    thread, or in the poll that took the result the lane left)."""
 
     def __init__(self) -> None:
-        self.began = self.settled = 0.0
+        self.settled = 0.0
 
 
 def _publish(orders: list, replies, room: int, src: np.ndarray, ticket: bool, forward_s: float = 0.0) -> None:  # type: ignore[no-untyped-def]
@@ -165,7 +165,6 @@ def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, 
     assert state == conn.KVPoll.Success, state
     result = fetch.result()
     split.settled = settled[0] - t0
-    split.began = split.settled - result.seconds
     return seen, result
 
 
@@ -294,19 +293,19 @@ def _print(rows, args, decode_holds, prefill_holds) -> None:  # type: ignore[no-
         f"pdkv through SGLang's interface: CP={CP} prefill processes, DSA-61 on {DEVICE}, {args.runs} runs, "
         f"a poll every {args.poll_us:.0f} us; ms, medians"
     )
-    head = ("tokens", "MB", "ticket ms", "via adapter", "x ticket", "to read", "read", "to poll", "ticket GB/s")
+    head = ("tokens", "MB", "ticket ms", "via adapter", "x ticket", "read", "besides", "to poll", "ticket GB/s")
     print("".join(f"{h:>12}" for h in head))
     med = statistics.median
     for n, nbytes, ticket_s, fetch_s, seen_s, splits in rows:
         t, s = med(ticket_s), med(seen_s)
-        to_read = med(x.began for x in splits)
+        besides = med(seen - read for seen, read in zip(seen_s, fetch_s))
         to_poll = med(seen - x.settled for seen, x in zip(seen_s, splits))
-        cells = (n, nbytes / 1e6, 1e3 * t, 1e3 * s, t / s, 1e3 * to_read, 1e3 * med(fetch_s), 1e3 * to_poll)
+        cells = (n, nbytes / 1e6, 1e3 * t, 1e3 * s, t / s, 1e3 * med(fetch_s), 1e3 * besides, 1e3 * to_poll)
         cells += (nbytes / t / 1e9,)
         print("".join(f"{c:>12.0f}" if j < 2 else f"{c:>12.3f}" for j, c in enumerate(cells)))
     print(
-        "to read: send_metadata's call to the read's start on pdkv's thread; read: its FetchResult.seconds; "
-        "to poll: its handle settled to the first poll() that said Success"
+        "read: its FetchResult.seconds (its start on pdkv's thread to its proof); besides: the rest of "
+        "via adapter (the hand-over, the report); to poll: its handle settled to the first poll() that said Success"
     )
     for side, holds in (("decode (send_metadata, poll)", decode_holds), ("prefill (init, send, poll)", prefill_holds)):
         us = np.array(holds) * 1e6
