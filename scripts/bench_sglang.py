@@ -9,8 +9,8 @@ scheduler's other work in between). Each run also reads a room of the same size 
 ticket through pdkv's own API (`DecodeFetcher.fetch`, the prefill ranks' pins handed over as
 a router would), into the same pages: what the adapter's path is set against. The adapter's
 time is split: the read itself (`FetchResult.seconds`: from its start on pdkv's thread to its
-proof), the rest (handing the read over, reporting it), and of that, from the handle's
-settling to the first `poll()` that says Success. Needs sglang (scripts/sglang-cpu.txt).
+proof) and the rest (handing the read over, and the wait for the first `poll()` that says
+Success). Needs sglang (scripts/sglang-cpu.txt).
 
     python3 scripts/bench_sglang.py [--sizes 1024,8192] [--runs 10] [--device cuda] [--poll-us 200] [--early-ms 50]
 
@@ -106,14 +106,6 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
     mgr.close()
 
 
-class Split:
-    """One receiver's timeline from `send_metadata`: when its handle settled (on pdkv's
-    thread, or in the poll that took the result the lane left)."""
-
-    def __init__(self) -> None:
-        self.settled = 0.0
-
-
 def _publish(orders: list, replies, room: int, src: np.ndarray, ticket: bool, forward_s: float = 0.0) -> None:  # type: ignore[no-untyped-def]
     """Every prefill rank publishes `room`, then (after `forward_s`) sends it in one chunk."""
     for q in orders:
@@ -145,7 +137,7 @@ def _ticket_fetch(mgr, room: int, src: np.ndarray, dst: np.ndarray, pins: list):
     return sync_fetcher._bg.run(coro, 60)
 
 
-def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, split: Split):  # type: ignore[no-untyped-def]
+def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list):  # type: ignore[no-untyped-def]
     """SGLang's receiver reads `room`: from its bootstrap, then timed from `send_metadata`
     to the first poll that says Success; (seconds, its `FetchResult`)."""
     from transfer.sglang.conn import PdkvKVReceiver
@@ -157,14 +149,11 @@ def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, 
     t0 = time.perf_counter()
     _timed(holds, receiver.send_metadata, dst, 0)
     fetch = receiver._parts[0].fetch
-    settled: list[float] = []
-    fetch.on_done(lambda _: settled.append(time.perf_counter()))
     while (state := _timed(holds, receiver.poll)) == conn.KVPoll.Transferring:
         time.sleep(poll_s)  # the scheduler's other work between two polls
     seen = time.perf_counter() - t0
     assert state == conn.KVPoll.Success, state
     result = fetch.result()
-    split.settled = settled[0] - t0
     return seen, result
 
 
@@ -216,12 +205,11 @@ def main() -> None:
     _env("", 0, 1)
     kv_args, _keep = _kv_args(range(LAYERS), pages, conn)
     mgr = PdkvKVManager(kv_args, "decode", None, True)
-    splits: list[Split] = []
     rows, decode_holds = [], []
     rng = np.random.default_rng(0)
     room = 1
     for n in args.sizes:
-        ticket_s, fetch_s, seen_s, row_splits = [], [], [], []
+        ticket_s, fetch_s, seen_s = [], [], []
         for i in range(args.runs + 1):
             k = n // PAGE
             src, dst = rng.permutation(np.arange(1, pages))[:k], rng.permutation(np.arange(1, pages))[:k]
@@ -233,8 +221,7 @@ def main() -> None:
             room += 1
             _publish(orders, replies, room, src, ticket=False)
             _sent(replies)
-            splits.append(Split())
-            seen, result = _receive(mgr, conn, room, dst, args.poll_us / 1e6, decode_holds if i else [], splits[-1])
+            seen, result = _receive(mgr, conn, room, dst, args.poll_us / 1e6, decode_holds if i else [])
             _await_senders(replies)
             room += 1
             if result.control_messages:  # not read as a ticket's: the comparison would not hold
@@ -243,9 +230,8 @@ def main() -> None:
                 ticket_s.append(by_ticket.seconds)
                 fetch_s.append(result.seconds)
                 seen_s.append(seen)
-                row_splits.append(splits[-1])
         nbytes = n * LAYERS * (KV_ITEM + INDEX_ITEM) // PAGE
-        rows.append((n, nbytes, ticket_s, fetch_s, seen_s, row_splits))
+        rows.append((n, nbytes, ticket_s, fetch_s, seen_s))
     early_rows = []
     for n in args.sizes if args.early_ms else []:
         tails, released = [], []
@@ -293,19 +279,18 @@ def _print(rows, args, decode_holds, prefill_holds) -> None:  # type: ignore[no-
         f"pdkv through SGLang's interface: CP={CP} prefill processes, DSA-61 on {DEVICE}, {args.runs} runs, "
         f"a poll every {args.poll_us:.0f} us; ms, medians"
     )
-    head = ("tokens", "MB", "ticket ms", "via adapter", "x ticket", "read", "besides", "to poll", "ticket GB/s")
+    head = ("tokens", "MB", "ticket ms", "via adapter", "x ticket", "read", "besides", "ticket GB/s")
     print("".join(f"{h:>12}" for h in head))
     med = statistics.median
-    for n, nbytes, ticket_s, fetch_s, seen_s, splits in rows:
+    for n, nbytes, ticket_s, fetch_s, seen_s in rows:
         t, s = med(ticket_s), med(seen_s)
         besides = med(seen - read for seen, read in zip(seen_s, fetch_s))
-        to_poll = med(seen - x.settled for seen, x in zip(seen_s, splits))
-        cells = (n, nbytes / 1e6, 1e3 * t, 1e3 * s, t / s, 1e3 * med(fetch_s), 1e3 * besides, 1e3 * to_poll)
+        cells = (n, nbytes / 1e6, 1e3 * t, 1e3 * s, t / s, 1e3 * med(fetch_s), 1e3 * besides)
         cells += (nbytes / t / 1e9,)
         print("".join(f"{c:>12.0f}" if j < 2 else f"{c:>12.3f}" for j, c in enumerate(cells)))
     print(
         "read: its FetchResult.seconds (its start on pdkv's thread to its proof); besides: the rest of "
-        "via adapter (the hand-over, the report); to poll: its handle settled to the first poll() that said Success"
+        "via adapter (the hand-over, the wait for the poll that says Success)"
     )
     for side, holds in (("decode (send_metadata, poll)", decode_holds), ("prefill (init, send, poll)", prefill_holds)):
         us = np.array(holds) * 1e6

@@ -85,8 +85,9 @@ class MappedPins:
         self._closed = False
 
     def word(self, slot: int) -> int:
-        """The word at `slot`; any thread (a scheduler's poll proves a read with it while the
-        decode's loop may close the table: the reference taken first keeps the mapping)."""
+        """The word at `slot`; any thread (a GPU lane's waiting thread proves a read with it
+        while the decode's loop may close the table: the reference taken first keeps the
+        mapping)."""
         words = self._words
         if self._closed:
             raise PeerLostError("the owner's pin table was dropped (the engine was forgotten)")

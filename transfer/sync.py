@@ -142,8 +142,11 @@ class Job(Generic[T]):
     def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> None:
         self._loop = loop
         self._task: asyncio.Task[None] | None = None
-        self._cancel_asked = False
-        self.cancel_requested = False  # set on the caller's thread: a poll then reports only the task's end
+        self._cancel_asked = False  # on the loop: the task is cancelled once it has started
+        # A result reported off the loop (`report`) and a cancel are ordered by this lock: a
+        # cancel after the report does nothing, a report after the cancel is not made.
+        self._report_lock = threading.RLock()  # reentrant: the report runs done-callbacks, which may cancel
+        self._caller_cancelled = False
         self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self.future.set_running_or_notify_cancel()  # from now on only the task settles it
         try:
@@ -179,6 +182,13 @@ class Job(Generic[T]):
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # the other thread was first
             self.future.set_result(result)
 
+    def report(self, result: T) -> None:
+        """Report `result`, proved off the loop while the task finishes behind (a read the
+        lane's thread proved), unless a cancel was asked first: then only the task's end is."""
+        with self._report_lock:
+            if not self._caller_cancelled:
+                self.settle(result)
+
     def _settle_failed(self, exc: BaseException) -> None:
         if self.future.done():  # a poll reported it done: the bytes were proved before this
             logger.info("a read already reported done ended with %r afterwards (its bytes were proved)", exc)
@@ -189,9 +199,10 @@ class Job(Generic[T]):
     def cancel(self) -> None:
         """Ask the task to stop (from any thread); `future` settles once it has. Nothing to
         do once `future` has settled (a read seen landed by a poll finishes unhindered)."""
-        if self.future.done():
-            return
-        self.cancel_requested = True
+        with self._report_lock:
+            if self.future.done():
+                return
+            self._caller_cancelled = True
         try:
             self._loop.call_soon_threadsafe(self._cancel)
         except RuntimeError:  # the loop is closed: the task cannot run any more
@@ -257,10 +268,12 @@ class FetchHandle(Handle[FetchResult]):
         then run on this thread. After `cancel()` it waits for the task."""
         future = self._future
         if not future.done():  # written out, not `super().poll()`: a scheduler calls it every iteration
-            landed = self._landing.probe()
-            if landed is None or self._job.cancel_requested:
+            told = self._landing.told()
+            if told is None:
                 return FetchStatus.PENDING
-            self._job.settle(landed)
+            self._job.report(told)
+            if not future.done():  # cancelled first: the task's end is the outcome
+                return FetchStatus.PENDING
         return FetchStatus.FAILED if future.exception() else FetchStatus.DONE
 
 

@@ -38,7 +38,7 @@ class Landing:
         self._prove: Callable[[], None] = _unarmed
         self._result: Callable[[], FetchResult] = _unarmed
         self._verdict: Exception | None | bool = None  # None: not proved yet; True: proved; an error: refused
-        self._landed: FetchResult | None = None
+        self._told: FetchResult | None = None  # the result the lane's thread made, for the caller
 
     def arm(self, prove: Callable[[], None], result: Callable[[], FetchResult]) -> None:
         """The read is about to launch (on the decode's loop): `prove`, asked once its bytes
@@ -48,20 +48,21 @@ class Landing:
 
     def landed(self) -> bool:
         """The bytes are in place (the lane's thread): prove them and keep the result for
-        `probe`. True if the read was proved here; never raises (whatever fails here, the
+        `told`. True if the read was proved here; never raises (whatever fails here, the
         loop reports)."""
         try:
             if self._decide(self._prove) is not True:
                 return False
-            self._landed = self._result()
+            self._told = self._result()
             return True
         except Exception:
             logger.debug("a landing's result could not be made: the decode's loop reports the read", exc_info=True)
             return False
 
-    def probe(self) -> FetchResult | None:
-        """The read's result once its bytes were in place and proved; None before (any thread)."""
-        return self._landed
+    def told(self) -> FetchResult | None:
+        """The read's result once the lane's thread proved it; None before, or if it did not
+        (any thread)."""
+        return self._told
 
     def decide(self, prove: Callable[[], None]) -> None:
         """On the loop, once the bytes are in place: prove them with `prove` unless the lane's

@@ -113,15 +113,20 @@ class TicketProtocol:
                 per_task = [await merged_read]
             else:
                 reads += [self._read_merged_with_pins(*together, room, src, job) for together in prepared.together]
-                watch = self.ctx.feed.aborted(prepared.urls, room) if release is not None else None
-                per_task = await self.ctx.tasks.each(reads, watch)
+                aborted = self.ctx.feed.aborted(prepared.urls, room) if release is not None else None
+                per_task = await self.ctx.tasks.each(reads, aborted)
         except BaseException:  # every read has ended: release at once
             if release is None:
                 self.release_pins(prepared.every, room)
             raise
         # Released once every pin was proved, after the fetch returns: notifications sent
-        # while other owners were still being read slowed those reads.
-        self._release_later(functools.partial(release or self.release_pins, prepared.every, room))
+        # while other owners were still being read slowed those reads. A read the lane's
+        # thread told its caller of has waited out the delay already (`Landing`).
+        told = job.landing.told() if job.landing is not None else None
+        send = functools.partial(release or self.release_pins, prepared.every, room)
+        self._release_later(send, 0.0 if told is not None else self.release_delay)
+        if told is not None:  # the caller's result, timed where it was proved
+            return told
         # One task (every owner in one read) already lists its owners by CP rank.
         stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
         return _result(job, room, stats, prepared.aux)
@@ -175,11 +180,11 @@ class TicketProtocol:
         if landing is not None:
             prove = functools.partial(_prove_all_mapped, pinned, room)
 
-            def landed() -> FetchResult:  # the result as the lane's thread reports it
+            def proved_result() -> FetchResult:  # the result as the lane's thread reports it
                 elapsed = time.perf_counter() - t0  # the read's seconds too: the GPU's own are read on the loop
                 return _result(job, room, _merged_stats(lane, merged, src.size, elapsed, elapsed), aux)
 
-            landing.arm(prove, landed)
+            landing.arm(prove, proved_result)
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
             seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages, landing)
@@ -216,9 +221,10 @@ class TicketProtocol:
         await self.ucx.read_word(owner.rank.agent_name, addr, window, deadline.within(self.ctx.timeouts.request))
         return int(window[pin.slot - first])
 
-    def _release_later(self, send: Callable[[], None]) -> None:
+    def _release_later(self, send: Callable[[], None], delay: float | None = None) -> None:
         loop = asyncio.get_running_loop()
-        if self.release_delay <= 0:
+        delay = self.release_delay if delay is None else delay
+        if delay <= 0:
             loop.call_soon(send)
             return
 
@@ -226,7 +232,7 @@ class TicketProtocol:
             self._deferred.pop(timer, None)
             send()
 
-        timer = loop.call_later(self.release_delay, fire)
+        timer = loop.call_later(delay, fire)
         self._deferred[timer] = send
 
     def flush(self) -> None:
@@ -312,10 +318,11 @@ def _prove_mapped_pins(pinned: list[tuple[Owner, OwnerPin]], room: int) -> list[
         assert owner.rank.pins is not None
         if pin.slot >= owner.rank.pins.slots:
             raise MetadataError(f"room {room}: pin slot {pin.slot} outside cp rank {pin.cp_rank}'s pin table")
-        if owner.pins is None:
+        mapped = owner.pins  # read once: the lane's thread proves while the loop may forget the owner
+        if mapped is None:
             unmapped.append((owner, pin))
         else:
-            _check_pin_word(pin, room, owner.pins.word(pin.slot))
+            _check_pin_word(pin, room, mapped.word(pin.slot))
     return unmapped
 
 
