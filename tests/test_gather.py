@@ -3,11 +3,12 @@ waiting thread that turns a launch's end into a future of the loop."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from pdkv.errors import ClosedError
-from transfer.lanes.cuda_ipc.gather import _Waiter, launch_split
+from transfer.lanes.cuda_ipc.gather import CALLER_FIRST, _Waiter, launch_split
 
 
 def test_launch_split_takes_the_fewest_ids_that_hold_a_plan_else_several_launches():
@@ -102,3 +103,45 @@ async def _start(waiter: _Waiter, launch: _Launch) -> None:
 
 async def _wait(waiter: _Waiter, launch: _Launch) -> float:
     return await asyncio.wait_for(waiter.ended(launch), 10)
+
+
+class _Watch:
+    def __init__(self, told: bool = True, fails: bool = False) -> None:
+        self.told, self.fails = told, fails
+        self.at: list[tuple[float, str]] = []
+
+    def landed(self) -> bool:
+        self.at.append((time.perf_counter(), threading.current_thread().name))
+        if self.fails:
+            raise RuntimeError("a watch that breaks its promise")
+        return self.told
+
+
+async def test_a_watch_is_told_on_the_waiting_thread_and_a_told_caller_goes_first():
+    """The waiting thread tells the watch as the kernel ends, before the loop hears; once the
+    caller was told, the loop hears `CALLER_FIRST` later (its continuation would hold the
+    interpreter lock as the caller looks), and the launch's end is stamped before that."""
+    waiter = _Waiter(_Kernel())
+    try:
+        for told in (True, False):
+            watch, launch = _Watch(told), _Launch(None)
+            assert await asyncio.wait_for(waiter.ended(launch, watch), 10) is None
+            heard = time.perf_counter()
+            ((at, thread),) = watch.at
+            assert thread == "pdkv-gather-wait"
+            assert launch.ended_at <= at  # stamped before the watch, not at the loop's wake-up
+            if told:
+                assert heard - at >= CALLER_FIRST
+    finally:
+        waiter.close()
+
+
+async def test_a_watch_that_raises_does_not_end_the_waiting_thread():
+    waiter = _Waiter(_Kernel())
+    try:
+        watch = _Watch(fails=True)
+        assert await asyncio.wait_for(waiter.ended(_Launch(0.5), watch), 10) == 0.5  # heard at once
+        assert watch.at
+        assert await asyncio.wait_for(waiter.ended(_Launch(2.0)), 10) == 2.0  # later launches still end
+    finally:
+        waiter.close()
