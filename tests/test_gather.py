@@ -8,7 +8,8 @@ import time
 import pytest
 
 from pdkv.errors import ClosedError
-from transfer.lanes.cuda_ipc.gather import CALLER_FIRST, _Waiter, launch_split
+from transfer.lanes.cuda_ipc.gather import _Waiter, launch_split
+from transfer.timeouts import CALLER_FIRST
 
 
 def test_launch_split_takes_the_fewest_ids_that_hold_a_plan_else_several_launches():

@@ -41,7 +41,7 @@ from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill import PrefillExporter
 from transfer.results import FetchResult
-from transfer.timeouts import Timeouts
+from transfer.timeouts import CALLER_FIRST, Timeouts
 
 __all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "SyncFetcher", "SyncExporter"]
 
@@ -174,10 +174,10 @@ class Job(Generic[T]):
             if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on up
                 raise
             return
-        if not self.future.done():  # else a poll found the read proved (`settle`)
-            self.settle(result)
+        if not self.future.done():  # else a poll found the read proved (`report`)
+            self._settle(result)
 
-    def settle(self, result: T) -> None:
+    def _settle(self, result: T) -> None:
         """Report `result` now (from any thread), if nothing was reported yet."""
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # the other thread was first
             self.future.set_result(result)
@@ -187,7 +187,7 @@ class Job(Generic[T]):
         lane's thread proved), unless a cancel was asked first: then only the task's end is."""
         with self._report_lock:
             if not self._caller_cancelled:
-                self.settle(result)
+                self._settle(result)
 
     def _settle_failed(self, exc: BaseException) -> None:
         if self.future.done():  # a poll reported it done: the bytes were proved before this
@@ -277,19 +277,14 @@ class FetchHandle(Handle[FetchResult]):
         return FetchStatus.FAILED if future.exception() else FetchStatus.DONE
 
 
-# A synchronous caller sees an outcome only once it holds the interpreter lock, which the
-# releases' sends would take first: they wait this long after a fetch returns.
-SYNC_RELEASE_DELAY = 0.001
-
-
 class SyncFetcher:
     """A `DecodeFetcher` driven from a synchronous scheduler thread (its keyword arguments;
-    `release_delay` defaults to `SYNC_RELEASE_DELAY`)."""
+    `release_delay` defaults to `transfer.timeouts.CALLER_FIRST`)."""
 
     def __init__(
         self, pool: KVBuffers, registry_url: str, start_timeout: float = Timeouts.start, **kwargs: Any
     ) -> None:
-        kwargs.setdefault("release_delay", SYNC_RELEASE_DELAY)
+        kwargs.setdefault("release_delay", CALLER_FIRST)
         self._bg = BackgroundLoop("pdkv-decode")
         self.fetcher: DecodeFetcher = _start_or_stop(
             self._bg, DecodeFetcher, start_timeout, pool, registry_url, **kwargs
@@ -309,10 +304,9 @@ class SyncFetcher:
 
         `dst_pages` is copied here, so the caller may reuse its list or array.
         """
-        pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
         landing = Landing()
         coro = self.fetcher.fetch(
-            engine_id, room, pages, ticket=ticket, timeout=timeout, readers=readers, landing=landing
+            engine_id, room, _own(dst_pages), ticket=ticket, timeout=timeout, readers=readers, landing=landing
         )
         return FetchHandle(self._bg.submit(coro), landing)
 
@@ -327,9 +321,8 @@ class SyncFetcher:
         """Read a room claimed ahead into `dst_pages`, then release it (`RoomLease.read_once`);
         returns a handle at once. Cancelling it cancels the claim too if it is still pending.
         `dst_pages` is copied here."""
-        pages = dst_pages.clone() if isinstance(dst_pages, torch.Tensor) else np.array(dst_pages, copy=True)
         landing = Landing()
-        return FetchHandle(self._bg.submit(_read_claimed(claim, pages, timeout, landing)), landing)
+        return FetchHandle(self._bg.submit(_read_claimed(claim, _own(dst_pages), timeout, landing)), landing)
 
     def give_up(self, lease: RoomLease) -> Handle[None]:
         """Start `RoomLease.give_up`: a room claimed ahead will not be read."""
@@ -406,6 +399,11 @@ class SyncExporter:
     def close(self, timeout: float = Timeouts.start) -> None:
         """Close the exporter and stop the thread (as `SyncFetcher.close`)."""
         self._bg.close(self.exporter.aclose(), timeout)
+
+
+def _own(pages: PageIds) -> PageIds:
+    """A copy of a caller's page ids, which it may reuse once the call returns."""
+    return pages.clone() if isinstance(pages, torch.Tensor) else np.array(pages, copy=True)
 
 
 def _eager_task(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

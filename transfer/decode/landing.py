@@ -7,7 +7,7 @@ took 0.25-0.3 ms of an 8k-token read, while holding the interpreter lock that a 
 scheduler needs to see the outcome. Given a `Landing`, such a read has the waiting thread
 prove the pin words (loads from the owners' mapped tables) and keep the result as the
 kernel ends; the caller's `poll()` reads it from there, and the loop's continuation (its
-releases) comes a moment later (`transfer.lanes.cuda_ipc.gather.CALLER_FIRST`).
+releases) comes a moment later (`transfer.timeouts.CALLER_FIRST`).
 
 The proof is made once, by whichever thread comes first (the waiting thread, or the loop
 where the lane had nothing to tell), and both follow that verdict: a read reported to the

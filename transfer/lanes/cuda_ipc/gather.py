@@ -30,6 +30,7 @@ from pdkv.errors import ClosedError, TransferError
 from transfer.lanes.base import Watch
 from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel, LaunchArgs
 from transfer.lanes.cuda_ipc.plan import GatherPlan, GatherTable
+from transfer.timeouts import CALLER_FIRST
 
 __all__ = ["Gatherer", "Launch", "launch_split"]
 
@@ -85,12 +86,6 @@ class Launch:
         return None if self.start is None else self.start.seconds_until(self.done)
 
 
-# A read whose caller was told on the waiting thread (`Watch.landed`) wakes its loop this
-# much later: the loop's continuation holds the interpreter lock a while, and the caller (a
-# synchronous scheduler) needs it to see its outcome.
-CALLER_FIRST = 0.001
-
-
 def _wait_then_wake(
     launch: Launch,
     loop: asyncio.AbstractEventLoop,
@@ -114,6 +109,7 @@ def _wait_then_wake(
             told = watch is not None and _tell(watch)
     try:
         if told:
+            # its caller has its outcome (`Watch.landed`): the loop's continuation goes second
             loop.call_soon_threadsafe(loop.call_later, CALLER_FIRST, _settle, ended, seconds, error)
         else:
             loop.call_soon_threadsafe(_settle, ended, seconds, error)
