@@ -144,11 +144,19 @@ class ClaimProtocol:
         return await self._control(claim, "GET", url, RoomState, None, limit)
 
     async def _control(
-        self, claim: Claim, method: str, url: str, kind: type[M], body: msgspec.Struct | None, timeout: float
+        self,
+        claim: Claim,
+        method: str,
+        url: str,
+        kind: type[M],
+        body: msgspec.Struct | None,
+        timeout: float,
+        fingerprint: str | None = None,
     ) -> M:
-        """One control request to an owner under `claim`, in our layout's envelope both ways."""
+        """One control request to an owner under `claim`, in our layout's envelope both ways
+        (`fingerprint`: another's, for a request whose body names no layout)."""
         claim.messages += 1
-        fp = self.ctx.fingerprint
+        fp = fingerprint or self.ctx.fingerprint
         answer = await self.ctx.client.request(
             method, url, kind, body, fingerprint=fp, expect_fingerprint=fp, timeout=timeout
         )
@@ -237,7 +245,11 @@ class ClaimProtocol:
         """
         notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, abort=give_up)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
-        sent = asyncio.ensure_future(self._control(claim, "POST", url, ReleaseReply, notice, timeout))
+        # A give-up names no layout (a room, a consumer, a token): it travels in the owner's
+        # own envelope, so a decode whose layout the owner refuses still frees the room. It
+        # ends only this token's claim or a free one, and the secret guards it as any request.
+        fp = owner.rank.fingerprint if give_up else None
+        sent = asyncio.ensure_future(self._control(claim, "POST", url, ReleaseReply, notice, timeout, fp))
         try:
             # Seen through if the caller is cancelled (bounded by `timeout`): a release cut
             # off mid-request may never reach the owner, and one asked is never asked again,

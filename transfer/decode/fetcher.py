@@ -253,7 +253,7 @@ class DecodeFetcher:
         owners = owners_of.cached.get(engine_id)
         was_cached = owners is not None
         if owners is None:
-            owners = await owners_of.lookup(engine_id, job.deadline)
+            owners = await self._lookup(engine_id, job.room, job.deadline)
         if ticket is not None:
             readable: dict[int, Owner] | None = owners
             if not ticket_readable(owners, ticket):
@@ -281,9 +281,30 @@ class DecodeFetcher:
         published is refused when it is. Owners that cannot be reached are logged."""
         deadline = budget(self.timeouts.request, None, timeout)
         with self._activity.call():
-            owners = await self._owners.lookup(engine_id, deadline)
+            try:
+                owners = await self._owners.lookup(engine_id, deadline)
+            except IncompatibleLayoutError:  # owners of another layout still take a give-up
+                owners = await self._owners.refused(engine_id, deadline)
             with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
                 await self._claims.release_all(owners, Claim(room), set(owners))
+
+    async def _lookup(self, engine_id: str, room: int, deadline: Deadline) -> dict[int, Owner]:
+        """The engine's owners (`Owners.lookup`). Owners of another layout are refused with
+        `IncompatibleLayoutError` once `room` was given up on each of them, before anything
+        was claimed: this decode can never read it, and its prefill must not keep its pages
+        pinned until they expire (nor wait that long to hear of it)."""
+        try:
+            return await self._owners.lookup(engine_id, deadline)
+        except IncompatibleLayoutError as exc:
+            logger.warning("room %d: engine %s has another KV layout, giving the room up: %s", room, engine_id, exc)
+            try:
+                owners = await self._owners.refused(engine_id, Deadline.after(self.timeouts.lookup))
+            except PdkvError as lost:
+                logger.info("room %d: could not give it up on %s: %s", room, engine_id, lost)
+                raise exc from None
+            with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
+                await self._claims.release_all(owners, Claim(room), set(owners))
+            raise
 
     async def claim(
         self,
@@ -303,7 +324,7 @@ class DecodeFetcher:
         """
         limit = budget(self.timeouts.fetch, deadline, timeout)
         with self._activity.call():
-            owners = await self._owners.lookup(engine_id, limit)
+            owners = await self._lookup(engine_id, room, limit)
             claim = Claim(room, readers)
             try:
                 await self._claims.claim_all(owners, claim, limit)

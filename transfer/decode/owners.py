@@ -109,6 +109,13 @@ class Owners:
         deadline = Deadline.after(self.timeouts.lookup) if within is None else within.within(self.timeouts.lookup)
         return self.check(await self._registry.lookup(engine_id, deadline))
 
+    async def refused(self, engine_id: str, deadline: Deadline) -> dict[int, Owner]:
+        """The engine's owners as the registry lists them, unchecked and on no lane: owners
+        whose layout `lookup` refused, which a decode may still ask to give a room up
+        (`ClaimProtocol.release`: a give-up travels in the owner's own envelope)."""
+        desc = await self._registry.lookup(engine_id, deadline.within(self.timeouts.lookup))
+        return {rank.cp_rank: Owner(rank, {}) for rank in desc.ranks}
+
     def check(self, desc: EngineDescriptor) -> dict[int, Owner]:
         """`desc`'s owners, checked against our pool and paired with its buffers."""
         check_owners(desc, self.pool)

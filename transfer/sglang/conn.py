@@ -41,7 +41,7 @@ from sglang.srt.disaggregation.base.conn import (
     StateType,
 )
 
-from pdkv.errors import LayoutError, PdkvError, RoomAbortedError, TransferError
+from pdkv.errors import IncompatibleLayoutError, LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
 from transfer.metadata import RoomStatus
@@ -325,7 +325,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._engine = "dp0"
         self._aux_index: int | None = None
         self._nbytes: int | None = None
-        self._aborted: PdkvError | None = None
+        self._aborted: BaseException | None = None  # the room is given up: Failed with this once its reads ended
 
     def init(self, prefill_dp_rank: int) -> None:
         self._engine = f"dp{int(prefill_dp_rank or 0)}"
@@ -375,7 +375,7 @@ class PdkvKVReceiver(BaseKVReceiver):
                 part.fetch = fetcher.read_claimed(claim, pages)
             self._outcome.state = KVPoll.Transferring
         except PdkvError as exc:
-            self._outcome.fail(exc)
+            self._end(exc)  # claims held ahead are given up: the prefill hears of it at once
 
     def poll(self) -> int:
         state = self._outcome.state
@@ -403,20 +403,33 @@ class PdkvKVReceiver(BaseKVReceiver):
 
     def _bootstrapped(self) -> int:
         """Before `send_metadata`: Bootstrapping until every part's fetcher has started and
-        holds its claim on the room (which waits for the prefill to publish it)."""
+        holds its claim on the room (which waits for the prefill to publish it). A part that
+        cannot (its prefill's layout differs from ours, say: found at the lookup, before any
+        claim) fails the room, and every part gives the room up, so its prefill hears of it."""
+        waiting = False
         for part in self._parts:
             if not part.fetcher.done():
-                return KVPoll.Bootstrapping
-            if part.fetcher.exception() is not None:
-                return self._outcome.fail(part.fetcher.exception())  # type: ignore[arg-type]
+                waiting = True
+                continue
+            if (error := part.fetcher.exception()) is not None:
+                return self._end(error)
             claim = part.claim or self._claim_ahead(part)
             status = FetchStatus.PENDING if claim is None else claim.poll()
             if claim is not None and status is FetchStatus.FAILED:  # nothing read: no wait
-                return self._outcome.fail(claim.exception() or TransferError("claim failed"))
-            if status is FetchStatus.PENDING:  # bootstrapped once the room is claimed: a read then asks nobody
-                return KVPoll.Bootstrapping
+                return self._end(claim.exception() or TransferError("claim failed"))
+            waiting = waiting or status is FetchStatus.PENDING
+        if waiting:  # bootstrapped once the room is claimed: a read then asks nobody
+            return KVPoll.Bootstrapping
         self._outcome.state = KVPoll.WaitingForInput
         return self._outcome.state
+
+    def _end(self, error: BaseException) -> int:
+        """The room cannot be read: every part stops and gives it up, as `abort` does; Failed
+        with `error` once their reads have ended."""
+        if self._aborted is None and self._outcome.state not in (KVPoll.Success, KVPoll.Failed):
+            self._aborted = error
+            self._stop_parts()
+        return self.poll()
 
     def _finish(self, results: list[FetchResult]) -> int:
         self._nbytes = sum(r.nbytes for r in results)
@@ -439,6 +452,9 @@ class PdkvKVReceiver(BaseKVReceiver):
         if self._aborted is not None or self._outcome.state in (KVPoll.Success, KVPoll.Failed):
             return
         self._aborted = RoomAbortedError(f"room {self.room} aborted by its decode")
+        self._stop_parts()
+
+    def _stop_parts(self) -> None:
         for part in self._parts:
             if part.fetch is not None:
                 part.fetch.cancel()  # it gives up its claims on the owners it asked
@@ -453,7 +469,8 @@ class PdkvKVReceiver(BaseKVReceiver):
         fetcher = part.started
         if fetcher is not None and claim.poll() is FetchStatus.DONE:
             fetcher.give_up(claim.result())
-        self._abandon(part)  # owners the claim never reached free the room too
+        if not isinstance(claim.exception(), IncompatibleLayoutError):  # that claim gave the room up itself
+            self._abandon(part)  # owners the claim never reached free the room too
 
     def _abandon_if_unread(self, part: _Part, fetch: Handle[FetchResult]) -> None:
         if fetch.poll() is FetchStatus.FAILED:
