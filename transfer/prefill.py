@@ -120,6 +120,7 @@ class PrefillExporter:
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/health", health)
+        self._bind_host = host
         self._http = HttpService(app, host, port)
         self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
@@ -136,7 +137,7 @@ class PrefillExporter:
 
     async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
-        protect_owner_heap()
+        protect_owner_heap(self.pool.device.type, self._bind_host)  # where UCX may serve it over TCP
         self.transport = UcxTransport(
             name, workers=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
         )

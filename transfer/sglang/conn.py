@@ -48,7 +48,8 @@ from transfer.metadata import RoomStatus
 from transfer.registry.server import RegistryServer
 from transfer.results import FetchResult
 from transfer.sglang.kvargs import DRAFT_SUFFIX, AuxRows, draft_kv_from_args, engine_kv_from_args
-from transfer.sglang.topology import Topology, secret, sglang_timeouts, topology
+from transfer.sglang.plugin import check_runtime
+from transfer.sglang.topology import Settings, Topology, secret, settings, sglang_timeouts, topology
 from transfer.sync import BackgroundLoop, FetchStatus, Handle, SyncExporter, SyncFetcher
 
 __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer", "engine_kv_from_args"]
@@ -79,10 +80,14 @@ class PdkvKVManager(BaseKVManager):
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
+        check_runtime()  # this SGLang release and the CUDA builds, before anything starts
         self.kv_args, self.server_args = args, server_args
         self.disaggregation_mode = disaggregation_mode
         self.is_prefill = _mode(disaggregation_mode) == "prefill"
         self.topology: Topology = topology(args, self.is_prefill, server_args)
+        self.settings: Settings = settings()
+        if not self.is_prefill and self.settings.path == "cuda_ipc" and self.topology.device.type != "cuda":
+            raise LayoutError("PDKV_SGLANG_PATH=cuda_ipc needs the decode's KV on a GPU")
         self.timeouts = sglang_timeouts()
         self.kv = engine_kv_from_args(args, self.topology.layer_num, self.topology.device)
         self.parts: dict[str, EngineKV] = {"": self.kv}
@@ -105,6 +110,9 @@ class PdkvKVManager(BaseKVManager):
         """An exporter of one part: the target's CP rank, or the draft as an engine of one rank."""
         t = self.topology
         rank, size = (t.cp_rank, t.cp_size) if part == "" else (0, 1)
+        timeouts, every = self.timeouts, self.settings.owner_progress
+        if every is not None:  # SGLang's rooms are read by claims: the idle interval counts too
+            timeouts = timeouts.replace(progress_interval=every, ticket_progress_interval=every)
         return SyncExporter(
             kv,
             self.engine_id + part,
@@ -113,7 +121,7 @@ class PdkvKVManager(BaseKVManager):
             t.registry_url,
             on_free=lambda room, pages: self._room_finished(part, room),
             secret=self.secret,
-            timeouts=self.timeouts,
+            timeouts=timeouts,
         )
 
     @property
@@ -145,7 +153,15 @@ class PdkvKVManager(BaseKVManager):
             if started is None:
                 url = bootstrap_addr if "://" in bootstrap_addr else f"http://{bootstrap_addr}"
                 kv = self.parts[part]
-                started = self._starter.submit(SyncFetcher, kv, url, secret=self.secret, timeouts=self.timeouts)
+                started = self._starter.submit(
+                    SyncFetcher,
+                    kv,
+                    url,
+                    secret=self.secret,
+                    timeouts=self.timeouts,
+                    ucx_workers=self.settings.ucx_workers,
+                    path=self.settings.path,
+                )
                 self._fetchers[(bootstrap_addr, part)] = started
             return started
 

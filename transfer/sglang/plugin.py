@@ -15,10 +15,16 @@ Mooncake's classes without a word. So, with `PDKV_SGLANG=1`, `register` also gua
 construction of every KV manager and bootstrap server (SGLang's base classes), which
 does not depend on the hook: one that is not pdkv's refuses, with
 `PdkvNotInChargeError` naming why the hook is not in effect.
+
+pdkv's own manager and bootstrap server refuse to start on an SGLang release outside
+`SGLANG_TESTED` (`UnsupportedSGLangError`: its backend interface changes between releases)
+and on NIXL or CUDA bindings built for another CUDA than torch (`BuildMismatchError`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import os
 import sys
@@ -27,14 +33,49 @@ from typing import Any
 
 from pdkv.errors import PdkvError
 
-__all__ = ["PdkvNotInChargeError", "register", "require_in_charge", "select"]
+__all__ = [
+    "SGLANG_TESTED",
+    "PdkvNotInChargeError",
+    "UnsupportedSGLangError",
+    "check_runtime",
+    "register",
+    "require_in_charge",
+    "select",
+]
 
 TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
 _TARGET_MODULE = TARGET.rsplit(".", 1)[0]
 # SGLang's fake backend serves its warm-up requests; `select` leaves it alone, so may the guard.
 _FAKE_BACKEND = "sglang.srt.disaggregation.fake"
 
+# The SGLang releases whose interface pdkv's conformance tests ran against (tests/test_sglang*.py).
+SGLANG_TESTED = ("0.5.23",)
+
 logger = logging.getLogger(__name__)
+
+
+class UnsupportedSGLangError(PdkvError, RuntimeError):
+    """The installed SGLang is not a release pdkv's conformance tests cover."""
+
+
+@functools.lru_cache(maxsize=1)
+def check_runtime() -> None:
+    """Refuse, at start, an SGLang release outside `SGLANG_TESTED` and NIXL or CUDA bindings
+    built for another CUDA major than torch (`transfer.lanes.ucx.nixl.check_cuda_builds`).
+    Cached: a process checks once, and a refusal is raised again each time it is asked."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(sys.modules.get("sglang"), "__version__", "unknown")
+    if version not in SGLANG_TESTED:
+        raise UnsupportedSGLangError(
+            f"pdkv's SGLang backend is tested with sglang {', '.join(SGLANG_TESTED)}, and this process has sglang "
+            f"{version}: its transfer-backend interface changes between releases. Install sglang=={SGLANG_TESTED[-1]} "
+            "(pip install 'pdkv[sglang]'), or unset PDKV_SGLANG to run SGLang's own backend."
+        )
+    from transfer.lanes.ucx.nixl import check_cuda_builds
+
+    check_cuda_builds()
 
 
 class PdkvNotInChargeError(PdkvError, RuntimeError):
@@ -105,8 +146,12 @@ def _why_not_in_effect() -> str:
 
 
 def require_in_charge(cls: type) -> None:
-    """Refuse to build `cls`, a KV manager or bootstrap server, if pdkv was asked for and it is not pdkv's."""
-    if not enabled() or cls.__module__.startswith(_FAKE_BACKEND) or _is_pdkv(cls):
+    """Refuse to build `cls`, a KV manager or bootstrap server, if pdkv was asked for and it is
+    not pdkv's; pdkv's own, where this SGLang or the CUDA builds are not what pdkv serves."""
+    if not enabled() or cls.__module__.startswith(_FAKE_BACKEND):
+        return
+    if _is_pdkv(cls):
+        check_runtime()
         return
     raise PdkvNotInChargeError(
         f"PDKV_SGLANG={os.environ.get('PDKV_SGLANG')} asks for pdkv as SGLang's transfer backend, but this process "
@@ -142,6 +187,10 @@ def register() -> None:
         _guard(BaseKVBootstrapServer)
         logging.getLogger("sglang.srt.plugins.hook_registry").addFilter(_apply_failure)
         logger.debug("pdkv refuses any KV manager or bootstrap server but its own in this process")
+        try:  # said now, in every process; raised again as pdkv's manager or bootstrap server starts
+            check_runtime()
+        except PdkvError as exc:
+            logger.error("pdkv cannot serve this process: %s", exc)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, select, HookType.AROUND)

@@ -15,6 +15,14 @@ a deployment SGLang does not describe, says it):
     PDKV_SGLANG_TP_RANK, PDKV_SGLANG_TP_SIZE
                            this rank's attention TP rank and size (default: SGLang's)
     PDKV_SGLANG_DEVICE     "cpu" or "cuda" (default: cuda where there is a GPU)
+    PDKV_SGLANG_UCX_WORKERS
+                           a decode's UCX workers, the threads that post its READs
+                           (default: one a core, up to 8; 4 for a GPU pool)
+    PDKV_SGLANG_PATH       how a decode reads its owners: "auto" (the same-host GPU lane
+                           where it reaches them, else UCX), "ucx" or "cuda_ipc" (default auto)
+    PDKV_SGLANG_OWNER_PROGRESS_MS
+                           how often a prefill rank drives its UCX worker, in ms (default 10);
+                           over TCP between hosts a READ waits for it: 1 there
     PDKV_SECRET            the deployment's shared secret (as the demo app's): every pdkv
                            service it starts asks for it, every request carries it
     PDKV_REQUIRE_SECRET    "1": refuse to start without PDKV_SECRET (else a warning, once)
@@ -34,7 +42,7 @@ import torch
 from pdkv.errors import AuthError, LayoutError
 from transfer.timeouts import Timeouts
 
-__all__ = ["Topology", "topology", "environment", "secret", "sglang_timeouts"]
+__all__ = ["Settings", "Topology", "topology", "environment", "secret", "settings", "sglang_timeouts"]
 
 
 def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
@@ -186,6 +194,36 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
         raise LayoutError(f"attention TP rank {tp_rank} outside a TP size of {tp_size}")
     _supported(kv_args, ctx)
     return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device, tp_rank, tp_size)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """An SGLang rank's transfer settings (the module's docstring): None keeps pdkv's default."""
+
+    ucx_workers: int | None = None  # a decode's UCX workers
+    path: str = "auto"  # a decode's lanes: auto, ucx or cuda_ipc
+    owner_progress: float | None = None  # seconds between a prefill rank's UCX progress calls
+
+
+PATHS = ("auto", "ucx", "cuda_ipc")
+
+
+def settings() -> Settings:
+    """The PDKV_SGLANG_* transfer settings, checked."""
+    workers = _env_int("PDKV_SGLANG_UCX_WORKERS")
+    if workers is not None and not 1 <= workers <= 64:
+        raise LayoutError(f"PDKV_SGLANG_UCX_WORKERS={workers}: 1 to 64")
+    path = os.environ.get("PDKV_SGLANG_PATH") or "auto"
+    if path not in PATHS:
+        raise LayoutError(f"PDKV_SGLANG_PATH={path!r}: one of {', '.join(PATHS)}")
+    progress = os.environ.get("PDKV_SGLANG_OWNER_PROGRESS_MS")
+    try:
+        ms = None if progress is None else float(progress)
+    except ValueError as exc:
+        raise LayoutError(f"PDKV_SGLANG_OWNER_PROGRESS_MS={progress!r} is not a number") from exc
+    if ms is not None and not 0 < ms <= 1000:
+        raise LayoutError(f"PDKV_SGLANG_OWNER_PROGRESS_MS={progress}: above 0, at most 1000")
+    return Settings(workers, path, None if ms is None else ms / 1e3)
 
 
 def _sglang_env(name: str, default: float) -> float:

@@ -1,10 +1,20 @@
-"""NIXL, loaded with UCX configured first; its errors in the pdkv tree; an owner's heap guard."""
+"""NIXL, loaded with UCX configured first; its errors in the pdkv tree; an owner's heap guard.
+
+What this module changes in the process that hosts pdkv (docs/sglang.md, "What pdkv
+changes in SGLang's processes"), each with its switch:
+
+    UCX_* variables   set (where unset) before NIXL loads UCX      PDKV_UCX_ENV=0: none set
+    mallopt(M_MMAP_THRESHOLD, 32 KiB) in an owner read over TCP    PDKV_HEAP_GUARD=0|1|auto
+"""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib
+import importlib.metadata
+import importlib.util
+import ipaddress
 import logging
 import os
 import platform
@@ -13,11 +23,30 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pdkv.errors import PeerLostError, TransferError
+import torch
 
-__all__ = ["configure_ucx_environment", "default_workers", "load_nixl", "protect_owner_heap", "translate"]
+from pdkv.errors import PdkvError, PeerLostError, TransferError
+
+__all__ = [
+    "BuildMismatchError",
+    "check_cuda_builds",
+    "configure_ucx_environment",
+    "default_workers",
+    "heap_guard_reason",
+    "load_nixl",
+    "protect_owner_heap",
+    "translate",
+]
 
 logger = logging.getLogger(__name__)
+
+_OFF = ("0", "false", "no", "off")
+_NIXL_BUILDS = {12: "nixl_cu12", 13: "nixl_cu13"}  # module by CUDA major; the pip name has a dash
+
+
+class BuildMismatchError(PdkvError, RuntimeError):
+    """The installed NIXL or CUDA bindings are built for another CUDA than torch: refused at
+    start, rather than failing at the first transfer (`pip install 'pdkv[cu<N>]'`)."""
 
 
 def quietly(fn: Callable[[], Any]) -> None:
@@ -28,13 +57,20 @@ def quietly(fn: Callable[[], Any]) -> None:
         logger.debug("%s: %s", getattr(fn, "__name__", fn), exc)
 
 
+def _ib_devices() -> bool:
+    ib = Path("/sys/class/infiniband")
+    return ib.exists() and any(ib.iterdir())
+
+
 def configure_ucx_environment() -> None:
-    """UCX settings that must be in place before NIXL loads UCX.
+    """UCX settings that must be in place before NIXL loads UCX; a variable already set wins,
+    and with PDKV_UCX_ENV=0 none is set (the process's environment stays the operator's).
 
     Without InfiniBand devices the bundled libnl crashed every NIXL process at exit
     (seen with nixl-cu12 1.5.1); excluding the ib module avoids that and costs nothing
     where no IB exists. On one GPU without NVLink, UCX disables cuda_ipc zero-copy GET
-    and falls back to a slow emulation; turn it on explicitly.
+    and falls back to a slow emulation; turn it on explicitly (only where CUDA is: without
+    it UCX warns in every process that the variable is unused).
 
     Between hosts over TCP, a cut link stalls a READ with no error at all (TCP retransmits
     quietly) until the READ's own deadline, a minute later; and a READ abandoned then still
@@ -44,10 +80,12 @@ def configure_ucx_environment() -> None:
     a failed endpoint lands nothing later. The probes are answered by the peer's kernel, so a
     busy owner is not taken for a dead one.
     """
-    ib = Path("/sys/class/infiniband")
-    if "UCX_MODULES" not in os.environ and not (ib.exists() and any(ib.iterdir())):
+    if os.environ.get("PDKV_UCX_ENV", "").lower() in _OFF:
+        return
+    if "UCX_MODULES" not in os.environ and not _ib_devices():
         os.environ["UCX_MODULES"] = "^ib"
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    if torch.cuda.is_available():
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     os.environ.setdefault("UCX_TCP_KEEPIDLE", "1s")
     os.environ.setdefault("UCX_TCP_KEEPINTVL", "1s")
     os.environ.setdefault("UCX_TCP_KEEPCNT", "2")
@@ -57,19 +95,81 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _OWNER_MMAP_THRESHOLD = 32 << 10
 
 
-def protect_owner_heap() -> None:
-    """In an owner (a process whose memory decodes READ), have glibc serve every allocation
-    of 32 KiB or more by a fresh mmap, unless `MALLOC_MMAP_THRESHOLD_` already says otherwise.
+def _ucx_list(name: str) -> tuple[bool, set[str]] | None:
+    """A UCX list variable as (excluding, names); None where unset or "all"."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "all"):
+        return None
+    excluding = value.startswith("^")
+    return excluding, {v.strip() for v in value.lstrip("^").split(",") if v.strip()}
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").lower() in ("y", "yes", "on", "1", "true")
+
+
+def heap_guard_reason(device: str = "cpu", bind_host: str | None = None) -> str | None:
+    """Why an owner with memory on `device` ("cpu" or "cuda"), serving its control plane on
+    `bind_host`, may have its READs answered over UCX's TCP transport; None where it cannot.
+
+    The rule: no TCP where `UCX_TLS` rules tcp out; TCP where it names tcp; else none where
+    the owner binds loopback (its readers share its host and network namespace: cma, shared
+    memory or cuda_ipc, unless a GPU owner's cuda_ipc GET is not zero-copy, which UCX then
+    emulates over tcp) or where RDMA devices serve UCX (it reads through the NIC)."""
+    tls = _ucx_list("UCX_TLS")
+    if tls is not None:
+        excluding, names = tls
+        if excluding == ("tcp" in names):
+            return None  # "^tcp,...", or a list without tcp
+        if not excluding:
+            return f"UCX_TLS={os.environ['UCX_TLS']} names tcp"
+    if bind_host is not None and _loopback(bind_host):
+        if device == "cuda" and not _on(os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")):
+            return "a GPU owner whose cuda_ipc GET is not zero-copy (UCX emulates it over tcp)"
+        return None
+    modules = _ucx_list("UCX_MODULES")
+    ib_usable = modules is None or (modules[0] != ("ib" in modules[1]))
+    if _ib_devices() and ib_usable:
+        return None
+    where = bind_host or "an unknown address"
+    return f"an owner bound to {where} with no RDMA device: decodes on other hosts read it over tcp"
+
+
+def _loopback(host: str) -> bool:
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def protect_owner_heap(device: str = "cpu", bind_host: str | None = None) -> bool:
+    """In an owner (a process whose memory decodes READ) that UCX may serve over TCP, have
+    glibc serve every allocation of 32 KiB or more by a fresh mmap; True if it was set.
 
     UCX 1.23's TCP transport answers a decode's GET with a request whose datatype field it
     never sets; when the decode dies or its link is cut, purging the queued replies reads
     that field, and heap garbage left in the request pool's chunks (41 KB) segfaulted the
     owner. Chunks that come zeroed from mmap read as a plain buffer with nothing to release.
+    It costs the whole process a syscall and fresh pages per large allocation, so it is set
+    only where `heap_guard_reason` finds TCP in the path: PDKV_HEAP_GUARD=1 sets it always,
+    0 never; a `MALLOC_MMAP_THRESHOLD_` in the environment wins (glibc then has it already).
     Call it before the process's first UCX worker exists."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
-        return
+    setting = os.environ.get("PDKV_HEAP_GUARD", "auto").lower()
+    if setting not in ("auto", "1", "0", *_OFF, "on", "true", "yes"):
+        raise TransferError(f"PDKV_HEAP_GUARD={setting!r}: auto, 1 or 0")
+    if setting in _OFF or "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return False
+    reason = "PDKV_HEAP_GUARD=1" if setting != "auto" else heap_guard_reason(device, bind_host)
+    if reason is None:
+        logger.debug("no owner heap guard: no READ of this owner goes over UCX's tcp")
+        return False
     if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _OWNER_MMAP_THRESHOLD) != 1:
         logger.warning("mallopt(M_MMAP_THRESHOLD) refused: an owner may crash if a reader dies mid-READ")
+        return False
+    logger.info("owner heap guard set (mallopt M_MMAP_THRESHOLD=32 KiB): %s; PDKV_HEAP_GUARD=0 turns it off", reason)
+    return True
 
 
 def default_workers(mem_type: str = "DRAM") -> int:
@@ -82,20 +182,57 @@ def default_workers(mem_type: str = "DRAM") -> int:
     return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
 
 
+def _torch_cuda_major() -> int | None:
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+def _nixl_module() -> str:
+    """The NIXL build to load: the one for torch's CUDA major; with a CPU torch, cu12 first."""
+    installed = {major: name for major, name in _NIXL_BUILDS.items() if importlib.util.find_spec(name) is not None}
+    cuda = _torch_cuda_major()
+    if cuda is None:
+        return next(iter(installed.values()), "nixl._api")
+    if cuda in installed:
+        return installed[cuda]
+    if installed or cuda not in _NIXL_BUILDS:
+        have = ", ".join(f"nixl-cu{m}" for m in installed) or "none for it"
+        raise BuildMismatchError(
+            f"torch is built for CUDA {torch.version.cuda}, NIXL is installed as {have}: "
+            f"pip install 'pdkv[cu{cuda}]' (NIXL and CUDA bindings built for CUDA {cuda})"
+        )
+    return "nixl._api"  # NIXL's own meta-package, where no build of ours is installed
+
+
+def check_cuda_builds() -> None:
+    """Refuse NIXL or CUDA bindings built for another CUDA major than torch (a CPU torch
+    takes any). Reads package metadata only: nothing is loaded."""
+    _nixl_module()
+    cuda = _torch_cuda_major()
+    try:
+        bindings = importlib.metadata.version("cuda-bindings")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if cuda is not None and int(bindings.split(".")[0]) != cuda:
+        raise BuildMismatchError(
+            f"torch is built for CUDA {torch.version.cuda}, cuda-bindings {bindings} for CUDA "
+            f"{bindings.split('.')[0]}: pip install 'pdkv[cu{cuda}]'"
+        )
+
+
 def load_nixl() -> ModuleType:
-    """NIXL's Python API (nixl-cu12 or nixl-cu13), with UCX configured first."""
+    """NIXL's Python API (nixl-cu12 or nixl-cu13, the one built for torch's CUDA), with UCX
+    configured first."""
     return _nixl()
 
 
 @functools.lru_cache(maxsize=1)
 def _nixl() -> ModuleType:
+    name = _nixl_module()
     configure_ucx_environment()
-    for name in ("nixl_cu12", "nixl_cu13", "nixl._api"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise TransferError("NIXL is not installed (pip install nixl-cu12)")
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise TransferError(f"NIXL is not installed (pip install pdkv, or 'pdkv[cu13]' for CUDA 13): {exc}") from exc
 
 
 def translate(exc: BaseException, what: str, peer: str = "") -> TransferError:
