@@ -31,6 +31,8 @@ Schema history:
      a tensor per layer exports one slab per allocation.
  12: IpcExport.vmm and fd_socket: owned buffers in VMM memory (expandable segments) as
      spans of chunks whose file descriptors the owner hands out over a Unix socket.
+ 13: RoomState.reason: why an aborted room ended where its prefill failed it (a bad chunk,
+     a sender's error), so its decode fails naming the prefill's error, not only "aborted".
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from pdkv.errors import IncompatibleLayoutError, MetadataError
+from pdkv.errors import IncompatibleLayoutError, MetadataError, PdkvError
 from pdkv.layout import BufferKind, KVLayout, geometry_fingerprint
 from pdkv.sharding import get_layer_shard_range
 
@@ -65,6 +67,8 @@ __all__ = [
     "ReleaseNotice",
     "ReleaseReply",
     "ErrorReply",
+    "error_reply",
+    "error_from",
     "claim_token",
     "consumer_name",
     "encode",
@@ -72,7 +76,7 @@ __all__ = [
     "decode_any",
 ]
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -308,6 +312,8 @@ class RoomState(_Wire, frozen=True):
     aux: Annotated[bytes, Meta(max_length=MAX_AUX_BYTES)] | None = None
     # In a claim's answer, where the room holds a pin slot: its word, as a ticket names it.
     pin: OwnerPin | None = None
+    # An aborted room that its prefill failed (a bad chunk, its sender's error): that error.
+    reason: ErrorReply | None = None
 
 
 class OwnerPin(_Wire, frozen=True):
@@ -390,6 +396,24 @@ class ErrorReply(_Wire, frozen=True):
     code: ErrorName  # the error's class name
     message: Annotated[str, Meta(max_length=4096)]
     lineage: Annotated[list[ErrorName], Meta(max_length=16)] = []  # its pdkv ancestors, nearest first
+
+
+def error_reply(exc: PdkvError) -> ErrorReply:
+    """`exc` as it crosses the wire: its class name, message and pdkv ancestors."""
+    lineage = [c.__name__ for c in type(exc).__mro__[1:] if isinstance(c, type) and issubclass(c, PdkvError)]
+    return ErrorReply(code=type(exc).__name__, message=str(exc)[:4000], lineage=lineage[:16])
+
+
+def error_from(reply: ErrorReply, where: str) -> PdkvError:
+    """The error `reply` names, rebuilt as the nearest class this process knows."""
+    known: dict[str, type[PdkvError]] = {}
+    todo: list[type[PdkvError]] = [PdkvError]
+    while todo:
+        cls = todo.pop()
+        known.setdefault(cls.__name__, cls)
+        todo += cls.__subclasses__()
+    cls = next((known[n] for n in [reply.code, *reply.lineage] if n in known), PdkvError)
+    return cls(f"{where}: {reply.message}")
 
 
 class Envelope(Struct, frozen=True, array_like=True):

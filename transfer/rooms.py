@@ -14,6 +14,12 @@ under the claim. A release after the room was freed (aborted, expired, forgotten
 with an unknown claim raises `ClaimLostError`: the reader must discard what it read.
 Finished rooms are remembered (bounded) so a late fetch gets a clear answer.
 
+Each publication of a room gets its own id (`publish` returns it). A caller that names it
+acts on that publication only: a chunk, a readiness mark or an abort of a publication that
+was refused (the room id was live or used already) or has ended never touches another
+publication of the same room id, and a publication's `on_end` hears how it ended. An abort
+may name its reason (the prefill's error): the room's decodes then fail naming it.
+
 A room can also be read with a ticket (`transfer.metadata.RoomTicket`): with a pin table,
 each live room holds a slot whose word is a random nonce while its pages are pinned; the
 word is cleared before the pages are freed. A decode that READs the nonce after its data
@@ -24,6 +30,7 @@ notification (`release_ticket`) and counts as one of the room's consumers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -37,15 +44,19 @@ from pdkv.errors import (
     ClaimLostError,
     ConflictError,
     InvalidPagesError,
+    PdkvError,
     RoomAbortedError,
     RoomClaimedError,
     UnknownRoomError,
 )
 from pdkv.pages import has_repeats, page_ids
 from transfer.deadline import wait_until
-from transfer.metadata import MAX_AUX_BYTES, ReleaseReply, RoomState, RoomStatus
+from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_reply
 
-__all__ = ["RoomTable", "RoomCounters"]
+__all__ = ["RoomTable", "RoomCounters", "OnEnd"]
+
+OnEnd = Callable[[RoomStatus, ErrorReply | None], None]
+"""How a publication ended (RELEASED or ABORTED) and, where its prefill failed it, why."""
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +78,8 @@ class _Room:
     nonce: int = 0
     ticket: str = ""  # "", "issued" (holds one of the claims), "released"
     aux: bytes | None = None  # the engine's per-request bytes, given with the last chunk
+    pub: int = 0  # this publication of the room id (`publish`'s answer)
+    on_end: OnEnd | None = None
 
     @property
     def granted(self) -> int:
@@ -101,6 +114,8 @@ class RoomTable:
         self._on_free = on_free
         self._live: dict[int, _Room] = {}
         self._finished: OrderedDict[int, RoomStatus] = OrderedDict()
+        self._why: dict[int, ErrorReply] = {}  # finished rooms their prefill failed: the error
+        self._pubs = itertools.count(1)
         self._tick = asyncio.Event()  # set and replaced on every change
         self.counters = RoomCounters()
         self._on_change = on_change
@@ -110,52 +125,72 @@ class RoomTable:
         self._free_slots = list(range(len(pins) - 1, -1, -1)) if pins is not None else []
 
     # ---- the model side -------------------------------------------------------------------
-    def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
+    def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None) -> int:
+        """Pin `src_pages` for `room`; returns this publication's id. `on_end(status,
+        reason)` runs once as it ends. A room id live or used already is refused."""
         if room in self._live or room in self._finished:
             ended = self._finished.get(room)
             why = "ended aborted (its decode or router gave it up)" if ended is RoomStatus.ABORTED else "published"
             raise ConflictError(f"room {room} was already {why} on this rank")
         pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
-        r = self._live[room] = _Room(room, pages, consumers, time.monotonic() + self.pin_seconds, self.layers.start)
+        pinned_until = time.monotonic() + self.pin_seconds
+        r = _Room(room, pages, consumers, pinned_until, self.layers.start, pub=next(self._pubs), on_end=on_end)
+        self._live[room] = r
         if self._pins is not None and self._free_slots:  # else: no ticket for this room, claims still work
             r.slot, r.nonce = self._free_slots.pop(), secrets.randbits(63) or 1
             self._pins[r.slot] = r.nonce
         self.counters.published += 1
         self._notify()
+        return r.pub
 
-    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> None:
+    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1, on_end: OnEnd | None = None) -> int:
         """`room` will arrive in chunks of pages (`add_chunk`), `total_pages` in all; each
         chunk is ready in every owned layer when added (a chunked prefill's send)."""
         if not 0 < total_pages <= self.num_pages:
             raise InvalidPagesError(f"room {room}: {total_pages} pages (the pool has {self.num_pages})")
-        self.publish(room, np.zeros(0, dtype=np.int64), consumers)
+        pub = self.publish(room, np.zeros(0, dtype=np.int64), consumers, on_end)
         self._live[room].total_pages = total_pages
+        return pub
 
-    def add_chunk(self, room: int, pages: np.ndarray, aux: bytes | None = None) -> None:
-        """The next chunk of a chunked `room`: `pages`, written in every owned layer;
-        `aux`: the request's auxiliary bytes, given with the last chunk."""
+    def _live_of(self, room: int, pub: int | None) -> _Room | None:
+        """The live publication `pub` of `room` (any, where None); None if it has ended.
+        Raises `ConflictError` if another publication of the room id is live."""
         r = self._live.get(room)
+        if r is not None and pub is not None and r.pub != pub:
+            raise ConflictError(f"room {room}: this call names publication {pub}, refused or ended; another is live")
+        return r
+
+    def add_chunk(self, room: int, pages: np.ndarray, aux: bytes | None = None, pub: int | None = None) -> None:
+        """The next chunk of a chunked `room` (of its publication `pub`, where given): `pages`,
+        written in every owned layer; `aux`: the request's auxiliary bytes, with the last
+        chunk. A refused chunk leaves the room as it was (the caller may abort it, naming why)."""
+        r = self._live_of(room, pub)
         if r is None:
             return  # aborted or expired meanwhile: nothing waits for it
-        if r.total_pages < 0:
-            raise ConflictError(f"room {room} was not published by chunks")
-        chunk = page_ids(pages, self.num_pages, f"room {room} chunk pages")
-        joined = np.concatenate([r.src_pages, chunk])
-        if len(joined) > r.total_pages or has_repeats(joined):
-            raise InvalidPagesError(f"room {room}: a chunk beyond its {r.total_pages} pages, or a page twice")
-        if aux is not None and (len(joined) != r.total_pages or len(aux) > MAX_AUX_BYTES):
-            raise InvalidPagesError(f"room {room}: auxiliary bytes come with the last chunk, {MAX_AUX_BYTES} at most")
-        r.src_pages, r.aux = joined, aux
-        if len(joined) == r.total_pages:
+        r.src_pages, r.aux = self._joined(r, pages, aux), aux
+        if len(r.src_pages) == r.total_pages:
             r.ready_upto = self.layers.stop
             r.pinned_until = time.monotonic() + self.pin_seconds
         self._notify()
         if r.open_claims:
             self._on_change(self.state(room), set(r.open_claims.values()))
 
-    def mark_ready(self, room: int, upto: int) -> None:
-        """Layers [layers.start, upto) of `room` are written; `upto` never moves back."""
-        r = self._live.get(room)
+    def _joined(self, r: _Room, pages: np.ndarray, aux: bytes | None) -> np.ndarray:
+        """`r`'s pages with the chunk `pages` added, once checked."""
+        if r.total_pages < 0:
+            raise ConflictError(f"room {r.room} was not published by chunks")
+        chunk = page_ids(pages, self.num_pages, f"room {r.room} chunk pages")
+        joined = np.concatenate([r.src_pages, chunk])
+        if len(joined) > r.total_pages or has_repeats(joined):
+            raise InvalidPagesError(f"room {r.room}: a chunk beyond its {r.total_pages} pages, or a page twice")
+        if aux is not None and (len(joined) != r.total_pages or len(aux) > MAX_AUX_BYTES):
+            raise InvalidPagesError(f"room {r.room}: auxiliary bytes come with the last chunk, {MAX_AUX_BYTES} at most")
+        return joined
+
+    def mark_ready(self, room: int, upto: int, pub: int | None = None) -> None:
+        """Layers [layers.start, upto) of `room` (of its publication `pub`, where given) are
+        written; `upto` never moves back."""
+        r = self._live_of(room, pub)
         if r is None:
             return  # aborted or expired meanwhile: nothing waits for it
         before = r.ready_upto
@@ -166,12 +201,16 @@ class RoomTable:
         if r.ready_upto > before and r.open_claims:
             self._on_change(self.state(room), set(r.open_claims.values()))
 
-    def abort(self, room: int) -> bool:
-        """Free `room` now (its request was cancelled). False if it was not live."""
-        if room not in self._live:
-            self._remember(room, RoomStatus.ABORTED)
+    def abort(self, room: int, pub: int | None = None, reason: PdkvError | None = None) -> bool:
+        """Free `room` now (its request was cancelled, or `reason` failed it). With `pub`,
+        only that publication. False if it was not live: a room never published is then
+        remembered aborted (a router's abort may come first), unless `pub` names one."""
+        r = self._live.get(room)
+        if r is None or (pub is not None and r.pub != pub):
+            if r is None and pub is None:
+                self._remember(room, RoomStatus.ABORTED)
             return False
-        self._finish(room, RoomStatus.ABORTED)
+        self._finish(room, RoomStatus.ABORTED, reason)
         self.counters.aborted += 1
         return True
 
@@ -179,7 +218,7 @@ class RoomTable:
     def state(self, room: int) -> RoomState:
         r = self._live.get(room)
         if r is None:
-            return RoomState(room=room, status=self._finished.get(room, RoomStatus.UNKNOWN))
+            return RoomState(room=room, status=self._finished.get(room, RoomStatus.UNKNOWN), reason=self._why.get(room))
         status = RoomStatus.READY if r.ready_upto == self.layers.stop else RoomStatus.PENDING
         chunks = len(r.src_pages) if r.total_pages >= 0 else None
         aux = r.aux if status is RoomStatus.READY else None
@@ -221,7 +260,7 @@ class RoomTable:
             if status is RoomStatus.UNKNOWN:
                 return RoomState(room=room, status=status)
             if status is RoomStatus.ABORTED:
-                raise RoomAbortedError(f"room {room} was aborted (or its pin expired) on this rank")
+                raise self._aborted(room)
             raise UnknownRoomError(f"room {room} is {status.value} on this rank")
         r.consumers = max(r.consumers, readers)
         if token not in r.open_claims:
@@ -231,6 +270,11 @@ class RoomTable:
                 )
             r.open_claims[token] = consumer
         return self.state(room)
+
+    def _aborted(self, room: int) -> RoomAbortedError:
+        why = self._why.get(room)
+        cause = f"its prefill failed it: {why.code}: {why.message}" if why is not None else "or its pin expired"
+        return RoomAbortedError(f"room {room} was aborted on this rank ({cause})")
 
     def pin_of(self, room: int) -> tuple[int, int] | None:
         """The live room's pin (slot, nonce), or None (no slot, or not live)."""
@@ -247,7 +291,7 @@ class RoomTable:
         else:
             status = self._finished.get(room, RoomStatus.UNKNOWN)
             if status is RoomStatus.ABORTED:
-                raise RoomAbortedError(f"room {room} was aborted (or its pin expired) on this rank")
+                raise self._aborted(room)
             why = f"the room is {status.value} here"
         raise ClaimLostError(
             f"room {room}: claim {token[:8]} does not pin its pages ({why}); "
@@ -346,24 +390,29 @@ class RoomTable:
     def live_rooms(self) -> int:
         return len(self._live)
 
-    def _finish(self, room: int, status: RoomStatus) -> None:
+    def _finish(self, room: int, status: RoomStatus, reason: PdkvError | None = None) -> None:
         r = self._live.pop(room)
+        why = error_reply(reason) if reason is not None else None
         claimants = set(r.open_claims.values())
         if r.slot >= 0:
             assert self._pins is not None
             self._pins[r.slot] = 0  # before the pages are freed: a ticket READ after this fails
             self._free_slots.append(r.slot)
-        self._remember(room, status)
+        self._remember(room, status, why)
         self._on_free(room, r.src_pages)
+        if r.on_end is not None:
+            r.on_end(status, why)
         self._notify()
         if claimants:
-            self._on_change(RoomState(room=room, status=status), claimants)
+            self._on_change(RoomState(room=room, status=status, reason=why), claimants)
 
-    def _remember(self, room: int, status: RoomStatus) -> None:
+    def _remember(self, room: int, status: RoomStatus, why: ErrorReply | None = None) -> None:
         self._finished[room] = status
         self._finished.move_to_end(room)
+        if why is not None:
+            self._why[room] = why
         while len(self._finished) > _REMEMBER_FINISHED:
-            self._finished.popitem(last=False)
+            self._why.pop(self._finished.popitem(last=False)[0], None)
 
     def _notify(self) -> None:
         self._tick.set()

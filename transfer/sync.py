@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import logging
 import sys
 import threading
@@ -33,7 +34,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from pdkv.errors import ClosedError
+from pdkv.errors import ClosedError, ConflictError, PdkvError
 from pdkv.pages import PageIds
 from transfer.decode import DecodeFetcher, RoomLease
 from transfer.decode.landing import Landing
@@ -41,6 +42,7 @@ from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill import PrefillExporter
 from transfer.results import FetchResult
+from transfer.rooms import OnEnd
 from transfer.timeouts import CALLER_FIRST, Timeouts
 
 __all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "SyncFetcher", "SyncExporter"]
@@ -316,13 +318,15 @@ class SyncFetcher:
         return Handle(self._bg.submit(self.fetcher.claim(engine_id, room, readers=readers)))
 
     def read_claimed(
-        self, claim: Handle[RoomLease], dst_pages: PageIds, *, timeout: float | None = None
+        self, claim: Handle[RoomLease], dst_pages: PageIds, *, timeout: float | None = None, skip: int = 0
     ) -> FetchHandle:
-        """Read a room claimed ahead into `dst_pages`, then release it (`RoomLease.read_once`);
-        returns a handle at once. Cancelling it cancels the claim too if it is still pending.
+        """Read a room claimed ahead into `dst_pages`, then release it (`RoomLease.read_once`;
+        `skip`: the room's first pages, which the decode holds, are not read); returns a
+        handle at once. Cancelling it cancels the claim too if it is still pending.
         `dst_pages` is copied here."""
         landing = Landing()
-        return FetchHandle(self._bg.submit(_read_claimed(claim, _own(dst_pages), timeout, landing)), landing)
+        read = _read_claimed(claim, _own(dst_pages), timeout, landing, skip)
+        return FetchHandle(self._bg.submit(read), landing)
 
     def give_up(self, lease: RoomLease) -> Handle[None]:
         """Start `RoomLease.give_up`: a room claimed ahead will not be read."""
@@ -357,27 +361,55 @@ class SyncExporter:
             self._bg, PrefillExporter, start_timeout, pool, engine_id, cp_rank, cp_size, registry_url, **kwargs
         )
 
-    def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> Handle[None]:
-        """Pin `src_pages` for `room`; a handle says whether it was accepted."""
+    # A publication handle's result is the publication's id. The calls that take one act on
+    # that publication only: after a refused publish (the room id was live or used) they
+    # fail, rather than reach the room that holds the id.
+    def publish_room(
+        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None
+    ) -> Handle[int]:
+        """Pin `src_pages` for `room`; a handle says whether it was accepted (its publication).
+        `on_end(status, reason)` runs on pdkv's thread as the room ends."""
         pages = np.array(src_pages, copy=True)
-        return Handle(self._bg.submit(_call(self.exporter.publish_room, room, pages, consumers)))
+        return Handle(self._bg.submit(_call(self.exporter.publish_room, room, pages, consumers, on_end)))
 
-    def mark_ready(self, room: int, upto_layer: int) -> None:
+    def mark_ready(self, room: int, upto_layer: int, publication: Handle[int] | None = None) -> None:
         """Owned layers below `upto_layer` of `room` are written (on a GPU: queued on the
         caller's current stream, where the event is recorded)."""
         written = self._written_here()
-        self._bg.call(lambda: self.exporter.mark_ready(room, upto_layer, written))
+        self._bg.submit(_of(publication, room, lambda pub: self.exporter.mark_ready(room, upto_layer, written, pub)))
 
-    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> Handle[None]:
-        """`room` will arrive in chunks (a chunked prefill), `total_pages` in all."""
-        return Handle(self._bg.submit(_call(self.exporter.publish_chunked, room, total_pages, consumers)))
+    def publish_chunked(
+        self, room: int, total_pages: int, consumers: int = 1, on_end: OnEnd | None = None
+    ) -> Handle[int]:
+        """`room` will arrive in chunks (a chunked prefill), `total_pages` in all (as
+        `publish_room`)."""
+        return Handle(self._bg.submit(_call(self.exporter.publish_chunked, room, total_pages, consumers, on_end)))
 
-    def add_chunk(self, room: int, pages: np.ndarray, aux: bytes | None = None) -> Handle[None]:
+    def add_chunk(
+        self,
+        room: int,
+        pages: np.ndarray,
+        aux: bytes | None = None,
+        publication: Handle[int] | None = None,
+        abort_if_refused: bool = False,
+    ) -> Handle[None]:
         """The next chunk of `room`, written in every owned layer (on a GPU, as for
         `mark_ready`), with the request's `aux` bytes if it is the last. The handle says
-        whether it was accepted (on a GPU: queued)."""
+        whether it was accepted (on a GPU: queued). `abort_if_refused`: a refused chunk
+        also aborts the room, naming the refusal, as it is refused (a sender that cannot
+        go on: its decodes fail now, not at the pin's expiry)."""
         chunk, written = np.array(pages, copy=True), self._written_here()
-        return Handle(self._bg.submit(_call(self.exporter.add_chunk, room, chunk, written, aux)))
+        add = functools.partial(self.exporter.add_chunk, room, chunk, written, aux)
+
+        def add_or_abort(pub: int | None) -> None:
+            try:
+                add(pub=pub)
+            except PdkvError as exc:
+                if abort_if_refused and not isinstance(exc, ConflictError):  # a conflict: not this room
+                    self.exporter.abort_room(room, pub, exc)
+                raise
+
+        return Handle(self._bg.submit(_of(publication, room, add_or_abort)))
 
     def _written_here(self) -> torch.cuda.Event | None:
         """On a GPU, an event after what the caller's stream has queued; None on the host."""
@@ -388,8 +420,12 @@ class SyncExporter:
         written.record(torch.cuda.current_stream(device))
         return written
 
-    def abort_room(self, room: int) -> None:
-        self._bg.call(lambda: self.exporter.abort_room(room))
+    def abort_room(
+        self, room: int, publication: Handle[int] | None = None, reason: PdkvError | None = None
+    ) -> Handle[None]:
+        """Free `room` now (only `publication`, where given: nothing if it was refused); its
+        decodes fail, told `reason` where given."""
+        return Handle(self._bg.submit(_of(publication, room, lambda pub: self.exporter.abort_room(room, pub, reason))))
 
     def pin(self, room: int, timeout: float | None = None) -> Handle[OwnerPin | None]:
         """This rank's part of `room`'s ticket, once its layers are readable (a handle)."""
@@ -432,7 +468,7 @@ async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 async def _read_claimed(
-    claim: Handle[RoomLease], pages: PageIds, timeout: float | None, landing: Landing
+    claim: Handle[RoomLease], pages: PageIds, timeout: float | None, landing: Landing, skip: int
 ) -> FetchResult:
     if not claim._future.done():  # a claim granted already (the usual case) costs no turn of the loop
         try:
@@ -443,7 +479,20 @@ async def _read_claimed(
                 await claim.result().give_up()
             raise
     lease = claim.result()  # raises the claim's failure
-    return await lease.read_once(pages, timeout=timeout, landing=landing)
+    return await lease.read_once(pages, timeout=timeout, landing=landing, skip=skip)
+
+
+async def _of(publication: Handle[int] | None, room: int, fn: Callable[[int | None], object]) -> None:
+    """`fn(pub)` on the loop's thread, with `publication`'s id (None: no publication named);
+    `ConflictError` if that publication was refused. It was submitted before this, so it
+    has usually settled already."""
+    pub = None
+    if publication is not None:
+        try:
+            pub = await asyncio.wrap_future(publication._future)
+        except PdkvError as exc:
+            raise ConflictError(f"room {room}: its publication was refused ({exc}); nothing done") from exc
+    fn(pub)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:
