@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from pdkv.errors import MetadataError, PeerLostError, UnknownRoomError
+from pdkv.errors import PeerLostError, UnknownRoomError
 from transfer.deadline import Deadline
 from transfer.decode.owners import Owner, lost_peer
 from transfer.decode.tasks import DecodeContext, Fetch
@@ -192,9 +192,7 @@ class ClaimProtocol:
             if slot is not None:
                 slot.close()
             return await self._read_chunks(owner, claim, job, state, t0)
-        src = np.asarray(state.src_pages, dtype=np.int64)
-        if src.size != job.dst.size:
-            raise MetadataError(f"room {claim.room}: {src.size} source pages, {job.dst.size} destination pages")
+        src = job.wanted(np.asarray(state.src_pages, dtype=np.int64), claim.room)
         whole = range(r.layer_start, r.layer_end)
         while True:
             if state.ready_upto > cursor:
@@ -217,16 +215,18 @@ class ClaimProtocol:
 
     async def _read_chunks(self, owner: Owner, claim: Claim, job: Fetch, state: RoomState, t0: float) -> OwnerStats:
         """Read a room sent by chunks: each new chunk's pages in all of the owner's layers,
-        until the room is complete (the request's auxiliary bytes come with the last)."""
-        r, dst = owner.rank, job.dst
+        until the room is complete (the request's auxiliary bytes come with the last). The
+        first `job.skip` pages (the decode's prefix) are not read."""
+        r, dst, skip = owner.rank, job.dst, job.skip
         layers = range(r.layer_start, r.layer_end)
         done, nbytes, descs, reads, busy = 0, 0, 0, 0, 0.0
         while True:
             src = np.asarray(state.src_pages, dtype=np.int64)
-            if src.size > dst.size or (state.ready_upto >= r.layer_end and src.size != dst.size):
-                raise MetadataError(f"room {claim.room}: {src.size} source pages, {dst.size} destination pages")
-            if src.size > done:
-                xfer = await read_layers(owner, layers, src[done:], dst[done : src.size], job.deadline)
+            if state.ready_upto >= r.layer_end or src.size > skip + dst.size:
+                job.wanted(src, claim.room)  # complete, or too long already: it must match
+            start = max(done, skip)
+            if src.size > start:
+                xfer = await read_layers(owner, layers, src[start:], dst[start - skip : src.size - skip], job.deadline)
                 nbytes, descs, reads = nbytes + xfer.nbytes, descs + xfer.descriptors, reads + 1
                 busy += xfer.seconds
                 done = src.size

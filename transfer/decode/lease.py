@@ -14,7 +14,7 @@ import time
 
 import msgspec
 
-from pdkv.errors import ClaimLostError, ClosedError, PdkvError, RoomAbortedError
+from pdkv.errors import ClaimLostError, ClosedError, InvalidPagesError, PdkvError, RoomAbortedError
 from pdkv.pages import PageIds, page_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
@@ -59,14 +59,21 @@ class RoomLease:
         return self._claim.room
 
     async def read(
-        self, dst_pages: PageIds, *, deadline: Deadline | None = None, timeout: float | None = None
+        self,
+        dst_pages: PageIds,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        skip: int = 0,
     ) -> FetchResult:
-        """Read every layer of the room into `dst_pages` (waiting for layers still written).
+        """Read every layer of the room into `dst_pages` (waiting for layers still written);
+        `skip`: the room's first pages are not read (the decode holds that prefix already),
+        `dst_pages` receive the rest.
 
         The bytes are the room's only if `release()` then succeeds: until then a reader
         must not hand them on.
         """
-        job = self._begin(dst_pages, deadline, timeout)
+        job = self._begin(dst_pages, deadline, timeout, skip=skip)
         with self._activity.call(), fetching(self.engine_id):
             return await self._claims.fetch(self._owners, self._claim, job, release=False)
 
@@ -108,9 +115,10 @@ class RoomLease:
         deadline: Deadline | None = None,
         timeout: float | None = None,
         landing: Landing | None = None,
+        skip: int = 0,
     ) -> FetchResult:
-        """`read`, then `release` (which proves the bytes): a fetch whose claim was taken
-        ahead. On any failure, cancellation too, the claim is given up.
+        """`read` (`skip` as there), then `release` (which proves the bytes): a fetch whose
+        claim was taken ahead. On any failure, cancellation too, the claim is given up.
 
         Where every owner's claim found the room whole and named its pin, the room is read
         as a ticket's: every owner at once, each pin word proved after the data, the claims
@@ -124,8 +132,9 @@ class RoomLease:
             if prepared is not None:
                 for lane, _, _ in prepared.together:
                     lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
-                return await self._read_pinned(prepared, self._begin(dst_pages, deadline, timeout, landing))
-            result = await self.read(dst_pages, deadline=deadline, timeout=timeout)
+                job = self._begin(dst_pages, deadline, timeout, landing, skip)
+                return await self._read_pinned(prepared, job)
+            result = await self.read(dst_pages, deadline=deadline, timeout=timeout, skip=skip)
             with self._activity.call():  # close waits for the proof and the release too
                 freed = False if await self._proved_by_pins() else await self.release()
         except BaseException:
@@ -144,14 +153,22 @@ class RoomLease:
 
     # ---- internals -------------------------------------------------------------------------------
     def _begin(
-        self, dst_pages: PageIds, deadline: Deadline | None, timeout: float | None, landing: Landing | None = None
+        self,
+        dst_pages: PageIds,
+        deadline: Deadline | None,
+        timeout: float | None,
+        landing: Landing | None = None,
+        skip: int = 0,
     ) -> Fetch:
         """A read's start: its clock, its checked destination pages and its budget."""
         if self._released is not None:
             raise ClosedError(f"lease on room {self.room} was already released")
+        if skip < 0:
+            raise InvalidPagesError(f"room {self.room}: a prefix of {skip} pages")
         started, ctx = time.perf_counter(), self._ctx
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
-        return Fetch(self.engine_id, self.room, dst, budget(ctx.timeouts.fetch, deadline, timeout), started, landing)
+        limit = budget(ctx.timeouts.fetch, deadline, timeout)
+        return Fetch(self.engine_id, self.room, dst, limit, started, landing, skip)
 
     def _prepared_read(self) -> PreparedTicket | None:
         """The room's read as a ticket's (`TicketProtocol.prepare`), made once for the owners'

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pdkv.errors import ClosedError
+from pdkv.errors import ClosedError, MetadataError
 from transfer.deadline import Deadline
 from transfer.decode.landing import Landing
 from transfer.engine_kv import KVBuffers
@@ -40,6 +40,15 @@ class Fetch:
     deadline: Deadline
     started: float
     landing: Landing | None = None
+    skip: int = 0  # the room's first pages the decode holds already (its prefix): not read
+
+    def wanted(self, src: np.ndarray, room: int) -> np.ndarray:
+        """The room's source pages `src` this read fills, checked against its destination."""
+        if src.size != self.skip + self.dst.size:
+            raise MetadataError(
+                f"room {room}: {src.size} source pages, {self.skip} held and {self.dst.size} destination pages"
+            )
+        return src[self.skip :]
 
 
 class TaskSet:

@@ -101,9 +101,8 @@ class TicketProtocol:
         `release`: how the room is released once proved (a ticket's notifications by
         default); with one, the reader holds claims (their owners push an abort, which stops
         the reads at once) and a failure releases nothing (the caller gives its claims up)."""
-        src, dst, room = prepared.src, job.dst, prepared.room
-        if src.size != dst.size:
-            raise MetadataError(f"room {room}: {src.size} source pages, {dst.size} destination pages")
+        room = prepared.room
+        src = job.wanted(prepared.src, room)
         reads = [self._read_with_pin(o, pin, room, src, job) for o, pin in prepared.alone]
         try:
             if not reads and len(prepared.together) == 1:  # every owner on one lane: one read, awaited in this task
