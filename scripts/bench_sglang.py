@@ -137,7 +137,7 @@ def _ticket_fetch(mgr, room: int, src: np.ndarray, dst: np.ndarray, pins: list):
     return sync_fetcher._bg.run(coro, 60)
 
 
-def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list):  # type: ignore[no-untyped-def]
+def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list, prefix: int = 0):  # type: ignore[no-untyped-def]
     """SGLang's receiver reads `room`: from its bootstrap, then timed from `send_metadata`
     to the first poll that says Success; (seconds, its `FetchResult`)."""
     from transfer.sglang.conn import PdkvKVReceiver
@@ -147,7 +147,7 @@ def _receive(mgr, conn, room: int, dst: np.ndarray, poll_s: float, holds: list):
     while receiver.poll() == conn.KVPoll.Bootstrapping:
         time.sleep(0.001)
     t0 = time.perf_counter()
-    _timed(holds, receiver.send_metadata, dst, 0)
+    _timed(holds, receiver.send_metadata, dst, 0, None, prefix)
     fetch = receiver._parts[0].fetch
     while (state := _timed(holds, receiver.poll)) == conn.KVPoll.Transferring:
         time.sleep(poll_s)  # the scheduler's other work between two polls
@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--poll-us", type=float, default=200.0, help="the scheduler's work between two polls")
     ap.add_argument(
         "--early-ms", type=float, default=0.0, help="also: the decode names its pages this long before the sends"
+    )
+    ap.add_argument(
+        "--prefix", type=float, default=0.0, help="also: the decode's radix cache holds this share of each room"
     )
     args = ap.parse_args()
     global DEVICE, SERVER_URL
@@ -249,6 +252,21 @@ def main() -> None:
                 tails.append(seen - last_sent)
                 released.append("notification" if not result.freed else "request")
         early_rows.append((n, tails, released))
+    prefix_rows = []
+    for n in args.sizes if args.prefix else []:
+        k, times, moved = n // PAGE, [], []
+        held = int(k * args.prefix)
+        for i in range(args.runs + 1):
+            src, dst = rng.permutation(np.arange(1, pages))[:k], rng.permutation(np.arange(1, pages))[:k]
+            _publish(orders, replies, room, src, ticket=False)
+            _sent(replies)
+            seen, result = _receive(mgr, conn, room, dst[held:], args.poll_us / 1e6, [], prefix=held * PAGE)
+            _await_senders(replies)
+            room += 1
+            if i:
+                times.append(seen)
+                moved.append(result.nbytes)
+        prefix_rows.append((n, held, n * LAYERS * (KV_ITEM + INDEX_ITEM) // PAGE, moved, times))
     for q in orders:
         q.put(None)
     prefill_holds = []
@@ -261,6 +279,17 @@ def main() -> None:
     server.close()
     _print(rows, args, decode_holds, prefill_holds)
     _print_early(early_rows, args)
+    _print_prefix(prefix_rows, args)
+
+
+def _print_prefix(rows, args) -> None:  # type: ignore[no-untyped-def]
+    if not rows:
+        return
+    print(f"the decode holds {args.prefix:.0%} of each room (its radix cache): only the pages past it move")
+    print("".join(f"{h:>16}" for h in ("tokens", "held pages", "room MB", "moved MB", "via adapter ms")))
+    for n, held, whole, moved, times in rows:
+        cells = (n, held, whole / 1e6, statistics.median(moved) / 1e6, 1e3 * statistics.median(times))
+        print("".join(f"{c:>16.0f}" if j < 2 else f"{c:>16.3f}" for j, c in enumerate(cells)))
 
 
 def _print_early(rows, args) -> None:  # type: ignore[no-untyped-def]
