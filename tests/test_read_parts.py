@@ -44,3 +44,25 @@ def test_parts_cover_the_plan_once_and_stay_under_the_bound(lengths, limit, seed
 def test_a_plan_under_the_bound_is_one_post():
     rows = np.array([[0, 100, 0], [500, 100, 0]], dtype=np.int64)
     assert len(_bounded(rows, rows + [1000, 0, 0], 1000)) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=400),
+    limit=st.integers(4096, 10**6),
+    max_rows=st.integers(1, 64),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_parts_of_small_rows_are_bounded_by_their_count_too(lengths, limit, max_rows, seed):
+    """Posting costs per descriptor: a part holds at most `max_rows` rows as well as `limit`
+    bytes (one-token pages made parts of ~40,000 descriptors), every byte still once, in order."""
+    rng = np.random.default_rng(seed)
+    n = len(lengths)
+    local = np.stack([rng.integers(0, 1 << 40, n), lengths, np.zeros(n, np.int64)], 1).astype(np.int64)
+    remote = local + np.array([1 << 41, 0, 0], dtype=np.int64)
+    parts = _bounded(local, remote, limit, max_rows)
+    assert all(0 < len(p) <= max_rows and int(p[:, 1].sum()) <= limit for p, _ in parts)
+    assert _runs(np.concatenate([p for p, _ in parts])) == _runs(local)
+    assert np.array_equal(
+        np.concatenate([q for _, q in parts]) - [1 << 41, 0, 0], np.concatenate([p for p, _ in parts])
+    )

@@ -16,7 +16,9 @@ shape, large enough that the abort lands while its READs are in flight).
 
 import multiprocessing as mp
 import os
+import queue
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather 
 pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
 
 from tests import test_sglang as small  # noqa: E402
+from tests import test_sglang_aborts as big  # noqa: E402
 from tests.test_sglang import _own_environment, bootstrap  # noqa: E402,F401  (fixtures)
 
 TOLD_WITHIN_S = 1.0  # a prefill hears of a decode that cannot read its room within this
@@ -121,3 +124,187 @@ def test_a_decode_of_another_layout_fails_at_bootstrap_and_frees_the_prefills_ro
         wrong.close()
         right.close()
         _stop(ranks)
+
+
+# ---- a prefill's abort while its decode reads (item 4) --------------------------------------
+def _timed_prefill(registry: str, rooms: list[int], aborts: mp.Queue, results: mp.Queue) -> None:
+    """`test_sglang_aborts`' prefill scheduler (each room sent whole, aborted when named on
+    `aborts`), stamping the abort: when its scheduler called `abort()` and when pdkv's loop
+    ended the room (`time.monotonic`, one clock for every process on the host)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+
+    big._env(registry)
+    args, keep = big._kv_args(fill=True)
+    mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
+    assert mgr.exporter is not None
+    exporter = mgr.exporter.exporter
+    ended: dict[int, float] = {}
+    abort_room = exporter.abort_room
+
+    def stamped(room: int, *args: object, **kwargs: object) -> bool:  # on pdkv's loop: pages freed, claimants told
+        done = abort_room(room, *args, **kwargs)
+        ended[room] = time.monotonic()
+        return done
+
+    exporter.abort_room = stamped  # type: ignore[method-assign]
+    try:
+        results.put(("ready", None, None, None, None, None))
+        for room in rooms:
+            sender = PdkvKVSender(mgr, registry, room)
+            sender.init(big.ROOM_PAGES, aux_index=0)
+            sender.should_send_kv_chunk(big.ROOM_PAGES, True)
+            sender.send(big._src_pages().astype(np.int32))
+            called = None
+            while sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+                try:
+                    if aborts.get_nowait() == room:
+                        called = time.monotonic()
+                        sender.abort()
+                except queue.Empty:
+                    time.sleep(0.0005)
+            error = None
+            if sender.poll() == KVPoll.Failed:
+                try:
+                    sender.failure_exception()
+                except Exception as exc:
+                    error = type(exc).__name__
+            end = time.monotonic() + 5
+            while called is not None and room not in ended and time.monotonic() < end:
+                time.sleep(0.001)
+            results.put((room, sender.poll(), error, called, ended.get(room), exporter.rooms.pinned_pages))
+    finally:
+        mgr.close()
+
+
+def start_timed_prefill(url: str, rooms: list[int]) -> tuple[mp.Process, mp.Queue, mp.Queue]:
+    ctx = mp.get_context("spawn")
+    aborts, results = ctx.Queue(), ctx.Queue()
+    prefill = ctx.Process(target=_timed_prefill, args=(url, rooms, aborts, results))
+    prefill.start()
+    assert results.get(timeout=120)[0] == "ready"
+    return prefill, aborts, results
+
+
+@dataclass
+class AbortTrial:
+    """One prefill abort while its decode read (seconds on the host's monotonic clock)."""
+
+    room: int
+    outcome: int  # the receiver's final KVPoll
+    error: str | None  # its failure's type
+    sender_error: str | None
+    called: float | None  # the prefill's scheduler called abort()
+    ended: float | None  # the prefill's loop ended the room
+    heard: float | None  # the decode's readiness stream brought the abort
+    stopped: float | None  # the decode's fetch ended (every READ done)
+    failed: float  # the receiver's poll said Failed (or Success)
+    pinned: int  # pages still pinned on the prefill after the room
+
+    def ms(self, stamp: float | None) -> float:
+        return float("nan") if stamp is None or self.called is None else (stamp - self.called) * 1e3
+
+
+class HeardAborts:
+    """Stamps when the decode's readiness feed first holds an aborted state of each room."""
+
+    def __init__(self) -> None:
+        from transfer.metadata import RoomStatus
+        from transfer.readiness import ReadinessFeed
+
+        self.at: dict[int, float] = {}
+        wake = ReadinessFeed._wake
+
+        def stamping(feed: ReadinessFeed, url: str) -> None:
+            for (_, room), state in list(feed._wanted.items()):
+                if state is not None and state.status is RoomStatus.ABORTED and room not in self.at:
+                    self.at[room] = time.monotonic()
+            wake(feed, url)
+
+        self._restore = lambda: setattr(ReadinessFeed, "_wake", wake)
+        ReadinessFeed._wake = stamping  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self._restore()
+
+
+def shuffled_runs(seed: int, run: int) -> np.ndarray:
+    """The room's pages on the decode as shuffled runs of `run` pages (`test_sglang_aborts`
+    takes runs of 16; runs of 1 make a descriptor of every page of every layer)."""
+    runs = np.random.default_rng(seed).permutation(big.PAGES // run)[: -(-big.ROOM_PAGES // run)]
+    return (runs[:, None] * run + np.arange(run)).reshape(-1)[: big.ROOM_PAGES]
+
+
+def abort_trial(
+    decode: "big._Decode",
+    room: int,
+    aborts: mp.Queue,
+    results: mp.Queue,
+    heard: HeardAborts,
+    sentinel: bool = False,
+) -> AbortTrial:
+    """The decode reads `room` as SGLang's scheduler drives its receiver; once its first
+    bytes have landed the prefill aborts it; the receiver is polled every 0.5 ms to its end.
+    `sentinel`: the moment it says Failed, its pages are overwritten, as SGLang reuses them."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    decode.clear()
+    receiver = decode.receiver(room, seed=room)
+    stopped: list[float] = []
+    fetch = receiver._parts[0].fetch
+    assert fetch is not None
+    fetch.on_done(lambda _: stopped.append(time.monotonic()))
+    end = time.monotonic() + 30
+    while not decode.landed(room) and time.monotonic() < end:
+        time.sleep(0.0002)
+    aborts.put(room)
+    outcome = big._until_final(receiver)
+    failed = time.monotonic()
+    if sentinel and outcome == KVPoll.Failed:
+        decode.overwrite(room)
+    error = None
+    if outcome == KVPoll.Failed:
+        try:
+            receiver.failure_exception()
+        except Exception as exc:
+            error = type(exc).__name__
+    got, state, sender_error, called, ended, pinned = results.get(timeout=60)
+    assert got == room, (got, room)
+    return AbortTrial(
+        room, outcome, error, sender_error, called, ended, heard.at.get(room), (stopped or [None])[0], failed, pinned
+    )
+
+
+def test_a_prefill_abort_mid_read_reaches_the_receiver_within_the_bound_and_lands_no_byte_after(
+    bootstrap,  # noqa: F811
+    monkeypatch,
+):
+    """The prefill aborts while the decode reads a 384 MB room whose destination pages are
+    one-token runs (a descriptor each: the READs' slowest shape to stop): each time the
+    decode hears it on its readiness stream, the receiver says Failed with `RoomAbortedError`
+    within the bound (generously: twice it, on a shared CI host), not one byte lands in its
+    pages after that, and the prefill's sender fails too with nothing left pinned."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    monkeypatch.setattr(big, "_dst_pages", lambda seed: shuffled_runs(seed, 1))
+    rooms = [9100 + i for i in range(5)]
+    prefill, aborts, results = start_timed_prefill(bootstrap.url, rooms)
+    heard = HeardAborts()
+    decode = big._Decode(bootstrap.url)
+    try:
+        abort_trial(decode, rooms[0], aborts, results, heard)  # warm-up: connections, READ tables
+        for room in rooms[1:]:
+            t = abort_trial(decode, room, aborts, results, heard, sentinel=True)
+            assert t.outcome == KVPoll.Failed, "the room was read whole before the abort: 2.5 s of READs ended first?"
+            assert (t.error, t.sender_error, t.pinned) == ("RoomAbortedError", "RoomAbortedError", 0)
+            assert t.heard is not None  # pushed, not found by the pin word after the whole read
+            assert t.failed - t.called <= 2 * ABORT_BOUND_S, f"{t.ms(t.failed):.0f} ms: {t}"
+            time.sleep(big.SETTLE_S)
+            assert decode.changed(room) == 0  # not one late byte in pages SGLang has reused
+    finally:
+        decode.close()
+        heard.close()
+        prefill.join(60)
+        if prefill.is_alive():
+            prefill.kill()

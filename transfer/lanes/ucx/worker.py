@@ -51,7 +51,7 @@ class Worker:
         t0 = time.perf_counter()
         posted: deque[Any] = deque()
         try:
-            for part_local, part_remote in bounded(local, remote, _PART_BYTES):
+            for part_local, part_remote in bounded(local, remote, _PART_BYTES, _PART_ROWS):
                 if stop.is_set():
                     raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
                 if len(posted) == _PARTS_IN_FLIGHT:
@@ -127,17 +127,23 @@ class Worker:
 # bounds how far a cancelled fetch runs on, and the second part keeps the link busy while
 # the first one's end is noticed (over TCP a part ends only as the owner progresses).
 _PART_BYTES = 32 << 20
+# A descriptor costs microseconds to post whatever its size: parts are bounded by their count
+# too, so that a cancelled fetch of tiny (one-token) pages stops as soon as one of large pages.
+_PART_ROWS = 4096
 _PARTS_IN_FLIGHT = 2
 
 
-def bounded(local: np.ndarray, remote: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(local, remote) descriptor rows cut into parts of at most `limit` bytes each.
+def bounded(
+    local: np.ndarray, remote: np.ndarray, limit: int, max_rows: int | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(local, remote) descriptor rows cut into parts of at most `limit` bytes (and
+    `max_rows` rows) each.
 
     Rows longer than `limit / 2` are split first, then the rows are cut after each one that
-    takes the running total past a multiple of `limit / 2`: no Python loop over the rows (a
-    fetch may carry tens of thousands)."""
+    takes the running total past a multiple of `limit / 2`, and every `max_rows` rows: no
+    Python loop over the rows (a fetch may carry tens of thousands)."""
     lengths = local[:, 1]
-    if int(lengths.sum()) <= limit:
+    if int(lengths.sum()) <= limit and (max_rows is None or len(local) <= max_rows):
         return [(local, remote)]
     half = max(1, limit // 2)
     if int(lengths.max()) > half:
@@ -145,6 +151,8 @@ def bounded(local: np.ndarray, remote: np.ndarray, limit: int) -> list[tuple[np.
         lengths = local[:, 1]
     ends = np.cumsum(lengths)
     cuts = np.searchsorted(ends, np.arange(half, int(ends[-1]), half), side="left") + 1
+    if max_rows is not None:
+        cuts = np.concatenate([cuts, np.arange(max_rows, len(local), max_rows)])
     cuts = np.unique(cuts[cuts < len(local)])
     return list(zip(np.split(local, cuts), np.split(remote, cuts)))
 
