@@ -8,6 +8,7 @@ rank does not own. This package never imports `transfer`.
 from pdkv.broadcast import CollectiveHandle, OwnerBroadcaster
 from pdkv.errors import (
     AuthError,
+    CapacityError,
     ClaimLostError,
     ClosedError,
     ConflictError,
@@ -20,6 +21,7 @@ from pdkv.errors import (
     PageRangeError,
     PdkvError,
     PeerLostError,
+    RoomAbortedError,
     RoomClaimedError,
     TransferError,
     UnknownEngineError,
@@ -34,6 +36,7 @@ from pdkv.sharding import ShardPlan, get_layer_owner, get_layer_shard_range
 __all__ = [
     "BufferKind",
     "AuthError",
+    "CapacityError",
     "ClaimLostError",
     "ClosedError",
     "ConflictError",
@@ -55,6 +58,7 @@ __all__ = [
     "PageRangeError",
     "PdkvError",
     "PeerLostError",
+    "RoomAbortedError",
     "ShardPlan",
     "TransferError",
     "UnknownRoomError",

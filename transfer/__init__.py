@@ -1,16 +1,77 @@
 """transfer: what crosses the wire between prefill and decode workers (the library).
 
-Modules, one per role: `metadata` (wire types), `ucx` (UCX through NIXL), `plan` (pure
-transfer and gather plans), `rooms` (a rank's claims, tickets and pins), `pin_table` (the
-pin words, mapped on the owner's host), `readiness` (readiness pushed on a stream per
-decode and owner), `prefill` (the exporter),
-`decode` (the fetcher; `owner_io` its per-owner protocol, `results` what it reports),
-`metrics` (Prometheus), `logctx` (the request on every log line), `sync` (the same for
-synchronous schedulers),
-`bootstrap` (the registry), `http` (the control plane's HTTP), `deadline`, `timeouts`, and
-the same-host GPU lane (`cuda_ipc`, `gpu_lane`, `gather`). The application that runs them
-lives in `transfer.app`, which nothing here imports. Import from the module that owns a
-name; this package re-exports nothing.
+The names a user imports are here (`from transfer import PrefillExporter, DecodeFetcher`);
+each is loaded on first use, so importing one module of the package (the SGLang plugin,
+say, which every SGLang process loads) does not load NIXL, torch or aiohttp with it.
+
+    prefill:  PrefillExporter (async), SyncExporter (a synchronous scheduler's)
+    decode:   DecodeFetcher, RoomLease, FetchResult (async); SyncFetcher, Handle, FetchStatus
+    tickets:  RoomTicket (a finished room, handed from prefill to decode), OwnerPin
+    bounds:   Timeouts, Deadline
+    registry: RegistryServer (the bootstrap registry), registry_client
+
+Modules, one per role: `metadata` (wire types), `prefill` (the exporter), `rooms` and
+`pin_table` (a rank's rooms and pins), `readiness` (readiness pushed to decodes),
+`decode/` (the fetcher and its protocols), `lanes/` (what moves bytes: UCX through NIXL,
+the same-host GPU lane), `registry/`, `http` and `http_guard` (the control plane),
+`sync` (the synchronous faces), `sglang/` (the SGLang backend), `metrics`, `logctx`,
+`deadline`, `timeouts`. The application that runs them lives in `transfer.app`, which
+nothing here imports.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transfer.deadline import Deadline
+    from transfer.decode import DecodeFetcher, RoomLease
+    from transfer.metadata import OwnerPin, RoomTicket
+    from transfer.prefill import PrefillExporter
+    from transfer.registry import registry_client
+    from transfer.registry.server import RegistryServer
+    from transfer.results import FetchResult
+    from transfer.sync import FetchStatus, Handle, SyncExporter, SyncFetcher
+    from transfer.timeouts import Timeouts
+
+_HOMES = {
+    "Deadline": "transfer.deadline",
+    "DecodeFetcher": "transfer.decode",
+    "RoomLease": "transfer.decode",
+    "FetchResult": "transfer.results",
+    "OwnerPin": "transfer.metadata",
+    "RoomTicket": "transfer.metadata",
+    "PrefillExporter": "transfer.prefill",
+    "RegistryServer": "transfer.registry.server",
+    "registry_client": "transfer.registry",
+    "FetchStatus": "transfer.sync",
+    "Handle": "transfer.sync",
+    "SyncExporter": "transfer.sync",
+    "SyncFetcher": "transfer.sync",
+    "Timeouts": "transfer.timeouts",
+}
+
+__all__ = [
+    "Deadline",
+    "DecodeFetcher",
+    "FetchResult",
+    "FetchStatus",
+    "Handle",
+    "OwnerPin",
+    "PrefillExporter",
+    "RegistryServer",
+    "RoomLease",
+    "RoomTicket",
+    "SyncExporter",
+    "SyncFetcher",
+    "Timeouts",
+    "registry_client",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
