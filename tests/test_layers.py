@@ -48,3 +48,12 @@ def test_the_lanes_know_nothing_of_the_protocols_that_use_them():
     assert "transfer.lanes.base" in lanes
     assert _imported(lanes, "transfer.decode") == ""
     assert _imported(lanes, "transfer.prefill") == ""
+
+
+def test_transfers_public_names_resolve_and_load_only_when_used():
+    code = (
+        "import sys, transfer; assert 'nixl' not in sys.modules and 'transfer.prefill' not in sys.modules; "
+        "[getattr(transfer, n) for n in transfer.__all__]; print(len(transfer.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(out) >= 10
