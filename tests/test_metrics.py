@@ -130,6 +130,90 @@ async def test_a_decodes_fetches_are_labelled_by_engine_with_rate_and_fetches_in
     assert after[("pdkv_fetches_in_flight", (("engine", "m1"),))] == 0
 
 
+async def test_reads_under_a_lease_count_as_fetches_and_each_read_inside_once():
+    """A lease read twice counts two fetches (seconds, bytes) and, in `pdkv_read_seconds`,
+    each READ it posted: `OwnerStats.reads` summed. A `read_once` counts one more."""
+    layout = tiny(layer_num=3)
+    registry = RegistryServer()
+    url = await registry.start()
+    try:
+        async with (
+            PrefillExporter(DSAKVPool(layout), "lz1", 0, 1, url) as exp,
+            DecodeFetcher(DSAKVPool(layout), url) as fetcher,
+        ):
+            exp.publish_room(1, np.array([3, 4]))
+            exp.mark_ready(1, layout.layer_num)
+            exp.publish_room(2, np.array([5]))
+            exp.mark_ready(2, layout.layer_num)
+            before = await _scrape(exp.control_url)
+            async with await fetcher.claim("lz1", 1, timeout=20) as lease:
+                results = [await lease.read([1, 2], timeout=20), await lease.read([5, 6], timeout=20)]
+            ahead = await fetcher.claim("lz1", 2, timeout=20)
+            results.append(await ahead.read_once([7], timeout=20))
+            await asyncio.sleep(0.05)  # observed just after each read returns
+            after = await _scrape(exp.control_url)
+    finally:
+        await registry.aclose()
+    lz1 = {"engine": "lz1"}
+    fetches = sum(_delta(after, before, "pdkv_fetch_seconds_count", path=p, **lz1) for p in ("claims", "ticket"))
+    assert fetches == 3
+    assert _delta(after, before, "pdkv_fetch_bytes_sum", **lz1) == sum(r.nbytes for r in results) > 0
+    reads = sum(o.reads for r in results for o in r.owners)
+    lanes = {dict(labels).get("lane") for (n, labels) in after if n == "pdkv_read_seconds_count"}
+    assert sum(_delta(after, before, "pdkv_read_seconds_count", lane=lane, **lz1) for lane in lanes) == reads >= 3
+
+
+async def test_registry_notification_and_build_series_are_scraped():
+    """`pdkv_build_info`; a registry lookup's latency by outcome and its failures by class
+    (a mistyped engine, typed at once); renewals that failed (the registry gone); notification
+    failures and retransmissions, through the functions a release's sender calls."""
+    from pdkv import UnknownEngineError
+    from transfer import metrics
+    from transfer.metadata import SCHEMA_VERSION
+    from transfer.timeouts import Timeouts
+
+    layout = tiny(layer_num=3)
+    registry = RegistryServer(grace=0.0)
+    url = await registry.start()
+    try:
+        async with (
+            PrefillExporter(DSAKVPool(layout), "rg1", 0, 1, url, timeouts=Timeouts(lease=0.6)) as exp,
+            DecodeFetcher(DSAKVPool(layout), url) as fetcher,
+        ):
+            before = await _scrape(exp.control_url)
+            exp.publish_room(1, np.array([3]))
+            exp.mark_ready(1, layout.layer_num)
+            await fetcher.fetch("rg1", 1, [1], timeout=20)
+            with pytest.raises(UnknownEngineError):
+                await fetcher.fetch("rg-typo", 1, [1], timeout=20)
+
+            metrics.observe_retransmission("release")
+            metrics.observe_retransmission("release")
+            metrics.observe_notification_failure("give_up")
+            await registry.aclose()  # the exporter's renewals fail from now on
+
+            async def renewal_failed() -> bool:
+                return any(k[0] == "pdkv_registry_register_failures_total" for k in await _scrape(exp.control_url))
+
+            await _wait_for(renewal_failed, "a renewal counted as failed")
+            after = await _scrape(exp.control_url)
+    finally:
+        await registry.aclose()
+    build = [labels for (n, labels) in after if n == "pdkv_build_info"]
+    assert len(build) == 1 and after[("pdkv_build_info", build[0])] == 1
+    assert dict(build[0])["schema"] == str(SCHEMA_VERSION) and "ucx" in dict(build[0])["lanes"]
+    assert _delta(after, before, "pdkv_registry_lookup_seconds_count", outcome="ok") == 1
+    assert _delta(after, before, "pdkv_registry_lookup_seconds_count", outcome="failed") == 1
+    assert _delta(after, before, "pdkv_registry_lookup_failures_total", error="UnknownEngineError") == 1
+    renewals = {k: v for k, v in after.items() if k[0] == "pdkv_registry_register_failures_total"}
+    assert renewals and all(v >= 1 for v in renewals.values())  # renewals while the registry was away
+    assert _delta(after, before, "pdkv_notification_retransmissions_total", kind="release") == 2
+    assert _delta(after, before, "pdkv_notification_failures_total", kind="give_up") == 1
+
+
+_SCOPE = ("pdkv-test-model", 1, 2)
+
+
 async def _multiprocess_child() -> None:
     """Run with PROMETHEUS_MULTIPROC_DIR set: an exporter and a decode in this process write
     their metrics to the directory; the parent merges them between steps said on stdout."""
@@ -137,6 +221,7 @@ async def _multiprocess_child() -> None:
 
     assert metrics.MULTIPROCESS
     metrics.ROOM_SAMPLE_SECONDS = 0.05
+    metrics.set_scope(*_SCOPE)  # as SGLang's adapter does: the labels that join SGLang's series
     loop = asyncio.get_running_loop()
 
     async def step(**facts: object) -> None:
@@ -193,7 +278,8 @@ def test_room_gauges_and_fetch_metrics_merge_in_multiprocess_mode(tmp_path):
     watchdog.start()
     try:
         first = _next_step(child)
-        rank, engine = {"engine": "mp1", "cp_rank": "0"}, {"engine": "mp1"}
+        scope = dict(zip(("model_name", "tp_rank", "dp_rank"), map(str, _SCOPE)))
+        rank, engine = {"engine": "mp1", "cp_rank": "0", **scope}, {"engine": "mp1", **scope}
         merged = _merged(tmp_path)
         assert merged[_key("pdkv_pinned_pages", **rank)] == 2  # room 2 (room 1 released, room 3 aborted)
         assert merged[_key("pdkv_pinned_rooms", **rank)] == 1

@@ -19,7 +19,19 @@ Two modes, as prometheus_client chose when it was imported:
   as they are tracked and then every `ROOM_SAMPLE_SECONDS` from a task on their own loop
   (nothing outside this module changes as rooms do). The gauges merge as `livemostrecent`:
   one exporter owns an (engine, CP rank), so a restarted rank's values replace its dead
-  predecessor's rather than add to them, and `mark_process_dead` drops them.
+  predecessor's rather than add to them, and `mark_process_dead` drops them. The processes of
+  one server (SGLang's TP and DP ranks) then share one scrape, so every series also carries
+  the process's scope, `SCOPE_LABELS` (model name, TP rank, DP rank: the labels SGLang's own
+  series carry), set once by the adapter (`set_scope`) and "" until then.
+
+Beside those: registry lookups (latency, failures) and registrations refused, notification
+failures and retransmissions (`observe_notification_failure`, `observe_retransmission`),
+and `pdkv_build_info` (version, wire schema, lanes), a constant 1.
+
+What counts once: `pdkv_fetch_seconds` (and bytes, rate, descriptors, failures) once per
+read of a whole room, whether a `fetch` or one `RoomLease.read` / `read_once` under a claim;
+`pdkv_read_seconds` once per batched READ or gather launch inside it (`OwnerStats.reads`
+summed over the owners: one or more per owner).
 """
 
 from __future__ import annotations
@@ -27,16 +39,28 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from importlib import metadata as _dist
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from transfer.results import FetchResult
+
 __all__ = [
+    "BUILD_INFO",
+    "LOOKUP_SECONDS",
+    "LOOKUP_FAILURES",
+    "REGISTER_FAILURES",
+    "NOTIFICATION_FAILURES",
+    "RETRANSMISSIONS",
+    "SCOPE_LABELS",
     "FETCH_SECONDS",
     "READ_SECONDS",
     "FETCH_BYTES",
@@ -48,6 +72,14 @@ __all__ = [
     "ROOM_SAMPLE_SECONDS",
     "fetching",
     "fetch_engine",
+    "observe_fetch",
+    "observe_fetch_failure",
+    "observe_lookup",
+    "observe_notification_failure",
+    "observe_read",
+    "observe_register_failure",
+    "observe_retransmission",
+    "set_scope",
     "track_exporter",
     "untrack_exporter",
 ]
@@ -65,30 +97,131 @@ _COUNTS = tuple(float(4**p) for p in range(0, 10))  # 1 .. 262,144
 # 0.1 GB/s (a slow TCP path) .. 2 TB/s (a same-GPU gather): UCX over NICs, NVLink, HBM.
 _RATES = tuple(g * 1e9 for g in (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 400, 700, 1000, 1400, 2000))
 
+# Multiprocess only: the server's processes share one scrape (see the module's doc).
+SCOPE_LABELS: tuple[str, ...] = ("model_name", "tp_rank", "dp_rank") if MULTIPROCESS else ()
+_scope: tuple[str, ...] = ("",) * len(SCOPE_LABELS)
+_S = list(SCOPE_LABELS)
+
 FETCH_SECONDS = Histogram(
     "pdkv_fetch_seconds",
-    "Whole fetches: lookup (cached), reads from every owner, proof of the pin",
-    ["engine", "path"],  # path: ticket | claims
+    "Whole reads of a room (a fetch, or a read under a RoomLease): lookup (cached), reads from every owner, proof",
+    [*_S, "engine", "path"],  # path: ticket | claims
     buckets=_SECONDS,
 )
 READ_SECONDS = Histogram(
     "pdkv_read_seconds",
-    "Time inside one batched UCX READ or one gather launch",
-    ["engine", "lane"],  # lane: ucx | cuda_ipc
+    "Time inside one batched UCX READ or one gather launch (one or more per owner of a fetch)",
+    [*_S, "engine", "lane"],  # lane: ucx | cuda_ipc
     buckets=_SECONDS,
 )
-FETCH_BYTES = Histogram("pdkv_fetch_bytes", "Bytes a fetch moved", ["engine"], buckets=_BYTES)
+FETCH_BYTES = Histogram("pdkv_fetch_bytes", "Bytes a fetch moved", [*_S, "engine"], buckets=_BYTES)
 FETCH_RATE = Histogram(
     "pdkv_fetch_bytes_per_second",
     "Bytes a successful fetch moved over its whole seconds (FetchResult.gbps, in bytes)",
-    ["engine"],
+    [*_S, "engine"],
     buckets=_RATES,
 )
-FETCH_DESCRIPTORS = Histogram("pdkv_fetch_descriptors", "UCX descriptors a fetch posted", ["engine"], buckets=_COUNTS)
-FETCH_FAILURES = Counter("pdkv_fetch_failures", "Fetches that raised, by error class", ["engine", "error"])
-FETCHES_IN_FLIGHT = Gauge(
-    "pdkv_fetches_in_flight", "Fetches begun and not yet ended", ["engine"], multiprocess_mode="livesum"
+FETCH_DESCRIPTORS = Histogram(
+    "pdkv_fetch_descriptors", "UCX descriptors a fetch posted", [*_S, "engine"], buckets=_COUNTS
 )
+FETCH_FAILURES = Counter("pdkv_fetch_failures", "Fetches that raised, by error class", [*_S, "engine", "error"])
+FETCHES_IN_FLIGHT = Gauge(
+    "pdkv_fetches_in_flight", "Fetches begun and not yet ended", [*_S, "engine"], multiprocess_mode="livesum"
+)
+# No engine label: a mistyped engine id must not become a series.
+LOOKUP_SECONDS = Histogram(
+    "pdkv_registry_lookup_seconds",
+    "A decode's registry lookups of an engine, waiting for its ranks included, by outcome (ok | failed)",
+    [*_S, "outcome"],
+    buckets=_SECONDS,
+)
+LOOKUP_FAILURES = Counter(
+    "pdkv_registry_lookup_failures", "Registry lookups that raised, by error class", [*_S, "error"]
+)
+REGISTER_FAILURES = Counter(
+    "pdkv_registry_register_failures",
+    "A prefill rank's registration or renewal attempts that failed (the registry away or refusing), by error class",
+    [*_S, "error"],
+)
+NOTIFICATION_FAILURES = Counter(
+    "pdkv_notification_failures",
+    "Notifications to an owner (kind: release | give_up) that could not be sent or were never acknowledged",
+    [*_S, "kind"],
+)
+RETRANSMISSIONS = Counter(
+    "pdkv_notification_retransmissions", "Notifications sent again, unacknowledged in time, by kind", [*_S, "kind"]
+)
+BUILD_INFO = Gauge(
+    "pdkv_build_info",
+    "pdkv's version, wire schema and the lanes this build carries (always 1)",
+    ["version", "schema", "lanes"],
+    multiprocess_mode="max",
+)
+
+
+def _build_info() -> None:
+    from transfer.metadata import SCHEMA_VERSION  # here: metadata is heavier than this module
+
+    try:
+        version = _dist.version("pdkv")
+    except _dist.PackageNotFoundError:  # run from a checkout that was never installed
+        version = "unknown"
+    BUILD_INFO.labels(version, str(SCHEMA_VERSION), "ucx,cuda_ipc").set(1)
+
+
+_build_info()
+
+
+def set_scope(model_name: str, tp_rank: int, dp_rank: int) -> None:
+    """This process's place in its server (SGLang's model name, attention-TP rank and DP
+    rank), on every series from now on; multiprocess mode only (no labels otherwise)."""
+    global _scope
+    if not SCOPE_LABELS:
+        return
+    _scope = (model_name, str(tp_rank), str(dp_rank))
+    _in_flight.clear()
+
+
+def observe_fetch(result: FetchResult) -> None:
+    """A whole read of a room that returned: a fetch, or a read under a lease."""
+    engine, scope = result.engine_id, _scope
+    FETCH_SECONDS.labels(*scope, engine, "claims" if result.control_messages else "ticket").observe(result.seconds)
+    FETCH_BYTES.labels(*scope, engine).observe(result.nbytes)
+    FETCH_DESCRIPTORS.labels(*scope, engine).observe(result.descriptors)
+    if result.seconds > 0:
+        FETCH_RATE.labels(*scope, engine).observe(result.nbytes / result.seconds)
+
+
+def observe_fetch_failure(engine_id: str, error: BaseException) -> None:
+    FETCH_FAILURES.labels(*_scope, engine_id, type(error).__name__).inc()
+
+
+def observe_read(lane: str, seconds: float) -> None:
+    """One batched READ or gather launch, under the engine of the fetch it belongs to."""
+    READ_SECONDS.labels(*_scope, fetch_engine(), lane).observe(seconds)
+
+
+def observe_lookup(started: float, error: BaseException | None = None) -> None:
+    """A registry lookup begun at `started` (`time.perf_counter()`) ended, raising `error` or not."""
+    LOOKUP_SECONDS.labels(*_scope, "ok" if error is None else "failed").observe(time.perf_counter() - started)
+    if error is not None:
+        LOOKUP_FAILURES.labels(*_scope, type(error).__name__).inc()
+
+
+def observe_register_failure(error: BaseException) -> None:
+    REGISTER_FAILURES.labels(*_scope, type(error).__name__).inc()
+
+
+def observe_notification_failure(kind: str = "release") -> None:
+    """A notification to an owner (`kind`: release | give_up) that was lost for good: not
+    sent, or never acknowledged after its retransmissions."""
+    NOTIFICATION_FAILURES.labels(*_scope, kind).inc()
+
+
+def observe_retransmission(kind: str = "release") -> None:
+    """A notification sent again because it was not acknowledged in time."""
+    RETRANSMISSIONS.labels(*_scope, kind).inc()
+
 
 # ---- the decode: which engine a fetch reads, for what is observed inside it -------------------
 
@@ -112,7 +245,7 @@ class _Fetching:
     def __enter__(self) -> None:
         gauge = _in_flight.get(self._engine_id)
         if gauge is None:
-            gauge = _in_flight[self._engine_id] = FETCHES_IN_FLIGHT.labels(self._engine_id)
+            gauge = _in_flight[self._engine_id] = FETCHES_IN_FLIGHT.labels(*_scope, self._engine_id)
         self._gauge = gauge
         gauge.inc()
         self._token = _engine.set(self._engine_id)
@@ -152,7 +285,7 @@ _COUNTERS = {
     "aborted": ("pdkv_rooms_aborted", "Rooms aborted"),
     "expired": ("pdkv_rooms_expired", "Rooms whose pin expired before release"),
 }
-_ROOM_LABELS = ["engine", "cp_rank"]
+_ROOM_LABELS = [*_S, "engine", "cp_rank"]
 
 
 class _ExporterCollector(Collector):
@@ -181,18 +314,19 @@ class _Sampler:
     task: asyncio.Task[None] | None = None
 
     def write(self, rooms: dict[str, int]) -> None:
+        labels = (*_scope, *self.labels)
         for key, gauge in _room_gauges.items():
-            gauge.labels(*self.labels).set(rooms[key])
+            gauge.labels(*labels).set(rooms[key])
         for key, counter in _room_counters.items():
             delta = rooms[key] - self.seen.get(key, 0)
             if delta > 0:
-                counter.labels(*self.labels).inc(delta)
+                counter.labels(*labels).inc(delta)
             self.seen[key] = rooms[key]
 
     def zero(self) -> None:
         """Gone: its gauges read 0 (series cannot be removed in multiprocess mode)."""
         for gauge in _room_gauges.values():
-            gauge.labels(*self.labels).set(0)
+            gauge.labels(*_scope, *self.labels).set(0)
 
 
 _room_gauges: dict[str, Gauge] = {}

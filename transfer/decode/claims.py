@@ -27,7 +27,7 @@ from transfer.decode.owners import Owner, lost_peer
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import ReadGroup, ReadSlot, ReadStats
 from transfer.metadata import ClaimRequest, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
-from transfer.metrics import READ_SECONDS, fetch_engine
+from transfer.metrics import observe_read  # re-exported: the tickets' reads use it too
 from transfer.results import FetchResult, OwnerStats
 
 __all__ = ["Claim", "ClaimProtocol", "observe_read", "owner_urls"]
@@ -306,10 +306,6 @@ def _slots(owners: dict[int, Owner]) -> dict[int, ReadSlot]:
         if group is not None:
             slots.update((r, group.slot()) for r in ranks)
     return slots
-
-
-def observe_read(lane: str, seconds: float) -> None:
-    READ_SECONDS.labels(fetch_engine(), lane).observe(seconds)  # the engine of the fetch it belongs to
 
 
 def owner_urls(owners: dict[int, Owner]) -> dict[str, int]:

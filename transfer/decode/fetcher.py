@@ -47,9 +47,9 @@ from transfer.lanes.pages import mem_type
 from transfer.lanes.ucx.lane import UcxLane
 from transfer.lanes.ucx.nixl import default_workers
 from transfer.lanes.ucx.transport import UcxTransport
-from transfer.logctx import request_context
+from transfer.logctx import failure_fields, request_context
 from transfer.metadata import RoomTicket
-from transfer.metrics import FETCH_BYTES, FETCH_DESCRIPTORS, FETCH_FAILURES, FETCH_RATE, FETCH_SECONDS, fetching
+from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
 from transfer.readiness import ReadinessFeed
 from transfer.registry import registry_client
 from transfer.results import FetchResult
@@ -238,12 +238,13 @@ class DecodeFetcher:
             ):
                 result = await self._fetch(job, ticket, readers)
         except PdkvError as exc:
-            FETCH_FAILURES.labels(engine_id, type(exc).__name__).inc()
-            logger.info("fetch of room %d from %s failed: %s", room, engine_id, exc)
+            observe_fetch_failure(engine_id, exc)
+            fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
+            logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
             raise
         # Recorded once the caller has its result: a fetch of a finished room through the GPU
         # lane takes well under a millisecond, and on a CPU just woken each step costs 10x.
-        asyncio.get_running_loop().call_soon(_observe, result)
+        asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
 
     async def _fetch(self, job: Fetch, ticket: RoomTicket | None, readers: int) -> FetchResult:
@@ -336,12 +337,3 @@ class DecodeFetcher:
                     self._ctx.feed.forget(o.rank.control_url, room)
                 await self._claims.release_all(owners, claim)
                 raise
-
-
-def _observe(result: FetchResult) -> None:
-    engine = result.engine_id
-    FETCH_SECONDS.labels(engine, "claims" if result.control_messages else "ticket").observe(result.seconds)
-    FETCH_BYTES.labels(engine).observe(result.nbytes)
-    FETCH_DESCRIPTORS.labels(engine).observe(result.descriptors)
-    if result.seconds > 0:
-        FETCH_RATE.labels(engine).observe(result.nbytes / result.seconds)

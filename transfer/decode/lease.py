@@ -23,7 +23,7 @@ from transfer.decode.owners import Owner, pinned
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
 from transfer.decode.tickets import PreparedTicket, TicketProtocol
 from transfer.metadata import OwnerPin, RoomState, RoomStatus, RoomTicket
-from transfer.metrics import fetching
+from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
 from transfer.results import FetchResult
 
 __all__ = ["RoomLease"]
@@ -74,8 +74,14 @@ class RoomLease:
         must not hand them on.
         """
         job = self._begin(dst_pages, deadline, timeout, skip=skip)
-        with self._activity.call(), fetching(self.engine_id):
-            return await self._claims.fetch(self._owners, self._claim, job, release=False)
+        try:
+            with self._activity.call(), fetching(self.engine_id):
+                result = await self._claims.fetch(self._owners, self._claim, job, release=False)
+        except PdkvError as exc:
+            observe_fetch_failure(self.engine_id, exc)
+            raise
+        asyncio.get_running_loop().call_soon(observe_fetch, result)  # each read counts once, as a fetch
+        return result
 
     async def release(self) -> bool:
         """Release the claim on every owner; True if that freed the room (it was the last).
@@ -216,11 +222,17 @@ class RoomLease:
             except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
                 await self.give_up()
                 if isinstance(exc, RoomAbortedError):
+                    observe_fetch_failure(self.engine_id, exc)
                     raise
-                raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
-            except BaseException:
+                aborted = RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read")
+                observe_fetch_failure(self.engine_id, aborted)
+                raise aborted from exc
+            except BaseException as exc:
                 await self.give_up()
+                if isinstance(exc, PdkvError):
+                    observe_fetch_failure(self.engine_id, exc)
                 raise
+        asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
 
     async def _proved_by_pins(self) -> bool:
@@ -246,7 +258,7 @@ class RoomLease:
 
     def _notify(self, pinned_owners: list[tuple[Owner, OwnerPin]], room: int) -> None:
         """Release the claim on every owner by a notification (its bytes proved by the pin words)."""
-        self._tickets.release_claims([o for o, _ in pinned_owners], self._claim)
+        self._tickets.release_claims(pinned_owners, self._claim)
 
     def _forget(self) -> None:
         """Stop keeping the room's pushed states (wanted since the claim)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from transfer.lanes.base import Lane, Pairs
 from transfer.lanes.pages import BufferPair, device_id
 from transfer.lanes.ucx.lane import UcxLane
 from transfer.metadata import EngineDescriptor, RankDescriptor, RoomTicket
+from transfer.metrics import observe_lookup
 from transfer.pin_table import MappedPins, map_pins
 from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
@@ -107,13 +109,26 @@ class Owners:
     async def describe(self, engine_id: str, within: Deadline | None = None) -> dict[int, Owner]:
         """Ask the registry for the engine's owners (waiting until all are in) and check them."""
         deadline = Deadline.after(self.timeouts.lookup) if within is None else within.within(self.timeouts.lookup)
-        return self.check(await self._registry.lookup(engine_id, deadline))
+        return self.check(await self._ask(engine_id, deadline))
+
+    async def _ask(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
+        """The registry's answer for the engine, its latency and failures observed. An engine
+        the registry never saw fails at once (`UnknownEngineError`); one it cannot answer
+        for yet is waited for until `deadline`."""
+        started = time.perf_counter()
+        try:
+            found = await self._registry.lookup(engine_id, deadline)
+        except Exception as exc:  # a cancelled lookup is no outcome
+            observe_lookup(started, exc)
+            raise
+        observe_lookup(started)
+        return found
 
     async def refused(self, engine_id: str, deadline: Deadline) -> dict[int, Owner]:
         """The engine's owners as the registry lists them, unchecked and on no lane: owners
         whose layout `lookup` refused, which a decode may still ask to give a room up
         (`ClaimProtocol.release`: a give-up travels in the owner's own envelope)."""
-        desc = await self._registry.lookup(engine_id, deadline.within(self.timeouts.lookup))
+        desc = await self._ask(engine_id, deadline.within(self.timeouts.lookup))
         return {rank.cp_rank: Owner(rank, {}) for rank in desc.ranks}
 
     def check(self, desc: EngineDescriptor) -> dict[int, Owner]:

@@ -8,6 +8,7 @@ from typing import Protocol
 from pdkv.errors import NotReadyError, PdkvError, UnknownEngineError
 from transfer.deadline import Deadline, retry_until
 from transfer.metadata import EngineDescriptor, RankDescriptor
+from transfer.metrics import observe_register_failure
 
 __all__ = ["RegistryClient", "assemble", "register_until"]
 
@@ -45,6 +46,12 @@ def assemble(engine_id: str, ranks: list[RankDescriptor]) -> EngineDescriptor:
 async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float) -> None:
     """Register, retrying with backoff while the registry is not reachable, until `deadline`
     (a `time.monotonic()` instant)."""
-    await retry_until(
-        lambda: registry.register(descriptor), Deadline(deadline), PdkvError, "registering", cap=_REGISTER_PAUSE_S
-    )
+
+    async def attempt() -> None:
+        try:
+            await registry.register(descriptor)
+        except PdkvError as exc:
+            observe_register_failure(exc)
+            raise
+
+    await retry_until(attempt, Deadline(deadline), PdkvError, "registering", cap=_REGISTER_PAUSE_S)

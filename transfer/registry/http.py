@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdkv.errors import NotReadyError, UnknownEngineError
+from pdkv.errors import NotReadyError
 from transfer.deadline import Deadline, retry_until
 from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor, RankDescriptor
@@ -39,7 +39,9 @@ class HttpRegistry:
             assert found is not None  # a reply kind was given: a reply or an error
             return found
 
-        return await retry_until(get, deadline, (NotReadyError, UnknownEngineError), f"engine {engine_id}", cap=0.5)
+        # UnknownEngineError is the registry's answer that it never saw the engine (past its
+        # start-up grace, `transfer.registry.server.Registry`): a mistyped id, raised at once.
+        return await retry_until(get, deadline, NotReadyError, f"engine {engine_id}", cap=0.5)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -5,9 +5,16 @@
     GET    /v1/engines/{engine}                EngineDescriptor once all CP ranks are in
     GET    /v1/engines                         engine ids and how many ranks are in (JSON)
     GET    /health                             liveness, no secret needed
+    GET    /ready                              readiness (200 once listening), no secret needed
 
 An entry lives `Timeouts.lease` seconds unless renewed, so a rank that dies drops out
 by itself. Run it as a process with `python -m transfer.app.registry`.
+
+A lookup of an engine without a rank in answers `NotReadyError` (wait) for an engine seen
+since the registry started (restarting, or its lease lapsed) and, during the registry's first
+`grace` seconds, for any engine (a registry just restarted has not heard the renewals yet,
+and a deployment's decodes may ask before its prefills registered); after that an engine
+never seen is `UnknownEngineError` at once (a mistyped id).
 """
 
 from __future__ import annotations
@@ -38,11 +45,18 @@ class _Entry:
 class Registry:
     """The registry's state: pure bookkeeping, clocked by the caller."""
 
-    def __init__(self, lease: float) -> None:
+    def __init__(self, lease: float, grace: float | None = None, now: float | None = None) -> None:
+        """`grace`: seconds from `now` (the start) during which an engine never seen is
+        waited for rather than unknown; by default one `lease`, within which every live rank
+        renews (re-registers with a registry that restarted)."""
         self.lease = lease
+        self.grace = lease if grace is None else grace
+        self.started = time.monotonic() if now is None else now
         self._engines: dict[str, dict[int, _Entry]] = {}
+        self._seen: set[str] = set()  # every engine that registered a rank since the start
 
     def put(self, d: RankDescriptor, now: float) -> None:
+        self._seen.add(d.engine_id)
         ranks = self._engines.setdefault(d.engine_id, {})
         old = ranks.get(d.cp_rank)
         if old is not None and old.descriptor.incarnation != d.incarnation:
@@ -76,7 +90,12 @@ class Registry:
         self.expire(now)
         ranks = self._engines.get(engine_id)
         if not ranks:
-            raise UnknownEngineError(f"engine {engine_id!r} is not registered")
+            up = now - self.started
+            if engine_id in self._seen:
+                raise NotReadyError(f"engine {engine_id!r}: no rank registered now (it was before)")
+            if up < self.grace:
+                raise NotReadyError(f"engine {engine_id!r} is not registered yet (the registry is {up:.1f}s up)")
+            raise UnknownEngineError(f"engine {engine_id!r} was never registered here (the registry is {up:.0f}s up)")
         size = next(iter(ranks.values())).descriptor.cp_size
         missing = sorted(set(range(size)) - set(ranks))
         if missing:
@@ -94,15 +113,22 @@ class RegistryServer:
     """The registry over HTTP, with a sweeper that expires lapsed leases."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, timeouts: Timeouts = Timeouts(), secret: str | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeouts: Timeouts = Timeouts(),
+        secret: str | None = None,
+        grace: float | None = None,
     ) -> None:
-        self.registry = Registry(timeouts.lease)
+        """`grace`: as `Registry`'s (by default `timeouts.lease`)."""
+        self.registry = Registry(timeouts.lease, grace)
         app = make_app(secret)
         app.router.add_put(r"/v1/engines/{engine}/ranks/{rank:\d+}", self._put)
         app.router.add_delete(r"/v1/engines/{engine}/ranks/{rank:\d+}", self._delete)
         app.router.add_get("/v1/engines/{engine}", self._get)
         app.router.add_get("/v1/engines", self._list)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
         self._http = HttpService(app, host, port)
         self._sweeper: asyncio.Task[None] | None = None
         self._interval = timeouts.lease / 4
@@ -149,3 +175,9 @@ class RegistryServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "engines": len(self.registry.summary())})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """Ready once listening (what answers this): lookups are served from now on."""
+        up = time.monotonic() - self.registry.started
+        in_grace = up < self.registry.grace  # unknown engines are still waited for
+        return web.json_response({"status": "ready", "up_s": round(up, 3), "in_grace": in_grace})
