@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Make .venv in the checkout with torch's CPU build first (a bare `torch` would pull a
-# multi-GB CUDA build), then the project and its test extra. Idempotent and quiet.
+# Make .venv in the checkout with torch's CPU build first (a bare `torch` from PyPI is the
+# multi-GB CUDA build on Linux), then the project and its test extra. Idempotent and quiet.
 #   scripts/setup_env.sh [sglang]
+# The CPU build is asked for by its local version, torch==2.13.0+cpu, which only CPU indexes
+# carry: from pip's own sources where they have it (a mirror, a find-links directory), else
+# from PDKV_TORCH_INDEX (default: PyTorch's CPU index). A torch already in .venv is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH=torch==2.13.0+cpu
+TORCH_INDEX=${PDKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q torch==2.13.0
+  if [ -z "${PDKV_TORCH_INDEX:-}" ] && .venv/bin/pip install -q --dry-run --no-deps "$TORCH" >/dev/null 2>&1; then
+    .venv/bin/pip install -q "$TORCH"
+  else
+    .venv/bin/pip install -q "$TORCH" --extra-index-url "$TORCH_INDEX"
+  fi
 fi
 .venv/bin/pip install -q -e ".[test]"
 # With `sglang` (the tests): SGLang for its conformance test, without its dependencies
