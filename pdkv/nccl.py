@@ -111,7 +111,7 @@ class _Api:
 
 _api: _Api | None = None
 _unavailable = False  # the bindings were found missing: torch's process group serves
-GPU_EXTRA = "pip install 'pdkv[gpu]'"
+GPU_EXTRA = "pip install 'pdkv[cu12]' or 'pdkv[cu13]', for torch.version.cuda's major"
 
 
 def _point_nccl4py_at_torch() -> None:

@@ -38,7 +38,7 @@ HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _POINTER_MEMORY_TYPE = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 _MEMORY_DEVICE, _MEMORY_ARRAY, _MEMORY_UNIFIED = 2, 3, 4  # CUmemorytype (host is 1)
-GPU_EXTRA = "pip install 'pdkv[gpu]'"
+GPU_EXTRA = "pip install 'pdkv[cu12]' or 'pdkv[cu13]', for torch.version.cuda's major"
 
 
 def driver_bindings() -> Any:
