@@ -200,7 +200,10 @@ async def test_after_etcd_is_killed_and_restarts_renewals_and_lookups_work_withi
         await asyncio.sleep(0.3)
         etcd.kill()
         far = time.monotonic() + 30
-        renewals = [asyncio.ensure_future(_timed(register_until(ranks[r], rank_descriptor(r), far))) for r in range(3)]
+        renewals = [
+            asyncio.ensure_future(_timed(register_until(ranks[r], rank_descriptor(r), far, timeouts.retry_pause)))
+            for r in range(3)
+        ]
         lookup = asyncio.ensure_future(_timed(decode.lookup("e0", Deadline.after(30))))
         await asyncio.sleep(OUTAGE_S)
         assert not any(t.done() for t in (watch, *renewals, lookup))
@@ -211,7 +214,7 @@ async def test_after_etcd_is_killed_and_restarts_renewals_and_lookups_work_withi
         after["lookup"] = at - answered
         assert [r.cp_rank for r in engine.ranks] == [0, 1, 2]
         for r in (1, 2):
-            await register_until(e1_ranks[r], e1[r], far)
+            await register_until(e1_ranks[r], e1[r], far, timeouts.retry_pause)
         engine, at = await watch
         after["lookup watching through the outage"] = at - answered
         assert [r.cp_rank for r in engine.ranks] == [0, 1, 2]
@@ -333,7 +336,8 @@ async def test_with_etcd_users_a_restart_costs_a_new_token_not_the_registry(etcd
         etcd.kill()
         etcd.launch()
         answered = await asyncio.to_thread(etcd.wait_healthy)
-        await register_until(ranks[2], rank_descriptor(2), time.monotonic() + 10)  # a put, under a new lease
+        # a put, under a new lease
+        await register_until(ranks[2], rank_descriptor(2), time.monotonic() + 10, timeouts.retry_pause)
         engine = await decode.lookup("e0", Deadline.after(10))
         assert [r.cp_rank for r in engine.ranks] == [0, 1, 2]
         await ranks[0].leave("e0", 0)

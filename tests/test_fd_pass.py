@@ -56,7 +56,7 @@ def memfd(i):
 async def main():
     files = [memfd(i) for i in range(3)]
     one = memfd(99)
-    async with FdServer(secret, directory=directory) as server:
+    async with FdServer(secret, directory=directory, timeout=5) as server:
         server.serve("files", files)
         server.serve("many", [one] * int(sys.argv[4]))
         for fd in files + [one]:
@@ -209,7 +209,7 @@ async def test_malformed_request_gets_a_typed_reply() -> None:
     threads = threading.active_count()
     before = _fd_count()
     r, w = os.pipe()
-    async with FdServer(SECRET) as srv:
+    async with FdServer(SECRET, timeout=5) as srv:
         srv.serve("k", [r])
         loop = asyncio.get_running_loop()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -246,7 +246,7 @@ async def test_malformed_request_gets_a_typed_reply() -> None:
 async def test_withdraw_closes_duplicates() -> None:
     before = _fd_count()
     r, w = os.pipe()
-    async with FdServer(SECRET) as srv:
+    async with FdServer(SECRET, timeout=5) as srv:
         listening = _fd_count()  # the pipe's two ends and the listening socket
         srv.serve("k", [r, w])
         assert _fd_count() == listening + 2

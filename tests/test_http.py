@@ -106,7 +106,7 @@ def _connect(svc: HttpService):
 
 
 async def test_a_connection_that_stalls_before_its_request_head_is_closed():
-    svc = await _serve(header_timeout=0.3)
+    svc = await _serve(timeouts=Timeouts(header=0.3))
     try:
         reader, writer = await _connect(svc)
         writer.write(b"GET /v1/rooms/1 HTTP/1.1\r\nHost: x\r\n")  # ... and never the blank line

@@ -8,8 +8,10 @@ own errors are translated here and nowhere else.
 
 Every service refuses what would cost it memory or sockets before paying it: a body over
 `MAX_BODY` by its Content-Length before reading (and a body without one as soon as the
-limit is passed), a connection that does not finish a request head within
-`HEADER_TIMEOUT`, and, beyond `MAX_CONNECTIONS`, the connection idle longest.
+limit is passed), a body not received within `Timeouts.body`, a connection that does not
+finish a request head within `Timeouts.header` (or, once answered, send the next within
+`Timeouts.idle`), and, beyond `MAX_CONNECTIONS`, the connection idle longest. The bounds
+are those of the `Timeouts` given to the `HttpService` that serves the app.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
-from transfer.http_guard import HEADER_TIMEOUT, MAX_CONNECTIONS, ConnectionGuard
+from transfer.http_guard import MAX_CONNECTIONS, ConnectionGuard
 from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode
 from transfer.timeouts import Timeouts
@@ -58,12 +60,12 @@ CONTENT_TYPE = "application/x-msgpack"
 MAX_BODY = 4 << 20  # the largest message, a RankDescriptor, is kilobytes
 _HEAP_BODY = 64 << 10  # a body announced this small is read in one piece; others go through a map
 _OPEN_PATHS = ("/health", "/metrics")  # for probes and scrapers: no secret asked
-BODY_TIMEOUT = Timeouts.body
 BACKLOG = 4096  # handshaken connections queued for accept (the kernel caps it at net.core.somaxconn)
 ACCEPT_BATCH = 32  # connections asyncio accepts per wake-up: a flood must not make one loop turn long
 
 T = TypeVar("T", bound=msgspec.Struct)
 R = TypeVar("R")
+_TIMEOUTS = web.AppKey("pdkv.timeouts", Timeouts)  # the serving HttpService's, for its handlers
 
 
 class BodyTooLargeError(MetadataError):
@@ -124,6 +126,7 @@ async def read_body(request: web.Request, kind: type[T], fingerprint: str | None
     """The body, at most `MAX_BODY` bytes however it is framed, decoded as a `kind`.
 
     A declared length over the limit never gets here: `make_app`'s guard refuses it unread.
+    It must arrive within the serving `HttpService`'s `Timeouts.body`.
     """
 
     async def receive() -> bytes:
@@ -139,10 +142,11 @@ async def read_body(request: web.Request, kind: type[T], fingerprint: str | None
                 size += len(chunk)
             return buf[:size]
 
+    limit = request.config_dict[_TIMEOUTS].body
     try:
-        data = await asyncio.wait_for(receive(), BODY_TIMEOUT)
+        data = await asyncio.wait_for(receive(), limit)
     except asyncio.TimeoutError as exc:
-        raise DeadlineExceeded(f"request body not received within {BODY_TIMEOUT:.0f}s") from exc
+        raise DeadlineExceeded(f"request body not received within {limit:g}s") from exc
     return decode(data, kind, fingerprint)
 
 
@@ -334,7 +338,10 @@ async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) ->
 
 
 class HttpService:
-    """An aiohttp app bound to host:port (port 0 picks a free one); `url` once started."""
+    """An aiohttp app bound to host:port (port 0 picks a free one); `url` once started.
+
+    `timeouts`: its `header`, `idle` and `body` bound each connection and request (they are
+    set on `app` for its handlers), its `shutdown` the handlers still running at close."""
 
     def __init__(
         self,
@@ -343,12 +350,12 @@ class HttpService:
         port: int = 0,
         *,
         max_connections: int = MAX_CONNECTIONS,
-        header_timeout: float = HEADER_TIMEOUT,
+        timeouts: Timeouts = Timeouts(),
     ) -> None:
-        # Handlers still running at shutdown get this long; a long-poll must not hold it.
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        app[_TIMEOUTS] = timeouts
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=timeouts.shutdown)
         self._host, self._port = host, port
-        self._limits = (max_connections, header_timeout)
+        self._limits = (max_connections, timeouts)
         self._server: asyncio.AbstractServer | None = None
         self._guard: ConnectionGuard | None = None
         self.url = ""

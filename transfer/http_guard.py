@@ -19,12 +19,10 @@ from aiohttp import StreamReader, web
 
 from transfer.timeouts import Timeouts
 
-__all__ = ["ConnectionGuard", "FD_RESERVE", "HEADER_TIMEOUT", "IDLE_TIMEOUT", "MAX_CONNECTIONS"]
+__all__ = ["ConnectionGuard", "FD_RESERVE", "MAX_CONNECTIONS"]
 
 logger = logging.getLogger(__name__)
 
-HEADER_TIMEOUT = Timeouts.header
-IDLE_TIMEOUT = Timeouts.idle
 MAX_CONNECTIONS = 1024  # a site's; fewer if the process's open-files limit runs out first
 FD_RESERVE = 256  # open files kept for what else a service holds (UCX, logs, its own clients)
 
@@ -46,13 +44,16 @@ class ConnectionGuard:
     one that has sent nothing since it opened or was last answered, oldest first, else one
     part way through a request head, oldest first. Only when every other connection is
     serving a request is the new one closed, so idle sockets cannot lock others out.
+    A new connection gets `timeouts.header` to send a request head; an answered one
+    `timeouts.idle` to send the next.
     """
 
     _by_transport: dict[Any, _Tracked] = {}
     total = 0  # connections open in this process, over every site: they share its open-files limit
 
-    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, header_timeout: float) -> None:
-        self.factory, self.limit, self.header_timeout = factory, limit, header_timeout
+    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, timeouts: Timeouts) -> None:
+        self.factory, self.limit = factory, limit
+        self.header_timeout, self.idle_timeout = timeouts.header, timeouts.idle
         self.budget = _fd_budget()
         self.live = self.evicted = 0
         self.quiet: OrderedDict[_Tracked, None] = OrderedDict()  # idle, nothing received since opened or answered
@@ -104,7 +105,7 @@ class ConnectionGuard:
                 tracked.unread = request.content
             if tracked.busy == 0:
                 tracked.guard.quiet[tracked] = None
-                tracked.arm(max(IDLE_TIMEOUT, tracked.guard.header_timeout))
+                tracked.arm(tracked.guard.idle_timeout)
 
 
 class _Tracked(asyncio.Protocol):

@@ -111,7 +111,7 @@ class PrefillExporter:
         self._readiness = ReadinessHub()
         self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push)
         self._client = ControlClient(timeouts, secret)
-        self._ipc = IpcExporter(secret)
+        self._ipc = IpcExporter(secret, timeouts)
         app = make_app(secret, engine=engine_id, rank=cp_rank)
         app.router.add_get("/v1/rooms/{room}", self._wait)
         app.router.add_get("/v1/events", self._events)
@@ -121,7 +121,7 @@ class PrefillExporter:
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/health", health)
         self._bind_host = host
-        self._http = HttpService(app, host, port)
+        self._http = HttpService(app, host, port, timeouts=timeouts)
         self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -138,9 +138,7 @@ class PrefillExporter:
     async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
         protect_owner_heap(self.pool.device.type, self._bind_host)  # where UCX may serve it over TCP
-        self.transport = UcxTransport(
-            name, workers=1, mem_type=mem_type(self.pool.device), connect_timeout=self.timeouts.connect
-        )
+        self.transport = UcxTransport(name, workers=1, mem_type=mem_type(self.pool.device), timeouts=self.timeouts)
         # The owned slab is the owned layers' buffers and the alignment padding between them
         # (never written): nothing else is exposed.
         self.transport.register([*self.pool.registered_buffers(), self._pins.tensor])
@@ -162,7 +160,9 @@ class PrefillExporter:
             ipc=await self._ipc.start(self.pool),
             pins=self._pins.wire(),
         )
-        await register_until(self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup)
+        await register_until(
+            self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup, self.timeouts.retry_pause
+        )
         self._tasks = [
             asyncio.create_task(self._renew_forever()),
             asyncio.create_task(self._progress_forever()),
@@ -272,7 +272,12 @@ class PrefillExporter:
             await asyncio.sleep(pause)
             try:
                 assert self.descriptor is not None
-                await register_until(self._registry, self.descriptor, time.monotonic() + self.timeouts.renew_interval)
+                await register_until(
+                    self._registry,
+                    self.descriptor,
+                    time.monotonic() + self.timeouts.renew_interval,
+                    self.timeouts.retry_pause,
+                )
                 pause = self.timeouts.renew_interval
             except PdkvError as exc:  # the registry may be restarting: keep trying at register_until's pace
                 logger.warning("lease renewal failed: %s", exc)

@@ -1,8 +1,10 @@
 """Every timeout of the transfer layer, in one object with finite defaults.
 
-No other module holds a timeout literal. A field bounds one kind of wait; a request's
-end-to-end budget is a `transfer.deadline.Deadline`, and each network await takes
-`deadline.left(cap)` with the field for that wait as the cap.
+No other module holds a timeout literal, nor reads a field off the class: every bound comes
+from the `Timeouts` instance its caller passed down (a constructor's `timeouts`). A field
+bounds one kind of wait; a request's end-to-end budget is a `transfer.deadline.Deadline`,
+and each network await takes `deadline.left(cap)` with the field for that wait as the cap.
+What stays elsewhere paces without ending a wait: poll intervals and backoff steps.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class Timeouts:
     # cut link would otherwise wait for the READ's own deadline.
     read_stall: float = 10.0
     start: float = 30.0  # starting or closing a service or a synchronous face's thread
+    shutdown: float = 2.0  # a service closing: handlers still running get this long (a long-poll must not hold it)
+    # After a notification (a ticket's release) its sender's worker is driven this long, so that
+    # it leaves: a connection still wiring up needs several rounds of both sides' progress.
+    notify: float = 2.0
+    drain: float = 0.1  # a transport closing: notifications just sent get at most this long to leave
+    attempt: float = 1.0  # the least one member of a replicated registry gets to answer before the next is asked
+    retry_pause: float = 0.25  # the longest pause between attempts while a registry is away (its return seen)
 
     @property
     def renew_interval(self) -> float:

@@ -154,7 +154,7 @@ class DecodeWorker:
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/health", health)
-        http = HttpService(app, self.args.host, self.args.port)
+        http = HttpService(app, self.args.host, self.args.port, timeouts=self.fetcher.timeouts)
         async with self.fetcher:
             announce(self.args.ready_file, await http.start())
             try:

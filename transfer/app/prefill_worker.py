@@ -295,7 +295,7 @@ class PrefillEngineRank:
             app.router.add_post("/v1/prefill", self._intake)
             app.router.add_post("/v1/rooms/{room}/abort", self._abort)
             app.router.add_get("/health", health)
-            intake = HttpService(app, a.host, a.port)
+            intake = HttpService(app, a.host, a.port, timeouts=self.timeouts)
             await intake.start()
         announce(
             self.args.ready_file,

@@ -120,7 +120,7 @@ class DecodeFetcher:
             f"{self.consumer_id}.{uuid.uuid4().hex[:8]}",
             workers=self._workers or default_workers(mem),
             mem_type=mem,
-            connect_timeout=self.timeouts.connect,
+            timeouts=self.timeouts,
             notifies=True,  # ticket releases
         )
         self._ucx = UcxLane(transport, merge_runs=self.merge_runs, transfer_timeout=self.timeouts.transfer)

@@ -12,8 +12,6 @@ from transfer.metrics import observe_register_failure
 
 __all__ = ["RegistryClient", "assemble", "register_until"]
 
-_REGISTER_PAUSE_S = 0.25  # the longest pause between registration attempts while the registry is away
-
 
 class RegistryClient(Protocol):
     """What an exporter and a fetcher need of a registry."""
@@ -43,9 +41,9 @@ def assemble(engine_id: str, ranks: list[RankDescriptor]) -> EngineDescriptor:
     return EngineDescriptor(engine_id, size, [by_rank[r] for r in range(size)])
 
 
-async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float) -> None:
+async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float, pause: float) -> None:
     """Register, retrying with backoff while the registry is not reachable, until `deadline`
-    (a `time.monotonic()` instant)."""
+    (a `time.monotonic()` instant); `pause` (`Timeouts.retry_pause`): the longest between attempts."""
 
     async def attempt() -> None:
         try:
@@ -54,4 +52,4 @@ async def register_until(registry: RegistryClient, descriptor: RankDescriptor, d
             observe_register_failure(exc)
             raise
 
-    await retry_until(attempt, Deadline(deadline), PdkvError, "registering", cap=_REGISTER_PAUSE_S)
+    await retry_until(attempt, Deadline(deadline), PdkvError, "registering", cap=pause)

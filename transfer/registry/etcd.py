@@ -53,11 +53,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_MIN_ATTEMPT_S = 1.0  # the least a member gets to answer a call before the next is asked
-
 # gRPC's own reconnect backoff grows to minutes, and a client found etcd back only that late.
 _RECONNECT_BACKOFF_MS = (100, 500)  # (first, most) between connection attempts
-_RETRY_PAUSE_S = (0.05, 0.25)  # (first, most) between calls while etcd cannot be reached
+_FIRST_PAUSE_S = 0.05  # the first pause between calls while etcd cannot be reached (the most: `Timeouts.retry_pause`)
 
 # etcd keeps auth tokens in memory: a restart forgets them, and one unused for a while lapses.
 _TOKEN_LAPSED = re.compile(r"invalid auth token|auth store is old")
@@ -143,7 +141,7 @@ class EtcdRegistry:
         # are members: closing it at once cancelled the calls and watches still waiting on it
         # (gRPC ends them with CancelledError, which would read as the caller's own).
         if len(self._retired) > len(self.endpoints):
-            await _close_quietly(self._retired.pop(0), "an etcd client left behind")
+            await _close_quietly(self._retired.pop(0), "an etcd client left behind", self.timeouts.connect)
         return self._client
 
     async def _authenticated(self, call: Callable[[aetcd.Client], Awaitable[T]], client: aetcd.Client) -> T:
@@ -166,14 +164,14 @@ class EtcdRegistry:
     async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[T]], timeout: float | None = None) -> T:
         """One etcd call, bounded, its failures in the pdkv tree. A member that refuses or
         does not answer hands the call to the next: each member left gets an equal share
-        of what remains of the bound (at least a second: a busy member is not a dead one),
+        of what remains of the bound (at least `Timeouts.attempt`: a busy member is not a dead one),
         and the last one all of it."""
         limit = self.timeouts.request if timeout is None else timeout
         end = asyncio.get_running_loop().time() + limit
         members = len(self.endpoints)
         for tried in range(1, members + 1):
             remaining = max(0.0, end - asyncio.get_running_loop().time())
-            share = min(remaining, max(remaining / (members - tried + 1), _MIN_ATTEMPT_S))
+            share = min(remaining, max(remaining / (members - tried + 1), self.timeouts.attempt))
             client = self._client
             try:
                 return await asyncio.wait_for(self._authenticated(call, client), share)
@@ -238,9 +236,13 @@ class EtcdRegistry:
     async def _read_retrying(self, engine_id: str, deadline: Deadline) -> tuple[list[RankDescriptor], int]:
         """`_read`, retried while etcd cannot be reached (restarting, or the client's channel
         still backing off after a refused connection) until the deadline."""
-        first, cap = _RETRY_PAUSE_S
         return await retry_until(
-            lambda: self._read(engine_id, deadline), deadline, PeerLostError, "etcd not reachable", first=first, cap=cap
+            lambda: self._read(engine_id, deadline),
+            deadline,
+            PeerLostError,
+            "etcd not reachable",
+            first=_FIRST_PAUSE_S,
+            cap=self.timeouts.retry_pause,
         )
 
     async def lookup(self, engine_id: str, deadline: Deadline) -> EngineDescriptor:
@@ -282,11 +284,11 @@ class EtcdRegistry:
 
     async def aclose(self) -> None:
         for client in [*self._retired, self._client]:
-            await _close_quietly(client, self.where)
+            await _close_quietly(client, self.where, self.timeouts.connect)
         self._retired.clear()
 
 
-async def _close_quietly(client: aetcd.Client, what: str, timeout: float = Timeouts.connect) -> None:
+async def _close_quietly(client: aetcd.Client, what: str, timeout: float) -> None:
     """Close an etcd client, bounded; closing must not fail a shutdown, etcd may be gone."""
     try:
         await asyncio.wait_for(client.close(), timeout)

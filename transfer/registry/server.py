@@ -129,7 +129,7 @@ class RegistryServer:
         app.router.add_get("/v1/engines", self._list)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
-        self._http = HttpService(app, host, port)
+        self._http = HttpService(app, host, port, timeouts=timeouts)
         self._sweeper: asyncio.Task[None] | None = None
         self._interval = timeouts.lease / 4
 

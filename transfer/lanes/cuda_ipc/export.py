@@ -23,6 +23,7 @@ from transfer.lanes.cuda_ipc.fd_pass import FdServer
 from transfer.lanes.cuda_ipc.vmm import VmmExport, export_span, is_vmm
 from transfer.lanes.pages import device_id
 from transfer.metadata import IpcExport, IpcSlab, VmmSpan
+from transfer.timeouts import Timeouts
 
 __all__ = ["IpcExporter", "NO_SECRET"]
 
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 class IpcExporter:
     """Exports a GPU pool's owned memory for decodes on this host, for as long as it runs."""
 
-    def __init__(self, secret: str | None) -> None:
-        self._secret = secret or NO_SECRET
+    def __init__(self, secret: str | None, timeouts: Timeouts) -> None:
+        self._secret, self._timeouts = secret or NO_SECRET, timeouts
         self._spans: list[VmmExport] = []
         self._server: FdServer | None = None
 
@@ -70,7 +71,7 @@ class IpcExporter:
         ranges = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t, v in zip(buffers, in_vmm) if v)
         if not ranges:
             return slabs, []
-        self._server = FdServer(self._secret)
+        self._server = FdServer(self._secret, timeout=self._timeouts.connect)
         await self._server.start()
         spans = []
         for lo, hi in _spans(ranges):

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import msgspec
 
 from pdkv.errors import AuthError, DeadlineExceeded, PdkvError, PeerLostError, TransferError
-from transfer.timeouts import Timeouts
 
 __all__ = [
     "FdServer",
@@ -61,6 +60,7 @@ MAX_FDS = 16384  # the most a client takes in one fetch unless told otherwise
 _MAX_FRAME = 4096  # requests and replies are tiny; a larger frame is a bad peer
 _FD_MARK = b"F"  # the one data byte each descriptor batch rides on
 _LEN = struct.Struct(">I")
+_ACCEPT_PAUSE_S = 0.1  # after a failed accept (out of descriptors): a pace, not a bound
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -241,7 +241,8 @@ class FdServer:
     `aclose()`. Call `serve`/`withdraw` on the loop's thread.
 
     `directory`: make a socket file there; else an abstract-namespace name (``@...``).
-    `timeout`: the most one connection may take, from accept to the last descriptor.
+    `timeout`: the most one connection may take, from accept to the last descriptor (the
+    exporter's `Timeouts.connect`).
     """
 
     def __init__(
@@ -250,7 +251,7 @@ class FdServer:
         *,
         directory: str | None = None,
         name: str | None = None,
-        timeout: float = Timeouts.connect,
+        timeout: float,
     ) -> None:
         if not secret:
             raise ValueError("FdServer needs a non-empty secret")
@@ -341,7 +342,7 @@ class FdServer:
                 raise
             except OSError as exc:  # EMFILE and kin: log, back off, keep serving
                 logger.warning("fd server accept failed: %s", exc)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(_ACCEPT_PAUSE_S)
                 continue
             task = loop.create_task(self._handle(conn))
             self._conns.add(task)
@@ -403,7 +404,7 @@ class FdServer:
 
 
 async def fetch_fds(
-    address: str, key: str, secret: str | bytes, timeout: float = Timeouts.connect, *, max_fds: int = MAX_FDS
+    address: str, key: str, secret: str | bytes, timeout: float, *, max_fds: int = MAX_FDS
 ) -> list[int]:
     """The descriptors an `FdServer` at `address` serves under `key`: new descriptors of
     this process, which the caller owns (close them with `close_fds` once imported).

@@ -41,13 +41,9 @@ __all__ = ["Regions", "UcxTransport"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# How long the worker is driven after a notification, so that it leaves: a connection still
-# wiring up needs several rounds of both sides' progress, which on a loaded host took longer
-# than the 0.1 s this once was (a release left queued pins its room until the pin expires).
-_NOTIFY_DRIVE_S = 2.0
+# After a notification its worker is driven for `Timeouts.notify`, polled at these paces.
 _NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
 _NOTIFY_POLL_MAX_S = 0.02
-_NOTIFY_CLOSE_S = 0.1  # at most this long a closing transport still drives its last notifications
 
 
 class Regions:
@@ -84,18 +80,20 @@ class UcxTransport:
         name: str,
         workers: int = 1,
         mem_type: str = "DRAM",
-        connect_timeout: float = Timeouts.connect,
+        timeouts: Timeouts = Timeouts(),
         notifies: bool = False,
     ) -> None:
         """`notifies`: this transport sends notifications (`notify`), from an agent of their
         own: a notification sent on a READ worker's connection made that worker's next READs
-        from the peer wait for the peer's progress (4-10 ms each on loopback, measured)."""
+        from the peer wait for the peer's progress (4-10 ms each on loopback, measured).
+        `timeouts`: its `connect`, `notify` and `drain`, and its workers' `read_stall` and
+        `late_read`."""
         self._nixl = load_nixl()
         self.name = name
-        self.connect_timeout = connect_timeout
+        self.timeouts = timeouts
         self.mem_type = mem_type
-        self._workers = [Worker(self._nixl, f"{name}.{i}" if workers > 1 else name) for i in range(workers)]
-        self._notifier = Worker(self._nixl, f"{name}.notify") if notifies else None
+        self._workers = [Worker(self._nixl, f"{name}.{i}" if workers > 1 else name, timeouts) for i in range(workers)]
+        self._notifier = Worker(self._nixl, f"{name}.notify", timeouts) if notifies else None
         self._next_lane = itertools.cycle(range(workers))
         self._local_ranges: list[tuple[int, int]] = []
         self._registrations: list[tuple[Worker, Any]] = []
@@ -148,7 +146,7 @@ class UcxTransport:
                 loaded.append(worker)
                 # Wire up now rather than inside the first READ (tens of ms there, measured).
                 connect = worker.call(functools.partial(worker.agent.make_connection, agent_name))
-                await asyncio.wait_for(connect, self.connect_timeout)
+                await asyncio.wait_for(connect, self.timeouts.connect)
         except Exception as exc:
             for worker in loaded:
                 with contextlib.suppress(Exception):
@@ -156,7 +154,7 @@ class UcxTransport:
             if isinstance(exc, TransferError):
                 raise
             if isinstance(exc, asyncio.TimeoutError):
-                raise DeadlineExceeded(f"connecting to {agent_name}: no answer in {self.connect_timeout}s") from exc
+                raise DeadlineExceeded(f"connecting to {agent_name}: no answer in {self.timeouts.connect:g}s") from exc
             raise PeerLostError(f"cannot connect to {agent_name}: {exc}", agent_name) from exc
         self._peers[agent_name] = Regions(regions)
 
@@ -288,12 +286,12 @@ class UcxTransport:
             raise PeerLostError(f"no connection to {missing[0]}", missing[0])
 
     def _drive_notifications(self) -> None:
-        """Progress the worker for `_NOTIFY_DRIVE_S` from now, 1 ms after the send and then
+        """Progress the worker for `Timeouts.notify` from now, 1 ms after the send and then
         at doubling intervals (up to 10 ms): a notification on a connection not yet wired
         up waits for the owner's progress too. One timer serves every sender, and each poll
         is queued on the sender's thread without an await: a wait per poll, and a poller per
         release, made the next fetch wait (measured, back-to-back GPU-lane fetches)."""
-        self._drive_until = time.monotonic() + _NOTIFY_DRIVE_S
+        self._drive_until = time.monotonic() + self.timeouts.notify
         self._drive_interval = _NOTIFY_POLL_S
         if not self._driving:
             self._driving = True
@@ -328,10 +326,10 @@ class UcxTransport:
         return await worker.call(worker.agent.get_new_notifs)
 
     async def drain_notifications(self) -> None:
-        """Let notifications just sent leave (driven for at most `_NOTIFY_CLOSE_S`): before
+        """Let notifications just sent leave (driven for at most `Timeouts.drain`): before
         their peers' connections are dropped, or the agents closed."""
         if self._driving and not self._closed:
-            left = min(_NOTIFY_CLOSE_S, self._drive_until - time.monotonic())
+            left = min(self.timeouts.drain, self._drive_until - time.monotonic())
             await asyncio.sleep(max(0.0, left) + _NOTIFY_POLL_S)
             self._drive_until = min(self._drive_until, time.monotonic())  # driven: a second drain waits no more
 

@@ -25,15 +25,15 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _POLL_SLEEP_S = (0.0, 0.0001)
-_LATE_GRACE_S = Timeouts.late_read
-_STALL_S = Timeouts.read_stall
 
 
 class Worker:
-    """One NIXL agent and the one thread allowed to call it."""
+    """One NIXL agent and the one thread allowed to call it. `timeouts`: its `read_stall`
+    counts a peer lost, its `late_read` bounds the wait for a READ abandoned at its deadline."""
 
-    def __init__(self, nixl: ModuleType, name: str) -> None:
+    def __init__(self, nixl: ModuleType, name: str, timeouts: Timeouts) -> None:
         self.name = name
+        self.read_stall, self.late_read = timeouts.read_stall, timeouts.late_read
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-{name}")
         conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self.agent: Any = self.executor.submit(nixl.nixl_agent, name, conf).result()
@@ -79,10 +79,10 @@ class Worker:
         return handle
 
     def _finish(self, peer: str, handle: Any, deadline: float) -> None:
-        """Wait for a posted part to end (a stall of `_STALL_S` from now counts the peer
+        """Wait for a posted part to end (a stall of `read_stall` from now counts the peer
         lost), then release it."""
         agent, state = self.agent, "PROC"
-        stalled = time.monotonic() + _STALL_S
+        stalled = time.monotonic() + self.read_stall
         try:
             sleep = _POLL_SLEEP_S[0]
             while (state := agent.check_xfer_state(handle)) == "PROC":
@@ -90,7 +90,7 @@ class Worker:
                 if now > deadline:
                     raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
                 if now > stalled:
-                    raise PeerLostError(f"READ from {peer}: a part of it made no end in {_STALL_S:.0f}s", peer)
+                    raise PeerLostError(f"READ from {peer}: a part of it made no end in {self.read_stall:g}s", peer)
                 time.sleep(sleep)
                 sleep = _POLL_SLEEP_S[1]
             if state != "DONE":
@@ -98,9 +98,8 @@ class Worker:
         finally:
             self._release(agent, handle, peer, state)
 
-    @staticmethod
-    def _release(agent: Any, handle: Any, peer: str, state: str) -> None:
-        """Release a transfer handle; one still in flight is first waited for (bounded).
+    def _release(self, agent: Any, handle: Any, peer: str, state: str) -> None:
+        """Release a transfer handle; one still in flight is first waited for (`late_read`).
 
         A READ abandoned at its deadline could otherwise land later, in destination pages
         that the failed fetch's caller has handed to another request.
@@ -110,7 +109,7 @@ class Worker:
             return
         except Exception as exc:  # an in-flight handle may refuse
             logger.warning("transfer to %s still in flight (%s): waiting for it before release", peer, exc)
-        end = time.monotonic() + _LATE_GRACE_S
+        end = time.monotonic() + self.late_read
         while state == "PROC" and time.monotonic() < end:
             time.sleep(_POLL_SLEEP_S[1])
             try:
