@@ -175,13 +175,17 @@ def test_heap_guard_where_tcp_serves_an_owner(setting, host, installed):
 
 
 def test_heap_guard_rule(monkeypatch):
-    for name in ("UCX_TLS", "UCX_MODULES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
+    for name in ("UCX_TLS", "UCX_MODULES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "PDKV_UCX_ENV"):
         monkeypatch.delenv(name, raising=False)
     assert nixl.heap_guard_reason("cpu", "10.0.0.5") is not None  # no RDMA device here
     assert nixl.heap_guard_reason("cpu", "::1") is None
+    assert nixl.heap_guard_reason("cuda", "127.0.0.1") is None  # the GPU lane and cuda_ipc (zero-copy: pdkv's)
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
     assert nixl.heap_guard_reason("cuda", "127.0.0.1") is not None  # cuda_ipc GET emulated over tcp
-    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-    assert nixl.heap_guard_reason("cuda", "127.0.0.1") is None  # the GPU lane and cuda_ipc only
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+    monkeypatch.setenv("PDKV_UCX_ENV", "0")
+    assert nixl.heap_guard_reason("cuda", "127.0.0.1") is not None  # pdkv does not turn zero-copy on
+    monkeypatch.delenv("PDKV_UCX_ENV")
     monkeypatch.setenv("UCX_TLS", "^tcp")
     assert nixl.heap_guard_reason("cpu", "0.0.0.0") is None
     monkeypatch.setenv("UCX_TLS", "rc,cuda_ipc,cuda_copy,sm,self")

@@ -124,7 +124,10 @@ def heap_guard_reason(device: str = "cpu", bind_host: str | None = None) -> str 
         if not excluding:
             return f"UCX_TLS={os.environ['UCX_TLS']} names tcp"
     if bind_host is not None and _loopback(bind_host):
-        if device == "cuda" and not _on(os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")):
+        zcopy = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+        if zcopy is None and os.environ.get("PDKV_UCX_ENV", "").lower() not in _OFF:
+            zcopy = "y"  # configure_ucx_environment sets it where CUDA is, before NIXL loads UCX
+        if device == "cuda" and not _on(zcopy):
             return "a GPU owner whose cuda_ipc GET is not zero-copy (UCX emulates it over tcp)"
         return None
     modules = _ucx_list("UCX_MODULES")
