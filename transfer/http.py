@@ -59,7 +59,7 @@ SECRET_HEADER = "X-Pdkv-Secret"
 CONTENT_TYPE = "application/x-msgpack"
 MAX_BODY = 4 << 20  # the largest message, a RankDescriptor, is kilobytes
 _HEAP_BODY = 64 << 10  # a body announced this small is read in one piece; others go through a map
-_OPEN_PATHS = ("/health", "/metrics")  # for probes and scrapers: no secret asked
+_OPEN_PATHS = ("/health", "/ready", "/metrics")  # for probes and scrapers: no secret asked
 BACKLOG = 4096  # handshaken connections queued for accept (the kernel caps it at net.core.somaxconn)
 ACCEPT_BATCH = 32  # connections asyncio accepts per wake-up: a flood must not make one loop turn long
 

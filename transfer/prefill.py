@@ -120,10 +120,13 @@ class PrefillExporter:
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/health", health)
+        app.router.add_get("/ready", self._ready)  # 503 until registered with UCX up (`readiness`)
         self._bind_host = host
         self._http = HttpService(app, host, port, timeouts=timeouts)
         self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
+        self._registered: float | None = None  # when the registry last took this rank (monotonic)
+        self._ucx_failing: str | None = None  # why UCX progress last failed, while it fails
         self._tasks: list[asyncio.Task[None]] = []
         self._written: asyncio.Queue[tuple[int, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
@@ -163,6 +166,7 @@ class PrefillExporter:
         await register_until(
             self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup, self.timeouts.retry_pause
         )
+        self._registered = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._renew_forever()),
             asyncio.create_task(self._progress_forever()),
@@ -201,6 +205,26 @@ class PrefillExporter:
     @property
     def control_url(self) -> str:
         return self._http.url
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): ready while the registry holds this rank (registered, its lease
+        renewed within `Timeouts.lease`) and its UCX transport is up and progressing. `/health`
+        says only that the process answers; this says whether decodes can find and read it."""
+        if self.transport is None:
+            return False, "the UCX transport is not up"
+        if self._ucx_failing is not None:
+            return False, f"UCX progress fails: {self._ucx_failing}"
+        if self._registered is None:
+            return False, "not registered with the registry"
+        since = time.monotonic() - self._registered
+        if since > self.timeouts.lease:
+            return False, f"the registry has not taken a renewal for {since:.1f}s (its lease lapsed)"
+        return True, "registered, UCX up"
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ready, why = self.readiness()
+        body = {"status": "ready" if ready else "not ready", "why": why}
+        return web.json_response(body, status=200 if ready else 503)
 
     # ---- the model side ----------------------------------------------------------------------
     def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
@@ -279,6 +303,7 @@ class PrefillExporter:
                     self.timeouts.retry_pause,
                 )
                 pause = self.timeouts.renew_interval
+                self._registered = time.monotonic()
             except PdkvError as exc:  # the registry may be restarting: keep trying at register_until's pace
                 logger.warning("lease renewal failed: %s", exc)
                 pause = 0.0
@@ -288,9 +313,10 @@ class PrefillExporter:
         while True:
             try:
                 arrived = await self.transport.progress()
+                self._ucx_failing = None
             except Exception as exc:  # a target must keep progressing: log and go on, never die silently
                 logger.error("UCX progress failed: %s", exc)
-                arrived = {}
+                self._ucx_failing, arrived = str(exc) or type(exc).__name__, {}
             for peer, messages in arrived.items():
                 for message in messages:
                     self._on_notification(peer, message)

@@ -3,7 +3,8 @@
 POST /v1/decode               DecodeRequest -> DecodeReply
 POST /v1/rooms/{room}/abort   cancel that room's fetch (releases it on every owner)
 GET  /v1/stats                pages in use, fetches, failures (JSON)
-GET  /health
+GET  /health                  liveness
+GET  /ready                   200 once its UCX transport is up (503 before): what a supervisor waits on
 
 python -m transfer.app.decode_worker --registry http://127.0.0.1:PORT
 """
@@ -148,12 +149,18 @@ class DecodeWorker:
             }
         )
 
+    async def _ready(self, request: web.Request) -> web.Response:
+        if self.fetcher.transport is None:  # a decode registers nothing: its transport is what it needs
+            return web.json_response({"status": "not ready", "why": "the UCX transport is not up"}, status=503)
+        return web.json_response({"status": "ready", "why": "UCX up"})
+
     async def run(self) -> None:
         app = make_app(secret_from_env(self.args.secret_env), consumer=self.args.consumer_id)
         app.router.add_post("/v1/decode", self._handle)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/health", health)
+        app.router.add_get("/ready", self._ready)
         http = HttpService(app, self.args.host, self.args.port, timeouts=self.fetcher.timeouts)
         async with self.fetcher:
             announce(self.args.ready_file, await http.start())

@@ -3,12 +3,16 @@
 Services are fresh interpreters (`python -m ...`), never forks: a process that has
 initialised UCX must not fork and use UCX in the child. Each child gets its own process
 group so a stop reaches everything it started, and tells us its URL via a ready file.
+A child counts as ready once that file is written and every URL in it answers `GET /ready`
+with 200: listening is not serving (a prefill rank that listens may not be registered, or
+its UCX transport may be down; `/health` says only that the process answers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -19,11 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
-__all__ = ["Launcher", "Child", "Host", "ServiceStartError", "ServiceExited", "ServiceNotReady"]
+__all__ = ["Launcher", "Child", "Host", "ServiceStartError", "ServiceExited", "ServiceNotReady", "ready_urls"]
 
 logger = logging.getLogger(__name__)
+
+_PROBE_S = 1.0  # the most one `GET /ready` may take before it is asked again
+_PROBE_PAUSE_S = 0.05  # between probes of a service that is not ready yet
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,8 @@ class Launcher:
         return child
 
     async def wait_ready(self, child: Child, timeout: float) -> str:
-        """The child's ready-file content, once written; fails fast if the child died."""
+        """The child's ready-file content, once written and each URL in it (`ready_urls`)
+        answers `/ready`; fails fast if the child died."""
         deadline = time.monotonic() + timeout
         while not child.ready_file.exists():
             if not child.alive():
@@ -134,7 +144,11 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise ServiceNotReady(child, f"not ready within {timeout:.0f}s")
             await asyncio.sleep(0.05)
-        return child.ready_file.read_text()
+        text = child.ready_file.read_text()
+        async with aiohttp.ClientSession() as session:
+            for url in ready_urls(text):
+                await _until_ready(session, child, url, deadline, timeout)
+        return text
 
     async def all_ready(self, children: list[Child], timeout: float) -> list[str]:
         """Each child's ready-file content; the first failure ends the wait for all of them."""
@@ -169,3 +183,31 @@ class Launcher:
     async def stop_all(self, grace: float = 10.0) -> dict[str, int]:
         codes = await asyncio.gather(*(self.stop(c, grace) for c in reversed(self.children)))
         return {c.name: code for c, code in zip(reversed(self.children), codes)}
+
+
+def ready_urls(text: str) -> list[str]:
+    """The service URLs a ready file names: the file's text, or each URL of its JSON object
+    (a prefill rank's control endpoint and, on rank 0, its intake)."""
+    if not text.startswith("{"):
+        return [text]
+    return [url for url in json.loads(text).values() if isinstance(url, str) and url]
+
+
+async def _until_ready(session: aiohttp.ClientSession, child: Child, url: str, deadline: float, timeout: float) -> None:
+    """Until `url`'s `/ready` answers 200; `ServiceNotReady` with its last reason at `deadline`."""
+    why = "no answer"
+    while True:
+        if not child.alive():
+            raise ServiceExited(child, f"exited with {child.popen.returncode}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServiceNotReady(child, f"{url} not ready within {timeout:.0f}s: {why}")
+        try:
+            limit = aiohttp.ClientTimeout(total=min(_PROBE_S, left))
+            async with session.get(f"{url}/ready", timeout=limit) as resp:
+                if resp.status == 200:
+                    return
+                why = f"{resp.status}: {(await resp.text())[:200]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(_PROBE_PAUSE_S)

@@ -295,6 +295,7 @@ class PrefillEngineRank:
             app.router.add_post("/v1/prefill", self._intake)
             app.router.add_post("/v1/rooms/{room}/abort", self._abort)
             app.router.add_get("/health", health)
+            app.router.add_get("/ready", self._ready)
             intake = HttpService(app, a.host, a.port, timeouts=self.timeouts)
             await intake.start()
         announce(
@@ -314,6 +315,12 @@ class PrefillEngineRank:
             if intake is not None:
                 await intake.aclose()
             dist.destroy_process_group()
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """The intake is ready as its rank's exporter is (registered, UCX up)."""
+        ready, why = self.exporter.readiness()
+        body = {"status": "ready" if ready else "not ready", "why": why}
+        return web.json_response(body, status=200 if ready else 503)
 
     async def _stop_on_signal(self) -> None:
         await wait_for_signal()

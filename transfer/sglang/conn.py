@@ -44,7 +44,9 @@ from sglang.srt.disaggregation.base.conn import (
 from pdkv.errors import IncompatibleLayoutError, LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
+from transfer.logctx import failure_fields
 from transfer.metadata import RoomStatus
+from transfer.metrics import set_scope
 from transfer.registry.server import RegistryServer
 from transfer.results import FetchResult
 from transfer.sglang.kvargs import DRAFT_SUFFIX, AuxRows, draft_kv_from_args, engine_kv_from_args
@@ -96,6 +98,9 @@ class PdkvKVManager(BaseKVManager):
             self.parts[DRAFT_SUFFIX] = draft
         self.aux = AuxRows(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
         self.engine_id = f"dp{int(getattr(args, 'system_dp_rank', 0) or 0)}"
+        model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None) or ""
+        # SGLang's own series' labels on pdkv's (multiprocess metrics): a dashboard joins them.
+        set_scope(str(model), self.topology.tp_rank, int(getattr(args, "system_dp_rank", 0) or 0))
         self.secret = secret()
         self._lock = threading.Lock()
         self._finished: dict[tuple[str, int], RoomStatus] = {}  # prefill: rooms done, until their sender looks
@@ -145,6 +150,22 @@ class PdkvKVManager(BaseKVManager):
         with self._lock:
             return self._finished.pop((part, room), None)
 
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why) of pdkv in this process, callable from any thread: on a prefill, each
+        exporter registered (lease renewed) with its UCX transport up (`PrefillExporter.
+        readiness`, its `/ready`); on a decode, no fetcher that failed to start. SGLang asks a
+        backend no readiness: a probe or a health hook may call this (docs/sglang.md)."""
+        for part, exporter in self.exporters.items():
+            ready, why = exporter.exporter.readiness()
+            if not ready:
+                return False, f"exporter {self.engine_id}{part}: {why}"
+        with self._lock:
+            started = list(self._fetchers.items())
+        for (addr, part), future in started:
+            if future.done() and future.exception() is not None:
+                return False, f"fetcher of {addr}{part} failed to start: {future.exception()}"
+        return True, "ready"
+
     # ---- decode ------------------------------------------------------------------------------
     def fetcher(self, bootstrap_addr: str, part: str = "") -> concurrent.futures.Future[SyncFetcher]:
         """The fetcher of `part` for the prefill behind `bootstrap_addr`, started off the scheduler."""
@@ -182,16 +203,19 @@ class PdkvKVManager(BaseKVManager):
 class _Outcome:
     """A poll state with the failure behind it, and the time the transfer ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, about: Callable[[], dict[str, object]] = dict) -> None:
+        """`about`: the request's room, engine and CP rank as known when it fails, for its log line."""
         self.state = KVPoll.Bootstrapping
         self.error: BaseException | None = None
         self.started: float | None = None
         self.ended: float | None = None
+        self._about = about
 
     def fail(self, error: BaseException) -> int:
         if self.state not in (KVPoll.Success, KVPoll.Failed):
             self.state, self.error, self.ended = KVPoll.Failed, error, time.monotonic()
-            logger.info("pdkv transfer failed: %s", error)
+            fields = failure_fields(error, **self._about())  # separate record fields, for structured logs
+            logger.warning("pdkv transfer of room %s failed: %s", fields["room"], error, extra=fields)
         return self.state
 
     def succeed(self) -> int:
@@ -215,7 +239,7 @@ class PdkvKVSender(BaseKVSender):
     ) -> None:
         assert mgr.is_prefill, "a sender needs a prefill manager"
         self.kv_mgr, self.room = mgr, int(bootstrap_room)
-        self._outcome = _Outcome()
+        self._outcome = _Outcome(lambda: {"room": self.room, "engine": mgr.engine_id, "cp_rank": mgr.topology.cp_rank})
         self._total = self._sent = 0
         self._aux_index: int | None = None
         self._last = False
@@ -336,7 +360,7 @@ class PdkvKVReceiver(BaseKVReceiver):
     def __init__(self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
         self.room = int(bootstrap_room or 0)
-        self._outcome = _Outcome()
+        self._outcome = _Outcome(lambda: {"room": self.room, "engine": self._engine})
         self._parts: list[_Part] = []
         self._engine = "dp0"
         self._aux_index: int | None = None
