@@ -18,6 +18,8 @@ import multiprocessing as mp
 import os
 import queue
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +44,20 @@ def _start_small_prefill(url: str, rooms: dict, cp_size: int = 2) -> tuple[list,
     for p in ranks:
         p.start()
     return ranks, results
+
+
+def _until_registered(url: str, engine: str = "dp0", limit: float = 120.0) -> None:
+    """Wait until every rank of `engine` is in the registry: a spawned prefill takes seconds to
+    start on a busy host, longer than a decode's lookup waits (a test of the layout check must
+    not fail on that instead)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/engines/{engine}", timeout=5):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    raise AssertionError(f"{engine} never registered")
 
 
 def _stop(processes: list) -> None:
@@ -69,8 +85,9 @@ def test_a_decode_of_another_layout_fails_at_bootstrap_and_frees_the_prefills_ro
     its receiver fails at bootstrap with `IncompatibleLayoutError`, never claiming, and both
     CP ranks' senders fail within a second (not at the pin's expiry), whether the room was
     published before the decode gave it up (601) or after (602, published only once 601
-    ended). Not a byte of the decode's pages moved; then a decode of the right layout reads
-    the next room (603) whole, aux row too."""
+    ended). Not a byte of the decode's pages moved. Then a decode of the right layout claims
+    the next room (603), one of the wrong layout fails on it without taking it away (its
+    give-up is refused: every claim is held), and the first reads it whole, aux row too."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from pdkv.errors import IncompatibleLayoutError
@@ -79,6 +96,7 @@ def test_a_decode_of_another_layout_fails_at_bootstrap_and_frees_the_prefills_ro
 
     rooms = {601: ([[3, 4, 5], [9, 20]], False), 602: ([[1, 2]], False), 603: ([[7, 8, 10], [11]], False)}
     ranks, results = _start_small_prefill(bootstrap.url, rooms)
+    _until_registered(bootstrap.url)
     small._env("", 0, 1)
     wrong_args, wrong_keep = small._kv_args(range(small.LAYERS), fill=False)
     wrong_args.page_size = small.PAGE // 2  # the same bytes seen as pages of 8 tokens
@@ -108,9 +126,19 @@ def test_a_decode_of_another_layout_fails_at_bootstrap_and_frees_the_prefills_ro
             assert heard - failed_at[room] < TOLD_WITHIN_S
         assert all(not t.any() for t in wrong_keep)  # nothing landed in the wrong decode's buffers
 
+        # The give-up in the owner's envelope opens no hole: with the room claimed by a decode
+        # that can read it, a decode of the wrong layout fails and its give-up is refused.
         dst = [30, 1, 2, 29]
-        receiver, state = small._receive(right, bootstrap.url, 603, dst, aux_index=603 % small.AUX_ROWS)
-        assert state == KVPoll.Success, state
+        receiver = PdkvKVReceiver(right, bootstrap.url, 603)
+        receiver.init(0)
+        assert _bootstrap_until_final(receiver) == KVPoll.WaitingForInput  # it holds the room's one claim
+        intruder = PdkvKVReceiver(wrong, bootstrap.url, 603)
+        intruder.init(0)
+        assert _bootstrap_until_final(intruder) == KVPoll.Failed
+        with pytest.raises(IncompatibleLayoutError):
+            intruder.failure_exception()
+        receiver.send_metadata(np.array(dst, dtype=np.int32), aux_index=603 % small.AUX_ROWS)
+        assert big._until_final(receiver) == KVPoll.Success
         src = sum(rooms[603][0], [])
         kv, index = right_keep[: small.LAYERS], right_keep[small.LAYERS : 2 * small.LAYERS]
         for layer in range(small.LAYERS):

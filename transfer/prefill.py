@@ -346,7 +346,8 @@ class PrefillExporter:
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.timeouts.pin / 4))
-            self.rooms.expire(time.monotonic())
+            with request_context(engine=self.engine_id, rank=self.cp_rank):  # an expiry's line names them
+                self.rooms.expire(time.monotonic())
 
     # ---- control endpoints -------------------------------------------------------------------
     async def _wait(self, request: web.Request) -> web.Response:

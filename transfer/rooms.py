@@ -51,6 +51,7 @@ from pdkv.errors import (
 )
 from pdkv.pages import has_repeats, page_ids
 from transfer.deadline import wait_until
+from transfer.logctx import failure_fields
 from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_reply
 
 __all__ = ["RoomTable", "RoomCounters", "OnEnd"]
@@ -368,7 +369,8 @@ class RoomTable:
     def expire(self, now: float) -> list[int]:
         gone = [room for room, r in self._live.items() if r.pinned_until <= now]
         for room in gone:
-            logger.warning("room %d: pin deadline passed before release; freeing its pages", room)
+            why = "room %d: pin deadline passed before release; freeing its pages"
+            logger.warning(why, room, extra=failure_fields(room=room))
             self._finish(room, RoomStatus.ABORTED)
             self.counters.expired += 1
         return gone

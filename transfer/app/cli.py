@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import signal
 import sys
 import time
@@ -30,6 +29,7 @@ from pdkv import PRESETS
 from transfer.app.api import DecodeReply
 from transfer.app.launcher import ServiceStartError
 from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
+from transfer.app.service import configure_logging
 from transfer.app.supervisor import BROADCAST_CTAS, EngineDeath, EngineState, Host
 from transfer.timeouts import Timeouts
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         help="restarts of each prefill engine after one of its ranks died (the whole CP group restarts; 0: none)",
     )
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level)  # PDKV_LOG_CONFIG: a logging.config file (JSON lines: docs/deployment.md)
     try:
         sys.exit(asyncio.run(run(args)))
     except (KeyboardInterrupt, asyncio.CancelledError):  # children were stopped on the way out

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import logging
+import logging.config
 import os
 import signal
 import sys
@@ -26,6 +28,8 @@ __all__ = [
     "add_pool_flags",
     "add_service_flags",
     "announce",
+    "configure_logging",
+    "LOG_CONFIG_ENV",
     "run_service",
     "setup_process",
     "die_with_parent",
@@ -52,17 +56,33 @@ def add_pool_flags(ap: argparse.ArgumentParser, pool_tokens: int) -> None:
     ap.add_argument("--device", default="cpu")
 
 
+# A `logging.config.dictConfig` JSON file: where set, it configures every process's logging
+# (children inherit it) in place of the text format; docs/logging-json.json writes JSON lines.
+LOG_CONFIG_ENV = "PDKV_LOG_CONFIG"
+
+
+def configure_logging(level: str) -> None:
+    """An entry point's logging (the library installs no handler): the file named by
+    `PDKV_LOG_CONFIG` if set, else text lines at `level` with the request's fields."""
+    path = os.environ.get(LOG_CONFIG_ENV)
+    if path:
+        with open(path) as f:
+            logging.config.dictConfig(json.load(f))
+    else:
+        logging.basicConfig(
+            level=level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(request)s%(message)s"
+        )
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RequestFilter) for f in handler.filters):
+            handler.addFilter(RequestFilter())  # engine, room and rank of the request a line is about
+
+
 def setup_process(args: argparse.Namespace) -> None:
-    """For process entry points only: logging (the library installs no handler) and,
-    when launched by a supervisor, dying with it."""
+    """For process entry points only: logging (`configure_logging`) and, when launched by a
+    supervisor, dying with it."""
     if args.die_with_parent:
         die_with_parent()
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(request)s%(message)s",
-    )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RequestFilter())  # engine, room and rank of the request a line is about
+    configure_logging(args.log_level)
 
 
 def secret_from_env(name: str) -> str | None:
