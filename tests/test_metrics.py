@@ -347,7 +347,9 @@ def test_the_grafana_dashboard_parses_and_queries_only_pdkv_metrics_that_exist()
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     panels = dashboard["panels"]
     titles = " | ".join(p["title"] for p in panels).lower()
-    for wanted in ("transfer rate", "latency p50 / p99", "failures by error", "pinned pages", "in flight"):
+    wanted_panels = ("transfer rate", "latency p50 / p99", "failures by error", "pinned pages", "in flight")
+    wanted_panels += ("aborted and expired rooms", "notification failures", "registry health")
+    for wanted in wanted_panels:
         assert wanted in titles
     for p in panels:
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
@@ -358,4 +360,7 @@ def test_the_grafana_dashboard_parses_and_queries_only_pdkv_metrics_that_exist()
     queries = [t["expr"] for p in panels for t in p["targets"]] + [variables["engine"]["query"]["query"]]
     named = {name for q in queries for name in re.findall(r"\bpdkv_[a-z0-9_]+", q)}
     assert {"pdkv_fetch_bytes_per_second_bucket", "pdkv_fetch_seconds_bucket", "pdkv_fetches_in_flight"} <= named
+    assert {"pdkv_rooms_aborted_total", "pdkv_rooms_expired_total", "pdkv_notification_failures_total"} <= named
+    assert {"pdkv_notification_retransmissions_total", "pdkv_registry_lookup_seconds_bucket"} <= named
+    assert {"pdkv_registry_lookup_failures_total", "pdkv_registry_register_failures_total"} <= named
     assert named <= exposed, f"not in pdkv's registry: {sorted(named - exposed)}"
