@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_main_job_cli_runs_and_reports(tmp_path):
     out = tmp_path / "summary.json"
@@ -64,6 +66,7 @@ def test_a_service_that_dies_at_start_up_ends_the_job_with_one_line(tmp_path):
     """No traceback: which service, why, and where its log is (issue 29 §8)."""
     cmd = [sys.executable, "-m", "transfer.app", "--preset", "tiny", "--engines", "2", "--requests", "4"]
     cmd += ["--prefill-pool-tokens", "0", "--no-progress", "--workdir", str(tmp_path)]  # a pool of no pages
+    cmd += ["--json", str(tmp_path / "summary.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -72,6 +75,9 @@ def test_a_service_that_dies_at_start_up_ends_the_job_with_one_line(tmp_path):
     assert "failed to start: exited with 1" in lines[0] and "LayoutError" in lines[0]
     log = lines[0].rsplit("its log: ", 1)[1]
     assert log.startswith(str(tmp_path)) and "prefill0-cp" in log and "LayoutError" in open(log).read()
+    failed = json.loads((tmp_path / "summary.json").read_text())  # --json says why there is no summary
+    assert failed["error"] == lines[0].removeprefix("pdkv: ") and failed["log"] == log
+    assert failed["failed_to_start"].startswith("prefill0-cp")
 
 
 def test_the_summary_counts_failures_by_cause_and_engine_restarts():
@@ -134,3 +140,70 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_job_reports_it(tmp_path):
     assert summary["restarts"] == {"prefill0": 1} and len(summary["engine_deaths"]) == 1
     assert "prefill0-cp1 (exit -9); serving again" in summary["engine_deaths"][0]
     assert "engine died: prefill0: prefill0-cp1 (exit -9)" in stdout and "Traceback" not in stderr
+
+
+# ---- the command line itself: checked before anything starts -----------------------------------
+BAD = [
+    (["--engines", "4,x"], "--engines: expected CP sizes such as 4 or 2,3, got '4,x'"),
+    (["--engines", "0"], "--engines: a CP size is at least 1"),
+    (["--log-level", "verbose"], "--log-level: invalid choice: 'VERBOSE'"),
+    (["--mix", "1024:x"], "--mix: expected TOKENS:WEIGHT"),
+    (["--mix", "1024"], "--mix: expected TOKENS:WEIGHT"),
+    (["--mix", "0:1"], "--mix: tokens are at least 1"),
+    (["--registry", "ftp://host:1"], "--registry: expected http://HOST:PORT or etcd://"),
+    (["--registry", "http://host"], "--registry: expected http://HOST:PORT"),
+    (["--requests", "0"], "--requests: expected at least 1, got 0"),
+    (["--decoders", "two"], "--decoders: expected an integer, got 'two'"),
+    (["--prefix-share", "1.5"], "--prefix-share: expected a number in [0, 1]"),
+    (["--owner-progress-ms", "0"], "--owner-progress-ms: expected a positive number"),
+    (["--device", "gpu"], "--device: expected cpu, cuda or cuda:N"),
+    (["--json", "/no/such/dir/out.json"], "--json: no directory '/no/such/dir'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "why"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_code_2(argv, why, capsys):
+    from transfer.app.cli import parser
+
+    with pytest.raises(SystemExit) as end:
+        parser().parse_args(argv)
+    assert end.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["usage: python -m transfer.app [options]  (see --help)", err[1]]  # a usage line, a reason
+    assert err[1].startswith("python -m transfer.app: error: argument ") and why in err[1], err
+
+
+def test_bad_input_starts_nothing(tmp_path):
+    """As a user runs it: no traceback, and no service was started (no workdir, no logs)."""
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "transfer.app", "--workdir", str(work), "--mix", "16:1", "--registry", "etcd://"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "--registry: registry URL 'etcd://' names no host" in proc.stderr
+    assert not work.exists()
+
+
+def test_help_names_the_program_every_flag_its_default_and_the_exit_codes(monkeypatch):
+    from transfer.app.cli import parser
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line a flag: a default is not wrapped apart
+    ap = parser()
+    text = ap.format_help()
+    assert text.startswith("usage: python -m transfer.app") and "__main__" not in text
+    assert all(a.help for a in ap._actions), [a.dest for a in ap._actions if not a.help]
+    for shown in ["(default: 4)", "(default: 200)", "(default: WARNING)", "(default: 127.0.0.1)", "(default: 3)"]:
+        assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    codes = text.split("exit codes:")[1]
+    for code in ("0 ", "1 ", "2 ", "130 "):
+        assert f"\n  {code}" in codes
+
+
+def test_good_input_parses_to_values():
+    from transfer.app.cli import parser
+    from transfer.app.launcher import Host
+
+    args = parser().parse_args(["--engines", "2,3", "--log-level", "info", "--prefill-host", "ns1@10.0.0.1"])
+    assert args.engines == (2, 3) and args.log_level == "INFO"
+    assert args.prefill_host == Host("ns1", "10.0.0.1") and args.decode_host == Host()
+    assert parser().parse_args([]).engines == (4,)
