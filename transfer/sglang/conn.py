@@ -154,7 +154,7 @@ class PdkvKVManager(BaseKVManager):
         """(ready, why) of pdkv in this process, callable from any thread: on a prefill, each
         exporter registered (lease renewed) with its UCX transport up (`PrefillExporter.
         readiness`, its `/ready`); on a decode, no fetcher that failed to start. SGLang asks a
-        backend no readiness: a probe or a health hook may call this (docs/sglang.md)."""
+        backend no readiness: a probe or a health hook may call this (docs/deployment.md)."""
         for part, exporter in self.exporters.items():
             ready, why = exporter.exporter.readiness()
             if not ready:
@@ -537,7 +537,10 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         self._loop = BackgroundLoop("pdkv-sglang-bootstrap")
         self._timeouts = sglang_timeouts()
-        self._server = RegistryServer(host=host, port=port, timeouts=self._timeouts, secret=secret())
+        # Its prefill's ranks register once their model has loaded, and SGLang gives a decode its
+        # bootstrap timeout to find them: an engine unknown until then is waited for, not a typo.
+        grace = self._timeouts.lookup
+        self._server = RegistryServer(host=host, port=port, timeouts=self._timeouts, secret=secret(), grace=grace)
         self.url = self._loop.run(self._server.start(), self._timeouts.start)
         logger.info("pdkv bootstrap server (registry) at %s", self.url)
 
