@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pdkv.errors import ClosedError
-from transfer.lanes.cuda_ipc.gather import _Waiter, launch_split
+from transfer.lanes.cuda_ipc.gather import _polled, _Waiter, launch_split
 from transfer.timeouts import CALLER_FIRST
 
 
@@ -144,5 +144,69 @@ async def test_a_watch_that_raises_does_not_end_the_waiting_thread():
         assert await asyncio.wait_for(waiter.ended(_Launch(0.5), watch), 10) == 0.5  # heard at once
         assert watch.at
         assert await asyncio.wait_for(waiter.ended(_Launch(2.0)), 10) == 2.0  # later launches still end
+    finally:
+        waiter.close()
+
+
+class _Polled(_Launch):
+    """A launch that has ended once asked `after` times (`passed`), or whose asking fails."""
+
+    def __init__(self, after: int, error: Exception | None = None) -> None:
+        super().__init__(0.5)
+        self.after, self.asked, self.passed_error = after, 0, error
+        self.ended_at = 0.0
+
+    def passed(self) -> bool:
+        self.asked += 1
+        if self.passed_error is not None:
+            raise self.passed_error
+        return self.asked > self.after
+
+
+async def test_a_polling_loop_sees_the_end_between_its_turns_and_keeps_serving():
+    """The loop asks between its turns: other tasks run meanwhile, and the end is stamped
+    when it is seen."""
+    waiter = _Waiter(_Kernel())
+    try:
+        turns = 0
+
+        async def other() -> None:
+            nonlocal turns
+            for _ in range(5):
+                turns += 1
+                await asyncio.sleep(0)
+
+        launch = _Polled(after=20)
+        seen, _ = await asyncio.gather(_polled(launch, waiter), other())  # type: ignore[arg-type]
+        assert seen == 0.5 and launch.asked == 21 and turns == 5
+        assert launch.ended_at > 0
+        with pytest.raises(RuntimeError, match="IllegalAddress"):  # a sticky error is the read's
+            await _polled(_Polled(0, RuntimeError("cudaErrorIllegalAddress")), waiter)  # type: ignore[arg-type]
+    finally:
+        waiter.close()
+
+
+async def test_a_cancelled_poll_returns_only_once_the_kernel_has_ended():
+    """No byte after the caller moved on: cancelled mid-poll, the read waits for the kernel."""
+    waiter = _Waiter(_Kernel())
+    gate = threading.Event()
+    waited: list[float] = []
+
+    class _Slow(_Polled):
+        def wait(self) -> None:
+            gate.wait(10)
+            waited.append(time.perf_counter())
+
+    try:
+        task = asyncio.ensure_future(_polled(_Slow(after=10**9), waiter))  # type: ignore[arg-type]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting for the kernel
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert waited and waited[0] <= time.perf_counter()
     finally:
         waiter.close()

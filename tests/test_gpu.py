@@ -174,6 +174,42 @@ def test_gather_kernel_copies_exactly_the_planned_pages_at_each_load_width(word)
         assert torch.equal(d, w)  # the planned pages copied, every other page still poison
 
 
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_gathers_end_is_seen_by_a_polling_loop_and_by_a_parked_one_alike(timed):
+    """On the main thread the loop asks the launch's end event between its turns; on another
+    thread (pdkv's synchronous surface) it parks and the waiting thread wakes it. Both return
+    once every byte is in place, timed or not."""
+    import threading
+
+    from transfer.lanes.cuda_ipc.gather import Gatherer
+
+    bufs, plan = _gather_case(16, pages=301, seed=11 + timed, items=400)
+    want = _expected(bufs, [plan])
+    lane = Gatherer(torch.device("cuda:0"), timed=timed)
+    polled: list[bool] = []
+
+    async def copy() -> float:
+        polled.append(lane.polls())
+        with torch.cuda.stream(lane.stream):
+            torch.cuda._sleep(2_000_000)  # the end comes well after the launch returns
+        return await lane.run(plan)
+
+    try:
+        assert asyncio.run(copy()) > 0
+        for (_, d), w in zip(bufs, want):
+            assert torch.equal(d, w)
+            d.fill_(0x5A)
+        want = _expected(bufs, [plan])
+        thread = threading.Thread(target=lambda: polled.append(asyncio.run(copy()) > 0))
+        thread.start()
+        thread.join(30)
+    finally:
+        lane.close()
+    assert polled == [True, False, True]  # the main thread polls; the other parks; both returned
+    for (_, d), w in zip(bufs, want):
+        assert torch.equal(d, w)
+
+
 @pytest.mark.parametrize("fill", [0.5, 1.5, 2.5])
 def test_gather_plans_whose_page_ids_outgrow_a_launch_go_out_in_several(fill):
     """Page ids ride in a launch's parameters: a plan with more of them than the largest

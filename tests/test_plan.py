@@ -15,6 +15,7 @@ from transfer.lanes.cuda_ipc.plan import (
     gather_table,
     merge_gather_plans,
     merge_gather_tables,
+    route_pages,
 )
 from transfer.lanes.pages import BufferPair, page_runs
 from transfer.lanes.ucx.plan import ReadPlan, build_read_plan
@@ -129,6 +130,23 @@ def test_gather_plan_trusts_a_destination_bound_only_within_its_table():
         gather_plan(table, [np.array([0])], np.array([3]), dst_below=4)
     with pytest.raises(PageRangeError, match="source"):
         gather_plan(table, [np.array([10])], np.array([0]), dst_below=3)
+
+
+def test_route_pages_check_as_a_plan_does_and_go_to_the_kernel_as_int64_ids():
+    """A route's read builds no plan: its ids are checked the same way, in one reduction a
+    side, and handed on as they are."""
+    table = merge_gather_tables([gather_table([BufferPair(0, 0, 64, 3, 10)])] * 2, True)
+    src, dst = route_pages(table, np.array([9, 0], np.int32), np.array([2, 1]), dst_below=3)
+    assert src.dtype == dst.dtype == np.int64 and src.tolist() == [9, 0] and dst.tolist() == [2, 1]
+    with pytest.raises(PageRangeError, match="source"):
+        route_pages(table, np.array([10]), np.array([0]), dst_below=3)
+    with pytest.raises(PageRangeError, match="source"):
+        route_pages(table, np.array([-1]), np.array([0]), dst_below=3)
+    with pytest.raises(PageRangeError, match="destination"):
+        route_pages(table, np.array([0]), np.array([3]), dst_below=4)  # a bound past the table proves nothing
+    with pytest.raises(PageRangeError):
+        route_pages(table, np.array([0, 1]), np.array([0]), dst_below=3)
+    assert route_pages(gather_table([]), np.array([5]), np.array([7]), dst_below=3)[0].tolist() == [5]
 
 
 @pytest.mark.parametrize("given", [np.array([4, 1, 2]), torch.tensor([4, 1, 2]), [4, 1, 2]])

@@ -81,9 +81,28 @@ class Launch:
         """Block this thread until the kernel has ended."""
         self.done.synchronize()
 
+    def passed(self) -> bool:
+        """Whether the kernel has ended, without waiting; a sticky CUDA error raises."""
+        return self.done.query()
+
     def seconds(self) -> float | None:
         """Seconds on the GPU (after `wait`); None if not timed."""
         return None if self.start is None else self.start.seconds_until(self.done)
+
+
+async def _polled(launch: Launch, waiter: _Waiter) -> float | None:
+    """On the loop: ask whether `launch` has ended between the loop's turns, so that the loop
+    never parks while its kernel runs; then its GPU seconds if timed, else None. Parked, the
+    loop is woken by the waiting thread, which cost 0.15 ms after an idle spell on an H200
+    host (docs/benchmarks.md). Cancelled, it still returns only once the kernel has ended."""
+    try:
+        while not launch.passed():
+            await asyncio.sleep(0)  # other work of the loop runs between the asks
+    except asyncio.CancelledError:
+        await asyncio.wait([waiter.ended(launch)])  # no byte may land after the caller moved on
+        raise
+    launch.ended_at = time.perf_counter()
+    return launch.seconds()
 
 
 def _wait_then_wake(
@@ -178,11 +197,25 @@ class Gatherer:
     """Launches gather plans on a stream of its own on `device`; `await` a launch's end.
 
     `timed`: time each launch on the GPU (a start and an end event, read back before the
-    wake-up). Off, a launch's seconds run from its launch call to the waiting thread seeing
-    its end: the timing cost about 50 us of an 8k-token fetch's 0.8 ms on a host just woken
-    (H200, measured)."""
+    wake-up). Off, a launch's seconds run from its launch call to the host seeing its end:
+    the timing cost about 50 us of an 8k-token fetch's 0.8 ms on a host just woken (H200,
+    measured).
 
-    def __init__(self, device: torch.device, shape: tuple[int, int] | None = None, *, timed: bool = False) -> None:
+    How the end is seen (`poll`): the awaiting loop asks the launch's end event between its
+    turns (`_polled`), or parks and the lane's waiting thread wakes it (`_Waiter`). None:
+    the loop polls where it runs on the process's main thread (an async caller, whose loop
+    waits for this fetch), and parks elsewhere: pdkv's synchronous surface runs its loop on
+    a thread beside a scheduler that needs the interpreter lock, which a polling loop would
+    keep taking. A read whose caller is told on the waiting thread (a `watch`) parks."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        shape: tuple[int, int] | None = None,
+        *,
+        timed: bool = False,
+        poll: bool | None = None,
+    ) -> None:
         self.device = device
         self.index = device.index or 0
         self.kernel = GatherKernel.on(self.index)
@@ -191,7 +224,7 @@ class Gatherer:
         self.shape = shape  # (block bytes, warps); None: by the plan's size
         self._waiter = _Waiter(self.kernel)
         self._args = {ids: LaunchArgs(ids) for ids in self.kernel.capacities}  # launches come from one thread
-        self.timed = timed
+        self.timed, self.poll = timed, poll
         self._spare: list[Launch] = []  # launches whose events have passed: free to record again
 
     def _table_on_device(self, table: GatherTable, block: int) -> tuple[int, int]:
@@ -219,24 +252,35 @@ class Gatherer:
     def launch(self, plan: GatherPlan) -> Launch:
         """Queue `plan` on the lane's stream: one launch, or several where its page ids
         outgrow a launch's parameters."""
-        block_bytes, warps = self.shape or _shape(plan.nbytes)
-        block = max(1, block_bytes // plan.word)
-        lists = plan.table.lists
-        capacity, per_launch = launch_split(plan.pages, lists, self.kernel.capacities)
+        return self.launch_pages(plan.table, plan.src_pages, plan.dst_pages)
+
+    def launch_pages(self, table: GatherTable, src: np.ndarray, dst: np.ndarray) -> Launch:
+        """Queue `table`'s copy of source pages `src` (a row per source page list, or one list
+        as a 1-D array) into `dst`, every id already checked: the kernel turns ids into
+        addresses through the table kept on the GPU, so the host only writes the ids into
+        the launch's parameters."""
+        pages, lists = len(dst), table.lists
+        block_bytes, warps = self.shape or _shape(table.page_bytes * pages)
+        block = max(1, block_bytes // table.word)
+        capacity, per_launch = launch_split(pages, lists, self.kernel.capacities)
         args = self._args[capacity]
+        ids, one_list = args.ids, src.ndim == 1
         launch = self._spare.pop() if self._spare else self._new_launch()
         pushed = self.kernel.enter()
         try:
-            meta, n_tasks = self._table_on_device(plan.table, block)
-            args.values[:] = [meta, plan.buffers, n_tasks, 0, block, lists]
+            meta, n_tasks = self._table_on_device(table, block)
+            args.values[:] = [meta, table.buffers, n_tasks, 0, block, lists]
             if launch.start is not None:
                 launch.start.record(self._stream)
-            for page0 in range(0, plan.pages, per_launch):
-                n = min(per_launch, plan.pages - page0)
+            for page0 in range(0, pages, per_launch):
+                n = min(per_launch, pages - page0)
                 args.values[3] = n
-                src = plan.src_pages[:, page0 : page0 + n]  # the lists' rows, then the destinations
-                np.concatenate((src.reshape(-1), plan.dst_pages[page0 : page0 + n]), out=args.ids[: (lists + 1) * n])
-                self.kernel.launch(plan.word, (n_tasks, n), 32 * warps, self._stream, args)
+                if one_list:  # the lists' rows, then the destinations
+                    ids[:n] = src[page0 : page0 + n]
+                else:
+                    ids[: lists * n].reshape(lists, n)[:] = src[:, page0 : page0 + n]
+                ids[lists * n : (lists + 1) * n] = dst[page0 : page0 + n]
+                self.kernel.launch(table.word, (n_tasks, n), 32 * warps, self._stream, args)
             launch.done.record(self._stream)
         finally:
             if pushed:
@@ -249,22 +293,35 @@ class Gatherer:
 
     async def run(self, plan: GatherPlan, watch: Watch | None = None) -> float:
         """Copy `plan` and return once the bytes are in place: its seconds on the GPU if
-        timed, else from the launch call to the waiting thread seeing its end. `watch` is
-        told on the waiting thread as the kernel ends, before this task hears it."""
+        timed, else from the launch call to the host seeing its end. `watch` is told on the
+        waiting thread as the kernel ends, before this task hears it."""
         if plan.buffers == 0 or plan.pages == 0:
             return 0.0
+        return await self.run_pages(plan.table, plan.src_pages, plan.dst_pages, watch)
+
+    async def run_pages(
+        self, table: GatherTable, src: np.ndarray, dst: np.ndarray, watch: Watch | None = None
+    ) -> float:
+        """`run` for pages already checked against `table` (`launch_pages`), none empty."""
         launched = time.perf_counter()
-        launch = self.launch(plan)
-        # The loop stays free while the GPU copies; the waiting thread wakes this task
-        # directly (no executor future in between: each future hop is a turn of the loop).
-        try:
-            seconds = await self._waiter.ended(launch, watch)
-        except asyncio.CancelledError:
-            # Bytes must not land in pages that may be handed out again: wait for the kernel.
-            await asyncio.wait([self._waiter.ended(launch)])
-            raise
+        launch = self.launch_pages(table, src, dst)
+        if watch is None and self.polls():
+            seconds = await _polled(launch, self._waiter)
+        else:
+            # The loop stays free while the GPU copies; the waiting thread wakes this task
+            # directly (no executor future in between: each future hop is a turn of the loop).
+            try:
+                seconds = await self._waiter.ended(launch, watch)
+            except asyncio.CancelledError:
+                # Bytes must not land in pages that may be handed out again: wait for the kernel.
+                await asyncio.wait([self._waiter.ended(launch)])
+                raise
         self._spare.append(launch)
         return launch.ended_at - launched if seconds is None else seconds
+
+    def polls(self) -> bool:
+        """Whether the calling loop asks for its launches' ends rather than parking (`poll`)."""
+        return self.poll if self.poll is not None else threading.current_thread() is threading.main_thread()
 
     def close(self) -> None:
         self._waiter.close()

@@ -176,7 +176,7 @@ class DriverEvent:
     `timed`: it takes a timestamp (for `seconds_until`); an untimed one is cheaper to record.
     `event`: the bindings' `CUevent`; `handle`: its address."""
 
-    __slots__ = ("_k", "event", "handle", "_record", "_sync")
+    __slots__ = ("_k", "event", "handle", "_record", "_sync", "_query", "_not_ready")
 
     def __init__(self, kernel: GatherKernel, timed: bool = True) -> None:
         self._k = kernel
@@ -186,7 +186,8 @@ class DriverEvent:
             kernel.check(rc, "cuEventCreate")
         self.event = event
         self.handle = int(event)
-        self._record, self._sync = drv.cuEventRecord, drv.cuEventSynchronize
+        self._record, self._sync, self._query = drv.cuEventRecord, drv.cuEventSynchronize, drv.cuEventQuery
+        self._not_ready = drv.CUresult.CUDA_ERROR_NOT_READY  # the bindings' own value: compared as returned
 
     def record(self, stream: Any) -> None:
         """Record on `stream` (a `CUstream` from `GatherKernel.stream`)."""
@@ -199,6 +200,16 @@ class DriverEvent:
         rc = self._sync(self.event)[0]
         if rc:
             self._k.check(rc, "cuEventSynchronize")
+
+    def query(self) -> bool:
+        """Whether the event has passed, without blocking (the bindings release the GIL for
+        the call); a sticky CUDA error raises."""
+        rc = self._query(self.event)[0]
+        if rc == self._not_ready:
+            return False
+        if rc:
+            self._k.check(rc, "cuEventQuery")
+        return True
 
     def seconds_until(self, end: DriverEvent) -> float:
         rc, ms = self._k.drv.cuEventElapsedTime(self.event, end.event)

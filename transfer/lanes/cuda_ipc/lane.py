@@ -38,6 +38,7 @@ from transfer.lanes.cuda_ipc.plan import (
     gather_table,
     merge_gather_plans,
     merge_gather_tables,
+    route_pages,
     shares_source_pages,
 )
 from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
@@ -249,15 +250,25 @@ class CudaIpcLane:
     ) -> Awaitable[float]:
         """Gather `src` pages of every layer of `route`'s owners into `dst` pages (ids known
         to lie below `dst_below`) with one launch; await it for its seconds
-        (`Gatherer.run`) once the bytes are in place. `watch`: as `Gatherer.run`."""
-        return self.run(gather_plan(route.table, [src], dst, dst_below=dst_below), route.peers, watch)
+        (`Gatherer.run`) once the bytes are in place. `watch`: as `Gatherer.run`. The ids
+        are checked here, vectorised, and go to the kernel as they are: no plan is built."""
+        table = route.table
+        src, dst = route_pages(table, src, dst, dst_below)
+        if src.size == 0 or table.buffers == 0:
+            return self.run(gather_plan(table, [src], dst), route.peers, watch)  # nothing to launch
+        self._check_open(route.peers)
+        return self._gather.run_pages(table, src, dst, watch)
 
     def run(self, plan: GatherPlan, peers: Sequence[IpcPeer], watch: Watch | None = None) -> Awaitable[float]:
         """Launch `plan`, which reads `peers`; await it for its seconds once the bytes are in place."""
+        self._check_open(peers)
+        return self._gather.run(plan, watch)
+
+    @staticmethod
+    def _check_open(peers: Sequence[IpcPeer]) -> None:
         for peer in peers:  # checked on the loop's thread, then awaited at once: no race with close()
             if peer.closed:
                 raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
-        return self._gather.run(plan, watch)
 
     async def read(
         self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline | None = None

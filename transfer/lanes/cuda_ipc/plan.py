@@ -20,6 +20,7 @@ __all__ = [
     "gather_table",
     "merge_gather_plans",
     "merge_gather_tables",
+    "route_pages",
     "shares_source_pages",
 ]
 
@@ -146,6 +147,22 @@ def gather_plan(
             check_pages(dst, table.dst_items, "destination")
     src = rows[0].reshape(1, -1) if len(rows) == 1 else np.stack(rows) if rows else np.zeros((0, dst.size), np.int64)
     return GatherPlan(table, src, dst)
+
+
+def route_pages(table: GatherTable, src: np.ndarray, dst: np.ndarray, dst_below: int) -> tuple[np.ndarray, np.ndarray]:
+    """One source page list and its destinations for `table` (a route's: one list), checked
+    as `gather_plan` checks them, without building a plan: int64 arrays of one shape, each
+    id below its side's items (`dst_below`: the destinations already lie below it)."""
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    if dst.ndim != 1 or src.shape != dst.shape:
+        raise PageRangeError(f"{src.size} source pages but {dst.size} destination pages of shape {dst.shape}")
+    if table.buffers and table.lists != 1:
+        raise ValueError(f"one source page list for a table of {table.lists}")
+    if table.buffers and dst.size:
+        check_pages(src, table.src_limits[0], "source")
+        if dst_below > table.dst_items:
+            check_pages(dst, table.dst_items, "destination")
+    return src, dst
 
 
 def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_pages: np.ndarray) -> GatherPlan:
