@@ -10,6 +10,8 @@ sizes and warp counts, with the host time of queueing a launch. Needs a GPU.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import queue
 import statistics
 import sys
 import time
@@ -65,11 +67,223 @@ def timed(fn, runs: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(host)
 
 
+# --- How soon the host sees a kernel's end (issue 44, item 2) ---------------------------
+
+_SPIN = r"""
+// One thread spins `ns` nanoseconds of the GPU's clock, then writes its end time and,
+// last, `seq` into a host-mapped word: the word is the kernel's last write.
+extern "C" __global__ void spin_end(unsigned long long ns, unsigned long long* word, unsigned long long seq) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+  word[1] = t;
+  __threadfence_system();
+  *(volatile unsigned long long*)word = seq;
+}
+"""
+
+
+def _spin_kernel(kernel):  # type: ignore[no-untyped-def]
+    """The spin kernel of `_SPIN`, compiled by NVRTC and loaded in `kernel`'s context."""
+    from transfer.lanes.cuda_ipc.kernel import _load_nvrtc
+
+    nvrtc = _load_nvrtc()
+    prog = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), _SPIN.encode(), b"spin.cu", 0, None, None) == 0
+    major, minor = torch.cuda.get_device_capability(kernel.device)
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+    assert nvrtc.nvrtcCompileProgram(prog, 1, (ctypes.c_char_p * 1)(*opts)) == 0
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    drv = kernel.drv
+    with kernel.current():
+        rc, module = drv.cuModuleLoadData(ctypes.addressof(cubin))
+        kernel.check(rc, "cuModuleLoadData")
+        rc, fn = drv.cuModuleGetFunction(module, b"spin_end")
+        kernel.check(rc, "cuModuleGetFunction")
+    return fn, module
+
+
+def seen(args: argparse.Namespace) -> None:
+    """Microseconds from a kernel's end to the host seeing it, by mechanism: on the thread
+    that notices, and on an asyncio loop woken from there (the decode's case), each after an
+    idle spell (`--idle-ms`, a fetch after its prefill) and back to back."""
+    import asyncio
+    import threading
+
+    from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel
+
+    kernel = GatherKernel.on(0)
+    drv = kernel.drv
+    fn, _module = _spin_kernel(kernel)
+    stream_t = torch.cuda.Stream("cuda:0")
+    stream = kernel.stream(stream_t.cuda_stream)
+    host = torch.zeros(2, dtype=torch.int64, pin_memory=True)  # cudaHostAlloc'd: mapped under UVA
+    word = host.numpy()
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    dptr = ctypes.c_uint64()
+    with kernel.current():
+        rc = libcuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(host.data_ptr()), 0)
+    assert rc == 0, f"cuMemHostGetDevicePointer: {rc}"
+    dptr = dptr.value
+    vals = (ctypes.c_uint64 * 3)()
+    params = (ctypes.c_void_p * 3)(*[ctypes.addressof(vals) + 8 * i for i in range(3)])
+    ns = int(args.spin_us * 1000)
+    seq = [0]
+
+    def launch() -> int:
+        seq[0] += 1
+        vals[0], vals[1], vals[2] = ns, int(dptr), seq[0]
+        with kernel.current():
+            rc = drv.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, ctypes.addressof(params), 0)[0]
+            kernel.check(rc, "cuLaunchKernel")
+        return seq[0]
+
+    spin_ev = DriverEvent(kernel, timed=False)
+    block_ev_h = None
+    with kernel.current():
+        rc, block_ev_h = drv.cuEventCreate(0x1 | 0x2)  # CU_EVENT_BLOCKING_SYNC | DISABLE_TIMING
+        kernel.check(rc, "cuEventCreate")
+
+    # Each mechanism: start(loop, seq, fut, stamp) arranges for `stamp[0]` (the thread that
+    # noticed) to be set and `fut` resolved on `loop` once the kernel of `seq` ended.
+    jobs: queue.SimpleQueue = queue.SimpleQueue()  # type: ignore[type-arg]
+
+    def worker() -> None:
+        kernel.make_current()
+        while (item := jobs.get()) is not None:
+            item()
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    def via_thread(wait):  # type: ignore[no-untyped-def]
+        def start(loop, s, fut, stamp):  # type: ignore[no-untyped-def]
+            def body() -> None:
+                wait(s)
+                stamp[0] = time.perf_counter()
+                loop.call_soon_threadsafe(fut.set_result, None)
+
+            jobs.put(body)
+
+        return start
+
+    def event_spin(s: int) -> None:
+        spin_ev.synchronize()
+
+    def event_block(s: int) -> None:
+        rc = drv.cuEventSynchronize(block_ev_h)[0]
+        kernel.check(rc, "cuEventSynchronize")
+
+    def event_query(s: int) -> None:
+        q = drv.cuEventQuery
+        while q(spin_ev.event)[0]:
+            pass
+
+    def word_sleep0(s: int) -> None:
+        while word[0] != s:
+            time.sleep(0)
+
+    def word_spin(s: int) -> None:
+        while word[0] != s:
+            pass
+
+    callbacks = []
+
+    def host_func(loop, s, fut, stamp):  # type: ignore[no-untyped-def]
+        def cb(_user):  # type: ignore[no-untyped-def]
+            stamp[0] = time.perf_counter()
+            loop.call_soon_threadsafe(fut.set_result, None)
+
+        c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(cb)
+        callbacks.append(c)  # kept alive until it ran
+        del callbacks[:-4]
+        with kernel.current():  # through libcuda itself: the bindings' host-function wrapper is version-bound
+            rc = libcuda.cuLaunchHostFunc(ctypes.c_void_p(stream_t.cuda_stream), c, None)
+        assert rc == 0, f"cuLaunchHostFunc: {rc}"
+
+    async def loop_word(s: int, stamp) -> None:  # type: ignore[no-untyped-def]
+        while word[0] != s:
+            await asyncio.sleep(0)
+        stamp[0] = time.perf_counter()
+
+    async def loop_event(s: int, stamp) -> None:  # type: ignore[no-untyped-def]
+        while not spin_ev.query():  # the lane's choice (`gather._polled`)
+            await asyncio.sleep(0)
+        stamp[0] = time.perf_counter()
+
+    mechanisms = {
+        "event, spin sync (lane, parked loop)": via_thread(event_spin),
+        "event, blocking sync": via_thread(event_block),
+        "event, query loop": via_thread(event_query),
+        "mapped word, thread spin": via_thread(word_spin),
+        "mapped word, thread sleep(0)": via_thread(word_sleep0),
+        "stream callback (cuLaunchHostFunc)": host_func,
+        "mapped word, loop polls": loop_word,
+        "event, loop queries (lane now)": loop_event,
+    }
+
+    async def trial(name: str, start) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        stamp = [0.0]
+        t0 = time.perf_counter()
+        s = launch()
+        with kernel.current():
+            spin_ev.record(stream)
+            kernel.check(drv.cuEventRecord(block_ev_h, stream)[0], "cuEventRecord")
+        if start in (loop_word, loop_event):
+            await start(s, stamp)
+        else:
+            fut = loop.create_future()
+            start(loop, s, fut, stamp)
+            await fut
+        t_loop = time.perf_counter()
+        gpu_end = int(word[1])
+        return stamp[0] - t0, t_loop - t0, gpu_end
+
+    async def run_all() -> None:
+        spin = args.spin_us
+        print(f"\nkernel end seen by the host: a {spin:.0f} us spin kernel; us past its spin, p50 / p90")
+        print(f"{'mechanism':<38}{'mode':<10}{'thread sees':>18}{'loop resumes':>18}")
+        for idle in (args.idle_ms, 0.0):
+            for name, start in mechanisms.items():
+                rows = []
+                for i in range(args.seen_runs + 3):
+                    if idle:
+                        await asyncio.sleep(idle / 1e3)
+                    try:
+                        r = await asyncio.wait_for(trial(name, start), 5)
+                    except Exception as exc:
+                        print(f"{name:<38} failed: {exc!r}")
+                        break
+                    if i >= 3:
+                        rows.append(r)
+                if not rows:
+                    continue
+                th = sorted(1e6 * r[0] - spin for r in rows)
+                lo = sorted(1e6 * r[1] - spin for r in rows)
+                q = lambda xs, f: xs[int(f * (len(xs) - 1))]  # noqa: E731
+                mode = f"idle {idle:g}ms" if idle else "b2b"
+                cells = f"{q(th, 0.5):>9.1f} / {q(th, 0.9):>6.1f}{q(lo, 0.5):>9.1f} / {q(lo, 0.9):>6.1f}"
+                print(f"{name:<38}{mode:<10}{cells}")
+
+    asyncio.run(run_all())
+    jobs.put(None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--seen", action="store_true", help="only time how soon the host sees a kernel end, by mechanism")
+    ap.add_argument("--spin-us", type=float, default=200.0, help="--seen: the kernel's length")
+    ap.add_argument("--idle-ms", type=float, default=20.0, help="--seen: the idle spell before each kernel")
+    ap.add_argument("--seen-runs", type=int, default=30)
     args = ap.parse_args()
+    if args.seen:
+        seen(args)
+        return
     layout = dsa_v32(size=max(args.tokens) * 2 + 4096, device="cuda")
     dst, src = DSAKVPool(layout), DSAKVPool(layout)
     rng = np.random.default_rng(7)

@@ -4,7 +4,9 @@
 # the `gpu` extra's (GPU_WHEELS, default .whl4: nccl4py and cuda-pathfinder; the image has
 # cuda-bindings), run the CUDA tests and the GPU fetch benchmark (UCX and the same-host GPU
 # lane). Logs land in $OUT.
-#   scripts/gpu_check.sh [tests|bench|sglang|all]     (default all)
+#   scripts/gpu_check.sh [tests|bench|lane|sglang|all]     (default all)
+# `lane`: the lane's figures for docs/benchmarks.md: how soon the host sees a kernel end, by
+# mechanism (bench_gather.py --seen), and bench_fetch's pool and engine-buffer lanes.
 # `sglang` (also in `all` where SGLang imports): its conformance test on CUDA buffers and
 # bench_sglang's GPU row. The image lacks SGLang: carry its wheel's package unpacked in
 # SGLANG_DIR (default .sgl) and the few wheels its imports need in SGLANG_WHEELS (default
@@ -28,10 +30,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 nproc | tee -a "$OUT/machine.txt"
 quiet() { grep -v "NIXL INFO\|UCX  WARN"; }
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_pool.py tests/test_engine_kv.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_gather.py tests/test_plan.py tests/test_pool.py tests/test_engine_kv.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   timeout 300 python3 scripts/bench_fetch.py --device cuda --sizes 1024,8192,32768 --runs 5 2>&1 | quiet | tail -14 | tee "$OUT/bench_gpu.log"
+fi
+if [ "$STAGE" = lane ]; then
+  timeout 120 python3 scripts/bench_gather.py --seen 2>&1 | tee "$OUT/seen.log"
+  timeout 300 python3 scripts/bench_fetch.py --device cuda --sizes 1024,8192,32768 --runs 8 --engine-buffers --vmm 2>&1 | quiet | tail -32 | tee "$OUT/bench_lane.log"
 fi
 if [ "$STAGE" = sglang ] || { [ "$STAGE" = all ] && python3 -c "import sglang.srt.disaggregation.base.conn" 2>/dev/null; }; then
   timeout 300 python3 -m pytest -p no:cacheprovider -v --tb=short tests/test_sglang.py -k cuda 2>&1 | quiet | tail -30 | tee "$OUT/sglang_tests.log"
