@@ -462,6 +462,9 @@ class FakeUcx:
         self.timeline.add("notify", tuple(self.cp_of[agent] for agent, _ in messages))
         self.notified.extend(messages)
 
+    def connected(self, agent: str) -> bool:
+        return agent in self.cp_of
+
     def releases(self) -> dict[int, TicketRelease]:
         return {self.cp_of[agent]: decode(body, TicketRelease, FP) for agent, body in self.notified}
 
@@ -839,6 +842,7 @@ async def test_ticket_releases_wait_out_their_delay_unless_flushed() -> None:
     assert not ucx.notified  # a caller on another thread sees the outcome first
     await asyncio.sleep(0.3)
     assert set(ucx.releases()) == set(SPANS)
+    tickets.releases.close()  # no owner here clears a word: its releases would be sent again
 
     ucx.notified.clear()
     tickets = TicketProtocol(w.ctx, ucx, release_delay=60)  # type: ignore[arg-type]

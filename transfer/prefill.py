@@ -337,7 +337,8 @@ class PrefillExporter:
             try:
                 self.rooms.release(notice.room, notice.claim)
             except PdkvError as exc:  # its reader proved its bytes by the pin word: nothing to answer
-                logger.info("a claim release that pins nothing: %s", exc)
+                # Mostly a copy sent again before the reader saw the first take (`Releases`).
+                logger.debug("a claim release that pins nothing: %s", exc)
 
     def _about(self, room: int) -> contextlib.AbstractContextManager[None]:
         """Log lines inside name this engine, rank and `room`."""

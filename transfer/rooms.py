@@ -356,7 +356,8 @@ class RoomTable:
         """A ticket holder's release (once a room); False if the ticket no longer pins it."""
         r = self._live.get(room)
         if r is None or r.slot != slot or r.nonce != nonce or r.ticket != "issued":
-            logger.info("room %d: a ticket release that pins nothing (late, repeated or forged)", room)
+            # Mostly a copy its holder sent again before it saw the first take: it frees nothing.
+            logger.debug("room %d: a ticket release that pins nothing (late, repeated or forged)", room)
             return False
         r.ticket = "released"
         r.released += 1

@@ -51,6 +51,11 @@ class Timeouts:
     # cut link would otherwise wait for the READ's own deadline.
     read_stall: float = 10.0
     start: float = 30.0  # starting or closing a service or a synchronous face's thread
+    # A release sent by notification whose owner's pin word still holds the room's nonce is
+    # sent again this often for `release_resend_slow` seconds, then every `release_resend_slow`
+    # seconds until the pin would have expired (`pin`): a lost one then costs ~0.1 s, not the pin.
+    release_resend: float = 0.1
+    release_resend_slow: float = 1.0
     shutdown: float = 2.0  # a service closing: handlers still running get this long (a long-poll must not hold it)
     # After a notification (a ticket's release) its sender's worker is driven this long, so that
     # it leaves: a connection still wiring up needs several rounds of both sides' progress.

@@ -6,7 +6,8 @@ reads several together, in one operation), then each owner's pin word is checked
 nonce still being there proves that no page was freed while it was read. Words of owners
 on this host are loads from their mapped tables; others are READ over UCX. The room is
 then released by a UCX notification to each owner, `release_delay` seconds after the fetch
-returned (see `TicketProtocol`).
+returned (see `TicketProtocol`), sent again while the owner's pin word shows it has not
+taken (`transfer.decode.releases`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import msgspec
 import numpy as np
 import torch
 
-from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
+from pdkv.errors import ClaimLostError, MetadataError, PeerLostError
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, observe_read, owner_urls, read_layers
 from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, lost_peer
+from transfer.decode.releases import Releases
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import Lane
 from transfer.lanes.ucx.lane import UcxLane
@@ -72,7 +74,9 @@ class TicketProtocol:
 
     def __init__(self, ctx: DecodeContext, ucx: UcxLane, release_delay: float = 0.0) -> None:
         self.ctx, self.ucx, self.release_delay = ctx, ucx, release_delay
-        self.pin_windows = torch.zeros((PIN_WINDOWS, PIN_WINDOW), dtype=torch.int64)  # owners' pin words land here
+        # Owners' pin words land here; the last window is the releases' own (their checks).
+        self.pin_windows = torch.zeros((PIN_WINDOWS + 1, PIN_WINDOW), dtype=torch.int64)
+        self.releases = Releases(ucx, ctx.timeouts, self.pin_windows[PIN_WINDOWS])
         self._next_window = 0
         self._deferred: dict[asyncio.TimerHandle, Callable[[], None]] = {}  # releases waiting out the delay
 
@@ -116,7 +120,7 @@ class TicketProtocol:
                 per_task = await self.ctx.tasks.each(reads, aborted)
         except BaseException:  # every read has ended: release at once
             if release is None:
-                self.release_pins(prepared.every, room)
+                self.release_pins(prepared.every, room, "give_up")
             raise
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads. A read the lane's
@@ -212,7 +216,7 @@ class TicketProtocol:
         # A window of words around the slot, not the word alone: on loopback an 8-byte READ
         # is emulated with messages the owner must progress, while 16 KiB go by cma's zero
         # copy like the data.
-        self._next_window = (self._next_window + 1) % len(self.pin_windows)
+        self._next_window = (self._next_window + 1) % PIN_WINDOWS
         local = self.pin_windows[self._next_window]
         first = pin.slot - pin.slot % len(local)
         window = local[: min(len(local), owner.rank.pins.slots - first)]
@@ -236,35 +240,27 @@ class TicketProtocol:
 
     def flush(self) -> None:
         """Send the releases still waiting out `release_delay` now (the fetcher is closing:
-        a release that never went would leave its room pinned until the pin expired)."""
+        a release that never went would leave its room pinned until the pin expired); none
+        is sent again after (the connections go)."""
         deferred, self._deferred = self._deferred, {}
         for timer, send in deferred.items():
             timer.cancel()
             send()
+        self.releases.close()
 
-    def release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int) -> None:
-        """Release a ticket's room on these owners: a notification each, no answer, queued
-        without a wait. One that cannot be sent leaves the room to its pin's expiry there."""
+    def release_pins(self, pins: list[tuple[Owner, OwnerPin]], room: int, kind: str = "release") -> None:
+        """Release a ticket's room on these owners (`kind` give_up: after a failed read, the
+        same message): a notification each, no answer, queued without a wait, and sent again
+        until each owner's pin word shows it took (`Releases`)."""
         fp = self.ctx.fingerprint
-        messages = [
-            (o.rank.agent_name, encode(TicketRelease(room=room, slot=p.slot, nonce=p.nonce), fp)) for o, p in pins
-        ]
-        self._notify(messages, room)
+        notes = [(o, p, encode(TicketRelease(room=room, slot=p.slot, nonce=p.nonce), fp)) for o, p in pins]
+        self.releases.send(notes, room, kind)
 
-    def release_claims(self, owners: list[Owner], claim: Claim) -> None:
-        """Release `claim` on these owners by a notification each (its bytes proved by the
-        pin words, so no answer is needed)."""
+    def release_claims(self, pins: list[tuple[Owner, OwnerPin]], claim: Claim) -> None:
+        """Release `claim` on these owners by a notification each (its bytes proved by their
+        pin words, so no answer is needed), sent again as `release_pins`' until it took."""
         body = encode(ClaimRelease(room=claim.room, claim=claim.token), self.ctx.fingerprint)
-        self._notify([(o.rank.agent_name, body) for o in owners], claim.room)
-
-    def _notify(self, messages: list[tuple[str, bytes]], room: int) -> None:
-        if self.ucx.closed:  # closed meanwhile
-            logger.info("release of room %d: the fetcher is closed (its pins expire instead)", room)
-            return
-        try:
-            self.ucx.notify(messages)
-        except PdkvError as exc:
-            logger.info("release of room %d: %s (its pins expire instead)", room, exc)
+        self.releases.send([(o, p, body) for o, p in pins], claim.room)
 
 
 def _lost_among(pinned: list[tuple[Owner, OwnerPin]], exc: PeerLostError) -> PeerLostError:

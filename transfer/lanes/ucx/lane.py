@@ -105,3 +105,7 @@ class UcxLane:
     def notify(self, messages: list[tuple[str, bytes]]) -> None:
         """Send each (agent, message) as a notification, no reply (`UcxTransport.notify`)."""
         self.transport.notify(messages)
+
+    def connected(self, agent_name: str) -> bool:
+        """Whether notifications (and pin word READs) can reach `agent_name` (a connection is held)."""
+        return self.transport.has_peer(agent_name)

@@ -19,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import itertools
 import logging
+import os
+import random
 import threading
 import time
 from typing import Any, TypeVar
@@ -36,7 +39,7 @@ from transfer.lanes.ucx.plan import ReadPlan
 from transfer.lanes.ucx.worker import Worker, split
 from transfer.timeouts import Timeouts
 
-__all__ = ["Regions", "UcxTransport"]
+__all__ = ["NotifyFaults", "Regions", "UcxTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,51 @@ T = TypeVar("T")
 # After a notification its worker is driven for `Timeouts.notify`, polled at these paces.
 _NOTIFY_POLL_S = 0.001  # the first poll after a send; the interval then doubles
 _NOTIFY_POLL_MAX_S = 0.02
+NOTIFY_FAULTS_ENV = "PDKV_TEST_NOTIFY_FAULTS"  # tests only: see `NotifyFaults`
+
+
+class NotifyFaults:
+    """A fault seam for tests, off unless `PDKV_TEST_NOTIFY_FAULTS` is set: the notifications
+    a transport receives are each dropped with chance `drop`, the others held back `hold`
+    seconds plus up to `jitter` more (so they may arrive out of order). The spec is
+    comma-separated `key=value` pairs of those names and `seed`, e.g. "drop=0.5,jitter=0.05"."""
+
+    def __init__(self, spec: str) -> None:
+        fields = {"drop": 0.0, "hold": 0.0, "jitter": 0.0, "seed": 0.0}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key not in fields:
+                raise ValueError(f"{NOTIFY_FAULTS_ENV}: unknown key {key!r} (one of {sorted(fields)})")
+            fields[key] = float(value)
+        if not 0.0 <= fields["drop"] <= 1.0 or fields["hold"] < 0 or fields["jitter"] < 0:
+            raise ValueError(f"{NOTIFY_FAULTS_ENV}: drop in [0, 1], hold and jitter >= 0, not {spec!r}")
+        self.drop, self.hold, self.jitter = fields["drop"], fields["hold"], fields["jitter"]
+        self._rng = random.Random(int(fields["seed"]))
+        self._held: list[tuple[float, int, str, bytes]] = []
+        self._order = itertools.count()
+        self.dropped = self.passed = 0
+
+    @classmethod
+    def from_env(cls) -> NotifyFaults | None:
+        spec = os.environ.get(NOTIFY_FAULTS_ENV, "")
+        return cls(spec) if spec else None
+
+    def filter(self, arrived: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+        """What of `arrived` (and of what was held back before) is delivered now."""
+        now = time.monotonic()
+        for peer, messages in arrived.items():
+            for message in messages:
+                if self._rng.random() < self.drop:
+                    self.dropped += 1
+                    continue
+                due = now + self.hold + self._rng.uniform(0.0, self.jitter)
+                heapq.heappush(self._held, (due, next(self._order), peer, message))
+        out: dict[str, list[bytes]] = {}
+        while self._held and self._held[0][0] <= now:
+            _, _, peer, message = heapq.heappop(self._held)
+            out.setdefault(peer, []).append(message)
+            self.passed += 1
+        return out
 
 
 class Regions:
@@ -101,6 +149,7 @@ class UcxTransport:
         self._peers: dict[str, Regions] = {}
         self._closed = False
         self._driving = False  # a timer drives notifications out (`notify`)
+        self.notify_faults = NotifyFaults.from_env()  # tests only; None unless set
         self._drive_until = 0.0
         self._drive_interval = _NOTIFY_POLL_S
 
@@ -323,7 +372,8 @@ class UcxTransport:
         """Drive the UCX worker once (a target must, for wire-up and emulated GETs); returns
         the notifications that arrived, by sender."""
         worker = self._workers[0]
-        return await worker.call(worker.agent.get_new_notifs)
+        arrived: dict[str, list[bytes]] = await worker.call(worker.agent.get_new_notifs)
+        return arrived if self.notify_faults is None else self.notify_faults.filter(arrived)
 
     async def drain_notifications(self) -> None:
         """Let notifications just sent leave (driven for at most `Timeouts.drain`): before
