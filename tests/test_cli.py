@@ -163,7 +163,7 @@ BAD = [
 
 @pytest.mark.parametrize(("argv", "why"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_and_exit_code_2(argv, why, capsys):
-    from transfer.app.cli import parser
+    from transfer.app.options import parser
 
     with pytest.raises(SystemExit) as end:
         parser().parse_args(argv)
@@ -184,7 +184,7 @@ def test_bad_input_starts_nothing(tmp_path):
 
 
 def test_help_names_the_program_every_flag_its_default_and_the_exit_codes(monkeypatch):
-    from transfer.app.cli import parser
+    from transfer.app.options import parser
 
     monkeypatch.setenv("COLUMNS", "400")  # one line a flag: a default is not wrapped apart
     ap = parser()
@@ -200,7 +200,7 @@ def test_help_names_the_program_every_flag_its_default_and_the_exit_codes(monkey
 
 
 def test_good_input_parses_to_values():
-    from transfer.app.cli import parser
+    from transfer.app.options import parser
     from transfer.app.launcher import Host
 
     args = parser().parse_args(["--engines", "2,3", "--log-level", "info", "--prefill-host", "ns1@10.0.0.1"])

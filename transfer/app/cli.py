@@ -15,31 +15,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
 from tqdm import tqdm
 
-from pdkv import PRESETS
 from transfer.app.api import DecodeReply
 from transfer.app.launcher import ServiceStartError
+from transfer.app.options import PROG, parse_mix, parser
 from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
 from transfer.app.service import configure_logging
-from transfer.app.supervisor import BROADCAST_CTAS, EngineDeath, EngineState, Host
-from transfer.timeouts import Timeouts
+from transfer.app.supervisor import EngineDeath, EngineState
 
 __all__ = ["main", "Summary"]
-
-# (tokens, weight): mostly short prompts, a long tail up to 32k.
-DEFAULT_MIX = "1024:35,2048:25,4096:20,8192:12,16384:5,32768:3"
 
 
 @dataclass(frozen=True)
@@ -61,13 +54,6 @@ class Summary:
     lost_with_engine: int = 0  # failures that were in flight on an engine when it died
     restarts: dict[str, int] = field(default_factory=dict)  # engine -> restarts
     engine_deaths: tuple[str, ...] = ()  # each death and what came of it
-
-
-def parse_mix(text: str) -> tuple[np.ndarray, np.ndarray]:
-    pairs = [item.split(":") for item in text.split(",")]
-    tokens = np.array([int(t) for t, _ in pairs])
-    weights = np.array([float(w) for _, w in pairs])
-    return tokens, weights / weights.sum()
 
 
 def copy_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -229,219 +215,10 @@ async def run(args: argparse.Namespace) -> int:
     return 0 if summary.failures == summary.lost_with_engine and not dead else 1
 
 
-PROG = "python -m transfer.app"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-EXIT_CODES = """exit codes:
-  0    every request verified (one in flight on an engine that died and came back may fail)
-  1    a request failed otherwise, a service died or was left down, or one failed to start
-       (one line names it and its log; --json then holds that failure)
-  2    bad command line: nothing was started
-  130  interrupted (Ctrl-C, SIGTERM): every service was stopped"""
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each flag's help; the description and exit codes kept as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:  # unset, or a switch: nothing to show
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _bad(text: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(text)
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise _bad(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise _bad(f"expected at least {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"  # what argparse names in its error
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _bad(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise _bad(f"expected a number in [0, 1], got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _bad(f"expected a number, got {text!r}") from None
-    if not 0.0 < value < float("inf"):
-        raise _bad(f"expected a positive number, got {value}")
-    return value
-
-
-def _engines(text: str) -> tuple[int, ...]:
-    """CP sizes, comma separated: `4` or `2,3`."""
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise _bad(f"expected CP sizes such as 4 or 2,3, got {text!r}") from None
-    if any(n < 1 for n in sizes):
-        raise _bad(f"a CP size is at least 1, got {text!r}")
-    return sizes
-
-
-def _mix(text: str) -> str:
-    """`tokens:weight,...`, checked here so that a typo fails before anything starts."""
-    try:
-        tokens, weights = parse_mix(text)
-    except ValueError:
-        raise _bad(f"expected TOKENS:WEIGHT,... such as 1024:3,4096:1, got {text!r}") from None
-    if (tokens < 1).any() or not (weights > 0).all():
-        raise _bad(f"tokens are at least 1 and weights positive, got {text!r}")
-    return text
-
-
-def _registry(url: str) -> str:
-    """An existing registry's URL, checked as its client will read it."""
-    parts = urlsplit(url)
-    if parts.scheme in ("http", "https"):
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or port is None:
-            raise _bad(f"expected http://HOST:PORT, got {url!r}")
-        return url
-    if parts.scheme == "etcd":
-        try:
-            from transfer.registry.etcd import etcd_target
-        except ImportError:
-            raise _bad(f"{url!r} needs the etcd client: pip install 'pdkv[etcd]'") from None
-        try:
-            etcd_target(url)
-        except ValueError as exc:
-            raise _bad(str(exc)) from None
-        return url
-    raise _bad(f"expected http://HOST:PORT or etcd://HOST:PORT[,HOST:PORT...][/PREFIX], got {url!r}")
-
-
-def _host(text: str) -> Host:
-    host = Host.parse(text)
-    if not host.address:
-        raise _bad(f"expected ADDRESS or NETNS@ADDRESS, got {text!r}")
-    return host
-
-
-def _device(text: str) -> str:
-    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
-        raise _bad(f"expected cpu, cuda or cuda:N, got {text!r}")
-    return text
-
-
-def _json_path(text: str) -> str:
-    if not Path(text).parent.is_dir():
-        raise _bad(f"no directory {str(Path(text).parent)!r} to write {text!r} in")
-    return text
-
-
-def parser() -> argparse.ArgumentParser:
-    """The command line: every value is checked here, before any service starts."""
-    ap = argparse.ArgumentParser(
-        prog=PROG,
-        usage="%(prog)s [options]  (see --help)",  # a bad value's error stays a line, not a page
-        description=__doc__.split("\n\n")[0],
-        epilog=EXIT_CODES,
-        formatter_class=_Formatter,
-    )
-    ap.add_argument(
-        "--engines",
-        type=_engines,
-        default="4",
-        metavar="CP[,CP...]",
-        help="CP size of each prefill engine, comma separated",
-    )
-    ap.add_argument("--decoders", type=_int_at_least(1), default=1, metavar="N", help="decode worker processes")
-    ap.add_argument(
-        "--requests", type=_int_at_least(1), default=200, metavar="N", help="requests to drive through the router"
-    )
-    ap.add_argument(
-        "--concurrency",
-        type=_int_at_least(1),
-        default=2,
-        metavar="N",
-        help="requests in flight; the prefill runs them one at a time, so 2 keeps it busy while the decode "
-        "fetches the previous one (more only queue at the prefill and pile fetches onto the decode)",
-    )
-    ap.add_argument(
-        "--mix", type=_mix, default=DEFAULT_MIX, metavar="TOKENS:WEIGHT,...", help="prompt lengths as tokens:weight,..."
-    )
-    ap.add_argument(
-        "--prefix-share", type=_fraction, default=0.25, metavar="F", help="fraction of requests with a shared prefix"
-    )
-    ap.add_argument("--prefixes", type=_int_at_least(1), default=4, metavar="N", help="distinct shared prefixes")
-    ap.add_argument(
-        "--prefix-tokens", type=_int_at_least(0), default=2048, metavar="N", help="tokens of a shared prefix"
-    )
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="dsa_v32", help="KV layout")
-    ap.add_argument(
-        "--prefill-pool-tokens", type=_int_at_least(0), default=96 * 1024, metavar="N", help="KV pool per prefill rank"
-    )
-    ap.add_argument(
-        "--decode-pool-tokens", type=_int_at_least(0), default=128 * 1024, metavar="N", help="KV pool per decode"
-    )
-    ap.add_argument(
-        "--device", type=_device, default="cpu", metavar="DEVICE", help="where the pools live: cpu, cuda or cuda:N"
-    )
-    ap.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the request mix")
-    ap.add_argument(
-        "--json", type=_json_path, metavar="PATH", help="also write the summary here as JSON (or why the start failed)"
-    )
-    ap.add_argument("--workdir", metavar="DIR", help="where services' logs go (default: a temp dir)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="WARNING", help="this process's log")
-    where = "ADDRESS to bind, or NETNS@ADDRESS to run in that network namespace (a stand-in host; needs root)"
-    ap.add_argument(
-        "--registry",
-        type=_registry,
-        metavar="URL",
-        help="use this registry (http://HOST:PORT or etcd://HOST:PORT/PREFIX), not a new one",
-    )
-    ap.add_argument("--registry-host", type=_host, default="127.0.0.1", metavar="HOST", help=where)
-    ap.add_argument("--prefill-host", type=_host, default="127.0.0.1", metavar="HOST", help=where)
-    ap.add_argument("--decode-host", type=_host, default="127.0.0.1", metavar="HOST", help=where)
-    ap.add_argument(
-        "--owner-progress-ms",
-        type=_positive_float,
-        metavar="MS",
-        default=Timeouts().ticket_progress_interval * 1e3,
-        help="how often a prefill rank drives UCX while a ticket is out: lower it (1) between hosts over TCP",
-    )
-    ap.add_argument(
-        "--broadcast-ctas",
-        type=_int_at_least(0),
-        default=BROADCAST_CTAS,
-        metavar="N",
-        help="SMs the prefill's NCCL owner broadcast may take beside compute (0: NCCL's choice)",
-    )
-    ap.add_argument(
-        "--max-restarts",
-        type=_int_at_least(0),
-        default=3,
-        metavar="N",
-        help="restarts of each prefill engine after one of its ranks died (the whole CP group restarts; 0: none)",
-    )
-    return ap
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)  # a bad value: one line and exit code 2, nothing started
+    # Named as it was started: `python -m transfer.app`, or an entry point's own name.
+    prog = PROG if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
+    args = parser(prog, __doc__.split("\n\n")[0]).parse_args(argv)  # bad input: one line, exit 2, nothing started
     configure_logging(args.log_level)  # PDKV_LOG_CONFIG: a logging.config file (JSON lines: docs/deployment.md)
     try:
         sys.exit(asyncio.run(run(args)))
