@@ -1,6 +1,7 @@
 """Process supervision for a local deployment: a registry, prefill engines, decode workers.
 
-Starts each service as a child process (port 0, readiness through a ready file), knows
+Starts each service as a child process (port 0; its URL through a ready file, and started
+once each URL there answers `GET /ready`: a prefill rank registered with UCX up), knows
 their endpoints, watches the prefill engines and restarts a dead one whole (with backoff,
 a bounded number of times, when the spec allows), restarts the registry on demand, and
 stops everything. It routes no request: that is `transfer.app.router`, which asks it which
