@@ -111,14 +111,21 @@ class Releases:
                 # At least every `release_resend`: a release sent meanwhile is looked at in time.
                 wake = min(p.due for p in self._pending) - time.monotonic()
                 await asyncio.sleep(min(max(0.0, wake), self.timeouts.release_resend))
-                now = time.monotonic()
-                due = [p for p in self._pending if p.due <= now]
-                read: dict[tuple[str, int], torch.Tensor] = {}  # READ windows of this round, by owner and start
-                again = [p for p in due if await self._still_pinned(p, read)]
-                done = {id(p) for p in due} - {id(p) for p in self._resend(again, time.monotonic())}
-                self._pending = [p for p in self._pending if id(p) not in done]  # send() may have added some
+                try:
+                    await self._round()
+                except Exception:  # never end silently: the releases left would wait for their pins
+                    logger.exception("checking %d releases by their pin words", len(self._pending))
         finally:
             self._watcher = None
+
+    async def _round(self) -> None:
+        """Look at the releases due, and send again those whose pin word still holds."""
+        now = time.monotonic()
+        due = [p for p in self._pending if p.due <= now]
+        read: dict[tuple[str, int], torch.Tensor] = {}  # READ windows of this round, by owner and start
+        again = [p for p in due if await self._still_pinned(p, read)]
+        done = {id(p) for p in due} - {id(p) for p in self._resend(again, time.monotonic())}
+        self._pending = [p for p in self._pending if id(p) not in done]  # send() may have added some
 
     async def _still_pinned(self, p: _Pending, read: dict[tuple[str, int], torch.Tensor]) -> bool:
         """Whether `p`'s room still holds its pin word on its owner (the release has not taken
@@ -169,7 +176,9 @@ class Releases:
         for p in sendable:
             p.sends += 1
             observe_retransmission(p.kind)
-            slow = now - p.first >= t.release_resend_slow
+            # Slow once a second has passed *and* as many copies went as the fast pace sends in
+            # one: on a loaded host a round comes late, and what beats loss is the copies' count.
+            slow = now - p.first >= t.release_resend_slow and p.sends * t.release_resend >= t.release_resend_slow
             p.due = now + (t.release_resend_slow if slow else t.release_resend)
             logger.debug("room %d: release to %s sent again (%d sends)", p.room, p.owner.rank.agent_name, p.sends)
         self.resent += len(sendable)
