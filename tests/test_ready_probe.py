@@ -75,3 +75,27 @@ async def test_the_launcher_waits_for_ready_not_for_the_ready_file(tmp_path):
             await launcher.wait_ready(never, 2)
     finally:
         await launcher.stop_all(grace=5)
+
+
+def test_sglangs_manager_reports_its_exporters_and_fetchers_readiness():
+    """`PdkvKVManager.readiness()`, the hook a probe under SGLang calls: not ready while an
+    exporter is not (naming it and why), nor where a decode's fetcher failed to start."""
+    import concurrent.futures
+    import threading
+    from types import SimpleNamespace
+
+    from transfer.sglang.conn import PdkvKVManager
+
+    def exporter(ready: bool, why: str) -> SimpleNamespace:
+        return SimpleNamespace(exporter=SimpleNamespace(readiness=lambda: (ready, why)))
+
+    mgr = object.__new__(PdkvKVManager)  # its parts only: no SGLang arguments, no UCX
+    mgr.engine_id, mgr._lock, mgr._fetchers = "dp0", threading.Lock(), {}
+    mgr.exporters = {"": exporter(True, "registered, UCX up"), "-draft": exporter(False, "not registered")}
+    assert mgr.readiness() == (False, "exporter dp0-draft: not registered")
+    mgr.exporters = {"": exporter(True, "registered, UCX up")}
+    assert mgr.readiness() == (True, "ready")
+    failed: concurrent.futures.Future[object] = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("no UCX"))
+    mgr._fetchers = {("10.0.0.1:8998", ""): failed, ("10.0.0.2:8998", ""): concurrent.futures.Future()}
+    assert mgr.readiness() == (False, "fetcher of 10.0.0.1:8998 failed to start: no UCX")

@@ -128,6 +128,8 @@ class PdkvKVManager(BaseKVManager):
             secret=self.secret,
             timeouts=timeouts,
         )
+        ready, why = self.readiness()  # also for a probe of the operator's (docs/deployment.md)
+        logger.log(logging.INFO if ready else logging.WARNING, "pdkv readiness: %s", why)
 
     @property
     def exporter(self) -> SyncExporter | None:
