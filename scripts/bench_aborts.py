@@ -25,12 +25,13 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # as tests/conftest.py: no InfiniBa
 
 from tests import test_sglang_aborts as big  # noqa: E402
 from tests.test_sglang_layout_abort import HeardAborts, abort_trial, shuffled_runs, start_timed_prefill  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 
 STAGES = (("ended", "prefill ended it"), ("heard", "decode heard"), ("stopped", "READs ended"), ("failed", "Failed"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--run", type=int, default=16, help="destination pages come in shuffled runs of this many")
     ap.add_argument("--reads", type=int, default=5, help="then this many rooms read whole, not aborted (GB/s)")

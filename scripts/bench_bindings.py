@@ -501,7 +501,9 @@ def _versions() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--calls", type=int, default=20000, help="calls a round and side")
     ap.add_argument("--rounds", type=int, default=3, help="rounds a side, alternating")
     ap.add_argument("--batch", type=int, default=10, help="calls a timed sample")

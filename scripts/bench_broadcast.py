@@ -37,6 +37,7 @@ from pdkv.broadcast import nccl_group_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.distributed
 from tests.distributed import run_group  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.supervisor import BROADCAST_CTAS  # noqa: E402
 
 
@@ -145,7 +146,7 @@ def _rank(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)

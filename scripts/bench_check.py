@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import transfer.app.synthetic as synthetic  # noqa: E402
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     n = ap.parse_args().tokens
     pool = DSAKVPool(dsa_v32(size=2 * n))

@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 
 
@@ -99,7 +100,7 @@ async def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--overlap", action="store_true", help="start the decode with the prefill (no ticket)")
     ap.add_argument("--preset", default="tiny")

@@ -49,6 +49,7 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 from transfer.app.supervisor import Host  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator, fragmented_page_order  # noqa: E402
@@ -539,7 +540,7 @@ def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument(

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.synthetic import fragmented_page_order  # noqa: E402
 from transfer.lanes.cuda_ipc.gather import Gatherer  # noqa: E402
 from transfer.lanes.cuda_ipc.plan import build_gather_plan
@@ -273,7 +274,7 @@ def seen(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seen", action="store_true", help="only time how soon the host sees a kernel end, by mechanism")

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import ShardPlan, dsa_v32  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.synthetic import fragmented_page_order  # noqa: E402
 
 CP = 4
@@ -62,7 +63,7 @@ def _copy(runs: np.ndarray) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--threads", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=5)

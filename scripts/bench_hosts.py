@@ -28,10 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.netns import HostNet, delay_unavailable, loss_unavailable, unavailable  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192,32768")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for every process (tcp: what a host pair without RDMA has)")

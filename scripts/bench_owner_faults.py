@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pdkv.errors import PdkvError  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 
 ENGINE = "prefill0"
 _SETTLE_S = 4.0  # after a fault, how long an owner is given to fail its endpoints (keepalive: ~3 s)
@@ -304,7 +305,7 @@ def table(report: dict[str, object], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=50)
     ap.add_argument("--cuts", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=8192)

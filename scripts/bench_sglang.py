@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv.sharding import ShardPlan  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 
 LAYERS, PAGE, CP = 61, 64, 4
 DEVICE = os.environ.get("PDKV_BENCH_DEVICE", "cpu")  # set by --device, for the prefill processes too
@@ -179,7 +180,7 @@ SERVER_URL = ""
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,8192", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -22,13 +22,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import DSAKVPool, tiny  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.metadata import RoomTicket  # noqa: E402
 from transfer.registry.server import RegistryServer  # noqa: E402
 from transfer.sync import BackgroundLoop, FetchStatus, SyncExporter, SyncFetcher  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--rooms", type=int, default=200)
     args = ap.parse_args()
     layout = tiny(layer_num=8, size=8192)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
@@ -77,7 +78,7 @@ STEPS = (
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--b2b", action="store_true", help="prefill every room first, then fetch back to back")

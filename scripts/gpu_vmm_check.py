@@ -275,7 +275,10 @@ def _decode(args: argparse.Namespace, proc: subprocess.Popen[str]) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     ap.add_argument("--role", choices=["decode", "owner"], default="decode")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--tokens", type=int, default=8192)

@@ -116,7 +116,9 @@ def _progress(agent, handle, seconds: float) -> None:  # type: ignore[no-untyped
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--mode", choices=("kill", "cut"), default="kill")
     ap.add_argument(

@@ -200,10 +200,42 @@ def test_help_names_the_program_every_flag_its_default_and_the_exit_codes(monkey
 
 
 def test_good_input_parses_to_values():
-    from transfer.app.options import parser
     from transfer.app.launcher import Host
+    from transfer.app.options import parser
 
     args = parser().parse_args(["--engines", "2,3", "--log-level", "info", "--prefill-host", "ns1@10.0.0.1"])
     assert args.engines == (2, 3) and args.log_level == "INFO"
     assert args.prefill_host == Host("ns1", "10.0.0.1") and args.decode_host == Host()
     assert parser().parse_args([]).engines == (4,)
+
+
+def test_a_flag_without_help_still_shows_its_default(monkeypatch):
+    import argparse
+
+    from transfer.app.options import HelpFormatter
+
+    monkeypatch.setenv("COLUMNS", "400")
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--port", type=int, default=0, help="0: any free one")
+    ap.add_argument("--json")
+    ap.add_argument("--quiet", action="store_true")
+    lines = {ln.split()[0]: ln for ln in ap.format_help().splitlines() if ln.strip().startswith("--")}
+    assert lines["--runs"].endswith("(default: 5)") and lines["--port"].endswith("0: any free one (default: 0)")
+    assert "default" not in lines["--json"] + lines["--quiet"]  # unset, a switch: nothing to show
+
+
+def test_every_parser_of_the_services_shows_defaults():
+    """Each argparse parser of the main job and its services names a formatter that shows defaults."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in root.glob("transfer/app/*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                kinds = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                found.append((path.name, kinds.get("formatter_class")))
+    assert len(found) >= 4
+    assert all(f in ("HelpFormatter", "_Formatter", "argparse.ArgumentDefaultsHelpFormatter") for _, f in found), found

@@ -23,6 +23,7 @@ from aiohttp import web
 from pdkv import PRESETS, DSAKVPool
 from pdkv.errors import ConflictError, PdkvError, TransferError, UnknownRoomError
 from transfer.app.api import DecodeReply, DecodeRequest
+from transfer.app.options import HelpFormatter
 from transfer.app.service import (
     add_pool_flags,
     add_service_flags,
@@ -174,7 +175,7 @@ class DecodeWorker:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="a demo pdkv decode worker")
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description="a demo pdkv decode worker")
     ap.add_argument("--registry", required=True)
     ap.add_argument("--consumer-id", default=None)
     add_pool_flags(ap, 128 * 1024)

@@ -7,6 +7,7 @@ A bad value ends the run with argparse's usage line and one line saying why (exi
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from transfer.app.launcher import Host
 from transfer.app.supervisor import BROADCAST_CTAS
 from transfer.timeouts import Timeouts
 
-__all__ = ["DEFAULT_MIX", "EXIT_CODES", "PROG", "parse_mix", "parser"]
+__all__ = ["DEFAULT_MIX", "EXIT_CODES", "PROG", "HelpFormatter", "parse_mix", "parser"]
 
 # (tokens, weight): mostly short prompts, a long tail up to 32k.
 DEFAULT_MIX = "1024:35,2048:25,4096:20,8192:12,16384:5,32768:3"
@@ -42,13 +43,27 @@ EXIT_CODES = """exit codes:
   130  interrupted (Ctrl-C, SIGTERM): every service was stopped"""
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each flag's help; the description and exit codes kept as written."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default after its help, a flag without help too (the scripts' and the
+    services' parsers use it as well); none for a value left unset or a switch."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        return bool(action.option_strings) and not unset and "%(default)" not in (action.help or "")
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not (action.help and action.help.strip()) and self._shows_default(action):
+            action = copy.copy(action)  # argparse prints nothing after a flag without help
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:  # unset, or a switch: nothing to show
-            return action.help
-        return super()._get_help_string(action)
+        return f"{action.help} (default: %(default)s)" if self._shows_default(action) else action.help
+
+
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The main job's: its description and exit codes kept as written."""
 
 
 def _bad(text: str) -> argparse.ArgumentTypeError:

@@ -33,6 +33,7 @@ from pdkv import PRESETS, LayerSplitDSAKVPool, OwnerBroadcaster, ShardPlan
 from pdkv.broadcast import CollectiveHandle
 from pdkv.errors import ClosedError, DeadlineExceeded, PdkvError, UnknownRoomError
 from transfer.app.api import PrefillReply, PrefillRequest
+from transfer.app.options import HelpFormatter
 from transfer.app.service import (
     add_pool_flags,
     add_service_flags,
@@ -347,7 +348,7 @@ def broadcast_backend(device: str | torch.device, world: int) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="one CP rank of a demo pdkv prefill engine")
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description="one CP rank of a demo pdkv prefill engine")
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--cp-rank", type=int, required=True)
     ap.add_argument("--cp-size", type=int, required=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from transfer.app.options import HelpFormatter
 from transfer.app.service import add_service_flags, announce, secret_from_env, setup_process, wait_for_signal
 from transfer.registry.server import RegistryServer
 from transfer.timeouts import Timeouts
@@ -23,7 +24,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="pdkv bootstrap registry")
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description="pdkv bootstrap registry")
     ap.add_argument("--lease", type=float, default=Timeouts().lease)
     add_service_flags(ap)
     args = ap.parse_args(argv)
