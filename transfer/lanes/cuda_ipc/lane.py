@@ -44,7 +44,6 @@ from transfer.lanes.cuda_ipc.plan import (
 from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
 from transfer.lanes.pages import BufferPair
 from transfer.metadata import RankDescriptor
-from transfer.timeouts import Timeouts
 
 __all__ = ["CudaIpcLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
 
@@ -135,10 +134,10 @@ class CudaIpcLane:
         *,
         time_kernels: bool = False,
         secret: str | None = None,
-        fd_timeout: float = Timeouts.connect,
+        fd_timeout: float,
     ) -> None:
         """`secret`: the owners' (their VMM descriptors are handed out under it);
-        `fd_timeout`: the bound on fetching an owner's descriptors."""
+        `fd_timeout`: the bound on fetching an owner's descriptors (the fetcher's `Timeouts.connect`)."""
         self.device = device
         self._secret, self._fd_timeout = secret or NO_SECRET, fd_timeout
         self.index = device.index or 0

@@ -18,7 +18,6 @@ from transfer.lanes.base import Pairs, ReadStats, Watch
 from transfer.lanes.ucx.plan import ReadTable, read_plan, read_table
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.metadata import RankDescriptor
-from transfer.timeouts import Timeouts
 
 __all__ = ["UcxLane", "UcxPeer"]
 
@@ -43,18 +42,17 @@ class UcxPeer:
 
 
 class UcxLane:
-    """Reads owners over `transport` (its buffers registered by the caller). `merge_runs`:
-    runs of pages consecutive on both sides become one descriptor."""
+    """Reads owners over `transport` (its buffers registered by the caller), each READ bounded
+    by the transport's `Timeouts.transfer`. `merge_runs`: runs of pages consecutive on both
+    sides become one descriptor."""
 
     name = "ucx"
     merges = False
 
-    def __init__(
-        self, transport: UcxTransport, *, merge_runs: bool = True, transfer_timeout: float = Timeouts.transfer
-    ) -> None:
+    def __init__(self, transport: UcxTransport, *, merge_runs: bool = True) -> None:
         self.transport = transport
         self.merge_runs = merge_runs
-        self._transfer_timeout = transfer_timeout
+        self._transfer_timeout = transport.timeouts.transfer
 
     @property
     def closed(self) -> bool:
