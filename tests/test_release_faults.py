@@ -212,6 +212,68 @@ def test_the_seam_parses_drops_and_holds_back_in_order_of_due_time():
         NotifyFaults("drop=1.5")
 
 
+class _Words:
+    """An owner's pin table as a decode maps it: a word a slot."""
+
+    def __init__(self, words: dict[int, int]) -> None:
+        self.words = words
+
+    def word(self, slot: int) -> int:
+        return self.words.get(slot, 0)
+
+
+class _Lane:
+    """In place of `UcxLane` for `Releases` alone: notifications recorded, peers by name."""
+
+    def __init__(self, peers: set[str]) -> None:
+        self.peers, self.sent, self.closed = peers, list[tuple[str, bytes]](), False
+
+    def connected(self, agent: str) -> bool:
+        return agent in self.peers
+
+    def notify(self, messages: list[tuple[str, bytes]]) -> None:
+        self.sent += messages
+
+
+async def test_a_release_is_sent_again_only_while_its_pin_word_holds_and_not_past_the_pin():
+    """The decode's side alone, with the owner's word in our hands: a release whose word is
+    cleared before the first look is never sent again; one whose word holds is sent every
+    `release_resend` until the word changes; an owner forgotten (no connection) or a pin
+    expired ends the watch, counted as never taken."""
+    from types import SimpleNamespace
+
+    from transfer.decode.releases import Releases
+    from transfer.timeouts import Timeouts
+
+    words = _Words({1: 11, 2: 22, 3: 33, 4: 44})
+    owner = SimpleNamespace(rank=SimpleNamespace(agent_name="o", pins=None), pins=words)
+    pin = {s: OwnerPin(cp_rank=0, incarnation="i", slot=s, nonce=n) for s, n in words.words.items()}
+    lane = _Lane({"o"})
+    timeouts = Timeouts(release_resend=0.02, release_resend_slow=0.2, pin=60)
+    releases = Releases(lane, timeouts, torch.zeros(8, dtype=torch.int64))  # type: ignore[arg-type]
+    releases.send([(owner, pin[1], b"r1"), (owner, pin[2], b"r2")], 7)  # type: ignore[list-item]
+    words.words[1] = 0  # the first took at once
+    await asyncio.sleep(0.15)
+    assert lane.sent.count(("o", b"r1")) == 1 and lane.sent.count(("o", b"r2")) >= 2
+    words.words[2] = 99  # the slot serves another room now: the second took too
+    sent = len(lane.sent)
+    await asyncio.sleep(0.3)
+    assert len(lane.sent) == sent and releases.pending == 0 and releases.resent >= 1
+
+    releases.send([(owner, pin[3], b"r3")], 8)  # type: ignore[list-item]
+    lane.peers.clear()  # its owner forgotten: the connection dropped
+    owner.pins = None
+    await asyncio.sleep(0.3)
+    assert lane.sent.count(("o", b"r3")) == 1 and releases.pending == 0
+
+    lane.peers.add("o")
+    owner.pins = words
+    expiring = Releases(lane, timeouts.replace(pin=0.1), torch.zeros(8, dtype=torch.int64))  # type: ignore[arg-type]
+    expiring.send([(owner, pin[4], b"r4")], 9)  # type: ignore[list-item]
+    await asyncio.sleep(0.3)
+    assert expiring.pending == 0 and expiring.given_up == 1 and lane.sent.count(("o", b"r4")) >= 1
+
+
 @pytest.mark.parametrize(("drop", "mapped"), [(0.1, True), (0.5, True), (0.5, False)])
 async def test_every_room_is_freed_within_the_bound_when_notifications_drop(registry_url, drop, mapped, monkeypatch):
     """`mapped`: the owners' pin tables are mapped here (the same host); else their words
