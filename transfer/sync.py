@@ -117,10 +117,12 @@ class BackgroundLoop:
         try:
             self.run(coro, timeout)
         finally:
-            self.stop()
+            self.stop(timeout)
 
-    def stop(self, timeout: float = Timeouts.start) -> None:
-        """Stop the loop and wait for its thread (not from the loop's own thread: `close`)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop and wait for its thread, at most `timeout` (the sync faces pass their
+        `Timeouts.start`; by default the default's); not from the loop's own thread: `close`."""
+        timeout = Timeouts().start if timeout is None else timeout
         self._stopping = True
         if self.loop.is_closed():
             return
@@ -281,16 +283,14 @@ class FetchHandle(Handle[FetchResult]):
 
 class SyncFetcher:
     """A `DecodeFetcher` driven from a synchronous scheduler thread (its keyword arguments;
-    `release_delay` defaults to `transfer.timeouts.CALLER_FIRST`)."""
+    `release_delay` defaults to `transfer.timeouts.CALLER_FIRST`). Starting and closing wait
+    at most `start_timeout`, by default its `timeouts`' `start`."""
 
-    def __init__(
-        self, pool: KVBuffers, registry_url: str, start_timeout: float = Timeouts.start, **kwargs: Any
-    ) -> None:
+    def __init__(self, pool: KVBuffers, registry_url: str, start_timeout: float | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("release_delay", CALLER_FIRST)
+        self._start: float = kwargs.get("timeouts", Timeouts()).start if start_timeout is None else start_timeout
         self._bg = BackgroundLoop("pdkv-decode")
-        self.fetcher: DecodeFetcher = _start_or_stop(
-            self._bg, DecodeFetcher, start_timeout, pool, registry_url, **kwargs
-        )
+        self.fetcher: DecodeFetcher = _start_or_stop(self._bg, DecodeFetcher, self._start, pool, registry_url, **kwargs)
 
     def fetch(
         self,
@@ -336,10 +336,11 @@ class SyncFetcher:
         """Start `DecodeFetcher.abandon` (its owners free `room` now); returns at once."""
         return Handle(self._bg.submit(self.fetcher.abandon(engine_id, room)))
 
-    def close(self, timeout: float = Timeouts.start) -> None:
-        """End fetches in flight (they raise `ClosedError`), close, stop the thread. From a
-        handle's callback (pdkv's own thread) it returns at once and closes behind."""
-        self._bg.close(self.fetcher.aclose(), timeout)
+    def close(self, timeout: float | None = None) -> None:
+        """End fetches in flight (they raise `ClosedError`), close, stop the thread (waiting at
+        most `timeout`, by default the start's bound). From a handle's callback (pdkv's own
+        thread) it returns at once and closes behind."""
+        self._bg.close(self.fetcher.aclose(), self._start if timeout is None else timeout)
 
 
 class SyncExporter:
@@ -352,13 +353,15 @@ class SyncExporter:
         cp_rank: int,
         cp_size: int,
         registry_url: str,
-        start_timeout: float = Timeouts.start,
+        start_timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
+        """Starting and closing wait at most `start_timeout`, by default its `timeouts`' `start`."""
         self._bg = BackgroundLoop(f"pdkv-{engine_id}-cp{cp_rank}")
         self.timeouts: Timeouts = kwargs.get("timeouts", Timeouts())
+        self._start = self.timeouts.start if start_timeout is None else start_timeout
         self.exporter: PrefillExporter = _start_or_stop(
-            self._bg, PrefillExporter, start_timeout, pool, engine_id, cp_rank, cp_size, registry_url, **kwargs
+            self._bg, PrefillExporter, self._start, pool, engine_id, cp_rank, cp_size, registry_url, **kwargs
         )
 
     # A publication handle's result is the publication's id. The calls that take one act on
@@ -432,9 +435,9 @@ class SyncExporter:
         wait = self.timeouts.request if timeout is None else timeout
         return Handle(self._bg.submit(self.exporter.pin(room, wait)))
 
-    def close(self, timeout: float = Timeouts.start) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Close the exporter and stop the thread (as `SyncFetcher.close`)."""
-        self._bg.close(self.exporter.aclose(), timeout)
+        self._bg.close(self.exporter.aclose(), self._start if timeout is None else timeout)
 
 
 def _own(pages: PageIds) -> PageIds:
@@ -456,7 +459,7 @@ def _start_or_stop(bg: BackgroundLoop, cls: Callable[..., Any], timeout: float, 
     try:
         return bg.run(_started(cls, *args, **kwargs), timeout)
     except BaseException:
-        bg.stop()
+        bg.stop(timeout)
         raise
 
 

@@ -548,4 +548,4 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
 
     def close(self) -> None:
         self._loop.run(self._server.aclose(), self._timeouts.start)
-        self._loop.stop()
+        self._loop.stop(self._timeouts.start)
