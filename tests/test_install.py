@@ -135,7 +135,11 @@ print(json.dumps({
 
 
 def test_documented_install_into_an_sglang_environment(sglang_env, tmp_path):
-    installed = _run(sglang_env, "pip", "install", "-q", str(ROOT), cwd=tmp_path)  # docs/sglang.md, as written
+    # The checkout as a clone has it: an in-tree build leaves build/ behind, whose stale files
+    # would reach the next wheel.
+    checkout = tmp_path / "pdkv"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__"))
+    installed = _run(sglang_env, "pip", "install", "-q", str(checkout), cwd=tmp_path)  # docs/sglang.md, as written
     assert installed.returncode == 0, installed.stdout + installed.stderr
     probe = _run(sglang_env, "python", "-c", PROBE, cwd=tmp_path)
     assert probe.returncode == 0, probe.stdout + probe.stderr
