@@ -119,9 +119,8 @@ async def main() -> int:
         try:
             # The router's job in a deployment: gather each rank's pin into the room's ticket.
             got = [decode(await asyncio.to_thread(pins.get, True, TIMEOUT), OwnerPin) for _ in range(CP)]
-            ticket = RoomTicket(
-                engine_id=ENGINE, room=1, src_pages=ROOMS[1].tolist(), pins=sorted(got, key=lambda p: p.cp_rank)
-            )
+            pins_by_rank = sorted(got, key=lambda p: p.cp_rank)
+            ticket = RoomTicket(engine_id=ENGINE, room=1, src_pages=ROOMS[1].tolist(), pins=pins_by_rank)
             pool = DSAKVPool(layout())  # the decode's own pool: every layer
             async with DecodeFetcher(pool, url) as fetcher:
                 # With a ticket: every owner read at once, each pin word proved after the data.
