@@ -26,9 +26,11 @@ from pathlib import Path
 from tests import delay_link
 from tests.bpf_loss import load_and_pin
 
-__all__ = ["HostNet", "delay_unavailable", "loss_unavailable", "unavailable"]
+__all__ = ["HostNet", "delay_unavailable", "enter_netns", "loss_unavailable", "unavailable"]
 
 SUBNET = "198.18.0"
+SUBNET6 = "fd00:198:18::"  # a unique-local /64 beside the IPv4 one (`HostNet(ipv6=True)`)
+_CLONE_NEWNET = 0x40000000
 _CMD_TIMEOUT_S = 10
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +101,7 @@ class HostNet:
 
     hosts: Sequence[str]
     prefix: str = field(default_factory=lambda: f"pdkv{os.getpid()}")
+    ipv6: bool = False  # each host's eth0 also at fd00:198:18::(i + 1)
     _made: list[str] = field(default_factory=list, init=False)
     _bpffs: str | None = field(default=None, init=False)  # where loss programs are pinned
     _delayer: subprocess.Popen[str] | None = field(default=None, init=False)
@@ -110,6 +113,10 @@ class HostNet:
 
     def address(self, host: str) -> str:
         return f"{SUBNET}.{list(self.hosts).index(host) + 1}"
+
+    def address6(self, host: str) -> str:
+        """`host`'s IPv6 address (with `ipv6=True`)."""
+        return f"{SUBNET6}{list(self.hosts).index(host) + 1}"
 
     def where(self, host: str) -> str:
         """`host` as a deployment flag takes it: NETNS@ADDRESS."""
@@ -136,6 +143,8 @@ class HostNet:
                 _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"port{i}", "netns", switch)
                 _ip("-n", switch, "link", "set", f"port{i}", "master", "br0", "up")
                 _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+                if self.ipv6:  # nodad: usable at once, not after duplicate address detection
+                    _ip("-n", ns, "addr", "add", f"{self.address6(host)}/64", "dev", "eth0", "nodad")
                 _ip("-n", ns, "link", "set", "eth0", "up")
         except BaseException:
             self.down()
@@ -259,3 +268,16 @@ class HostNet:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def enter_netns(netns: str) -> None:
+    """Move the calling process (its one thread: call it first in a fresh process, before any
+    thread or socket exists) into the network namespace `netns` made by `ip netns add`."""
+    import ctypes
+
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
+    finally:
+        os.close(fd)

@@ -399,13 +399,16 @@ def test_sglang_settings_become_pdkvs_bounds(monkeypatch):
     from transfer.sglang.topology import sglang_timeouts
 
     t = sglang_timeouts()
-    assert (t.pin, t.lookup, t.fetch, t.publish, t.heartbeat, t.lease) == (300, 300, 300, 300, 5.0, 10.0)
+    # The readiness stream's heartbeat is at most a second: three silent ones and the owner is lost.
+    assert (t.pin, t.lookup, t.fetch, t.publish, t.heartbeat, t.lease) == (300, 300, 300, 300, 1.0, 10.0)
     monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "40")
     monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "600")
     monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "1.5")
     monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "4")
     t = sglang_timeouts()
-    assert (t.pin, t.lookup, t.fetch, t.publish, t.heartbeat, t.lease) == (40, 40, 600, 600, 1.5, 6.0)
+    assert (t.pin, t.lookup, t.fetch, t.publish, t.heartbeat, t.lease) == (40, 40, 600, 600, 1.0, 6.0)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "0.5")
+    assert sglang_timeouts().heartbeat == 0.5
 
 
 def test_a_layer_split_prefill_reads_the_layer_count_from_the_model_config(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import hmac
 import logging
 import mmap
 import re
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
@@ -33,6 +34,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
+from transfer.addresses import http_url, is_wildcard
 from transfer.http_guard import MAX_CONNECTIONS, ConnectionGuard
 from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode
@@ -340,6 +342,11 @@ async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) ->
 class HttpService:
     """An aiohttp app bound to host:port (port 0 picks a free one); `url` once started.
 
+    `host` is where it listens (an address of this host, or the wildcard `0.0.0.0` / `::`);
+    `advertise` is the host its `url` names, for peers (`transfer.addresses`): by default the
+    bound address, or loopback of its family for a wildcard bind. `unacked_timeout`: a
+    connection whose sent bytes stay unacknowledged this long is dropped (TCP_USER_TIMEOUT),
+    so a stream to a peer behind a cut link ends rather than filling its buffer unheard.
     `timeouts`: its `header`, `idle` and `body` bound each connection and request (they are
     set on `app` for its handlers), its `shutdown` the handlers still running at close."""
 
@@ -349,12 +356,15 @@ class HttpService:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        advertise: str | None = None,
+        unacked_timeout: float | None = None,
         max_connections: int = MAX_CONNECTIONS,
         timeouts: Timeouts = Timeouts(),
     ) -> None:
         app[_TIMEOUTS] = timeouts
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=timeouts.shutdown)
-        self._host, self._port = host, port
+        self._host, self._port = host.strip("[]"), port
+        self._advertise, self._unacked = advertise, unacked_timeout
         self._limits = (max_connections, timeouts)
         self._server: asyncio.AbstractServer | None = None
         self._guard: ConnectionGuard | None = None
@@ -368,11 +378,20 @@ class HttpService:
         # asyncio's backlog is also its accept batch: a small one, then listen() deeper (an overflow drops SYNs).
         self._server = await loop.create_server(guard, self._host, self._port, reuse_address=True, backlog=ACCEPT_BATCH)
         for sock in self._server.sockets:
+            if self._unacked is not None and hasattr(socket, "TCP_USER_TIMEOUT"):  # accepted sockets inherit it
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(self._unacked * 1000)))
             with sock.dup() as same:
                 same.listen(BACKLOG)
         host, port = self._server.sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        if self._advertise is None and is_wildcard(host):  # what a client on this host connects to
+            host = "::1" if ":" in host else "127.0.0.1"
+        self.url = http_url(self._advertise or host, port)
         return self.url
+
+    @property
+    def host(self) -> str:
+        """Where it listens (not what it advertises: `url`)."""
+        return self._host
 
     async def aclose(self) -> None:
         if self._server is not None:

@@ -35,6 +35,7 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.layout import BufferKind
+from transfer.addresses import advertised_for
 from transfer.engine_kv import KVBuffers
 from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.lanes.cuda_ipc.export import IpcExporter
@@ -97,10 +98,16 @@ class PrefillExporter:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertise: str | None = None,
         timeouts: Timeouts = Timeouts(),
         secret: str | None = None,
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
     ) -> None:
+        """`host`: where the control endpoint listens (loopback by default; the wildcard for
+        every interface); `advertise`: the address it registers for decodes, by default `host`
+        (a wildcard bind: the address that routes to the registry). Loopback or the wildcard
+        is refused (`AddressError`) unless the registry is on loopback too."""
+        advertised = advertised_for(host, advertise, registry_url)
         self.pool = pool
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self._registry = registry_client(registry_url, timeouts, secret)
@@ -108,7 +115,7 @@ class PrefillExporter:
         self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
         # Host memory whatever the pool's device: decodes check a word of it after their data.
         self._pins = PinWords(PIN_SLOTS)
-        self._readiness = ReadinessHub()
+        self._readiness = ReadinessHub(on_lost=lambda consumer: self.rooms.give_up_consumer(consumer))
         self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push)
         self._client = ControlClient(timeouts, secret)
         self._ipc = IpcExporter(secret, timeouts)
@@ -122,7 +129,9 @@ class PrefillExporter:
         app.router.add_get("/health", health)
         app.router.add_get("/ready", self._ready)  # 503 until registered with UCX up (`readiness`)
         self._bind_host = host
-        self._http = HttpService(app, host, port, timeouts=timeouts)
+        # A stream's heartbeats unacknowledged for three intervals: its reader is out of reach.
+        unacked = 3 * timeouts.heartbeat
+        self._http = HttpService(app, host, port, advertise=advertised, unacked_timeout=unacked, timeouts=timeouts)
         self.transport: UcxTransport | None = None
         self.descriptor: RankDescriptor | None = None
         self._registered: float | None = None  # when the registry last took this rank (monotonic)

@@ -4,8 +4,11 @@ A decode reading a room that is still being prefilled needs to learn when more o
 layers are written. Rather than a long-poll per owner per batch of layers, each decode
 keeps one stream open to each owner it reads (`GET /v1/events?consumer=<id>`); the owner
 writes a `RoomState` frame whenever a room that consumer holds a claim on moves (layers
-ready, released, aborted), and a heartbeat when nothing moved for a while. A stream that
-is down costs nothing but speed: the decode polls over HTTP as before.
+ready, released, aborted), and a heartbeat when nothing moved for a while. A stream the
+owner ended costs nothing but speed: the decode polls over HTTP as before. One that fell
+silent for three heartbeats or broke means the owner is out of reach: the rooms read from
+it fail at once (`ReadinessFeed.aborted`), and the owner, whose writes then go
+unacknowledged, drops the stream and gives that consumer's claims up (`ReadinessHub`).
 
 Frames: a 4-byte big-endian length, then an enveloped `RoomState`; length 0 is a heartbeat.
 """
@@ -15,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
-from pdkv.errors import PdkvError, RoomAbortedError
+from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError, RoomAbortedError
 from transfer.deadline import wait_until
 from transfer.http import ControlClient
 from transfer.metadata import RoomState, RoomStatus, decode, encode
@@ -72,10 +75,13 @@ def _moved(state: RoomState, after: int, after_pages: int) -> bool:
 
 
 class ReadinessHub:
-    """The owner's side: who listens, and whom a room's change concerns."""
+    """The owner's side: who listens, and whom a room's change concerns. `on_lost(consumer)`:
+    a consumer's stream ended from its side (it went away, or its link was cut), not
+    replaced by a new one nor closed here: the owner gives its claims up."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[str], object] = lambda consumer: None) -> None:
         self._subs: dict[str, Subscription] = {}
+        self._on_lost = on_lost
 
     def subscribe(self, consumer: str) -> Subscription:
         old = self._subs.get(consumer)
@@ -87,6 +93,8 @@ class ReadinessHub:
     def unsubscribe(self, consumer: str, sub: Subscription) -> None:
         if self._subs.get(consumer) is sub:
             del self._subs[consumer]
+            if not sub.closed.is_set():
+                self._on_lost(consumer)
 
     def publish(self, state: RoomState, consumers: Iterable[str]) -> None:
         for consumer in consumers:
@@ -111,13 +119,30 @@ class ReadinessFeed:
         self._live: set[str] = set()
         self._wanted: dict[tuple[str, int], RoomState | None] = {}
         self._moved: dict[str, asyncio.Event] = {}
+        self._lost: dict[str, str] = {}  # owners whose stream fell silent or broke: why
 
     def want(self, url: str, room: int) -> None:
         """Keep `room`'s pushed states from the owner at `url`; open its stream if needed."""
         self._wanted.setdefault((url, room), None)
         task = self._streams.get(url)
         if task is None or task.done():
+            self._lost.pop(url, None)
             self._streams[url] = asyncio.ensure_future(self._run(url))
+
+    def take_lost(self, urls: Iterable[str]) -> bool:
+        """Whether any owner of `urls` was lost since its last stream; those marks are cleared
+        (the caller drops their connections and looks the owners up anew)."""
+        return bool([url for url in urls if self._lost.pop(url, None) is not None])
+
+    async def until_lost(self, url: str, timeout: float) -> bool:
+        """Wait (at most `timeout`) until the owner at `url` is lost; True if it is."""
+        moved = lambda: self._moved.setdefault(url, asyncio.Event())  # noqa: E731
+        return await wait_until(lambda: url in self._lost, moved, timeout)
+
+    def lost(self, url: str) -> bool:
+        """Whether the owner at `url` is taken as unreachable: its stream fell silent (no
+        heartbeat for three intervals) or broke, and no new one was opened since."""
+        return url in self._lost
 
     def latest(self, url: str, room: int) -> RoomState | None:
         """The last state pushed of a wanted `room` by the owner at `url`, if any."""
@@ -143,11 +168,14 @@ class ReadinessFeed:
 
     async def aborted(self, urls: dict[str, int], room: int) -> None:
         """Raise `RoomAbortedError` as soon as an owner's stream (of `urls`: control URL ->
-        CP rank) says `room` was aborted there; until then wait (the caller cancels it).
-        An owner whose stream is down is not watched: its abort shows at its next poll or
-        release instead."""
+        CP rank) says `room` was aborted there, and `PeerLostError` once an owner's stream
+        fell silent or broke (its link cut, its process gone: `lost`); until then wait (the
+        caller cancels it). An owner whose stream the owner ended is not watched: its abort
+        shows at its next poll or release instead."""
         while True:
             for url, rank in urls.items():
+                if url in self._lost:
+                    raise PeerLostError(f"room {room}: cp rank {rank} unreachable: {self._lost[url]}", url)
                 state = self._wanted.get((url, room))
                 if state is not None and state.status is RoomStatus.ABORTED:
                     raise RoomAbortedError(f"room {room} was aborted on cp rank {rank} (or its pin expired there)")
@@ -166,6 +194,9 @@ class ReadinessFeed:
                 if state is not None and (url, state.room) in self._wanted:
                     self._wanted[(url, state.room)] = state
                 self._wake(url)
+        except (DeadlineExceeded, PeerLostError) as exc:  # silent or broken: the owner is out of reach
+            self._lost[url] = f"its readiness stream ended: {exc}"
+            logger.warning("readiness stream from %s ended (%s): its rooms fail", url, exc)
         except PdkvError as exc:
             logger.info("readiness stream from %s ended (%s): polling instead", url, exc)
         finally:

@@ -376,6 +376,16 @@ class RoomTable:
             self.counters.expired += 1
         return gone
 
+    def give_up_consumer(self, consumer: str) -> list[int]:
+        """`consumer` is gone (its readiness stream broke): each claim it holds ends unread,
+        as its own `give_up` would end it. The rooms it held."""
+        held = [(room, t) for room, r in self._live.items() for t, c in r.open_claims.items() if c == consumer]
+        for room, token in held:
+            why = "room %d: its reader %s is out of reach (its stream broke): its claim ends"
+            logger.warning(why, room, consumer, extra=failure_fields(room=room, peer=consumer))
+            self.give_up(room, token)
+        return [room for room, _ in held]
+
     def claimed_by(self, consumer: str) -> list[RoomState]:
         """The states of the live rooms `consumer` holds a claim on."""
         return [self.state(room) for room, r in self._live.items() if consumer in r.open_claims.values()]

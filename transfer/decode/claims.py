@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import ReadGroup, ReadSlot, ReadStats
 from transfer.metadata import ClaimRequest, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
 from transfer.metrics import observe_read  # re-exported: the tickets' reads use it too
+from transfer.readiness import ReadinessFeed
 from transfer.results import FetchResult, OwnerStats
 
 __all__ = ["Claim", "ClaimProtocol", "observe_read", "owner_urls"]
@@ -265,6 +267,13 @@ class ClaimProtocol:
         claim.released[owner.rank.cp_rank] = answer.freed
         return answer.freed
 
+    async def _give_up(self, owner: Owner, claim: Claim, limit: float) -> bool:
+        """`release(give_up=True)` on one owner, not waited for once the owner is lost."""
+        url = owner.rank.control_url
+        if self.ctx.feed.lost(url):  # it gave the claim up itself as our stream to it died
+            return False
+        return await _unless_lost(self.ctx.feed, url, self.release(owner, claim, limit, give_up=True), limit)
+
     async def release_all(self, owners: dict[int, Owner], claim: Claim, ranks: set[int] | None = None) -> None:
         """Give the claim up unread wherever it may be held, after a failed or cancelled
         fetch (`ranks`: these instead): the owners free the room's pages now, and a room
@@ -278,12 +287,38 @@ class ClaimProtocol:
         limit = self.ctx.timeouts.request
         ranks = claim.asked - claim.released.keys() if ranks is None else ranks
         results = await asyncio.gather(
-            *(self.release(o, claim, limit, give_up=True) for o in owners.values() if o.rank.cp_rank in ranks),
+            *(self._give_up(o, claim, limit) for o in owners.values() if o.rank.cp_rank in ranks),
             return_exceptions=True,
         )
         for e in results:
             if isinstance(e, BaseException):
                 logger.debug("giving up room %d after a failed fetch: %s", claim.room, e)
+
+
+async def _unless_lost(feed: ReadinessFeed, url: str, request: Awaitable[bool], limit: float) -> bool:
+    """`request`'s answer, unless the owner at `url` is lost first (its readiness stream broke):
+    then False at once, the request left to run out behind (it is bounded). Such an owner gives
+    this reader's claims up itself as the stream dies, so a give-up has nothing to wait for."""
+    sent = asyncio.ensure_future(request)
+    if not await _first(sent, feed.until_lost(url, limit)):
+        return await sent
+    _BEHIND.add(sent)
+    sent.add_done_callback(_BEHIND.discard)
+    sent.add_done_callback(lambda t: t.cancelled() or t.exception())  # read: never "never retrieved"
+    return False
+
+
+_BEHIND: set[asyncio.Future[bool]] = set()  # give-ups left running behind (a task needs a reference)
+
+
+async def _first(sent: asyncio.Future[bool], lost: Awaitable[bool]) -> bool:
+    """Whether `lost` came true before `sent` ended."""
+    watch = asyncio.ensure_future(lost)
+    try:
+        await asyncio.wait([sent, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    return not sent.done() and watch.done() and not watch.cancelled() and watch.result()
 
 
 async def read_layers(owner: Owner, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline) -> ReadStats:

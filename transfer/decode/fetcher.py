@@ -123,7 +123,7 @@ class DecodeFetcher:
             timeouts=self.timeouts,
             notifies=True,  # ticket releases
         )
-        self._ucx = UcxLane(transport, merge_runs=self.merge_runs)
+        self._ucx = UcxLane(transport, merge_runs=self.merge_runs, transfer_timeout=self.timeouts.transfer)
         self._tickets = TicketProtocol(self._ctx, self._ucx, self._release_delay)
         transport.register([*self.pool.registered_buffers(), self._tickets.pin_windows])
         lanes: list[Lane] = []
@@ -325,6 +325,9 @@ class DecodeFetcher:
         """
         limit = budget(self.timeouts.fetch, deadline, timeout)
         with self._activity.call():
+            cached = self._owners.cached.get(engine_id, {})
+            if self._ctx.feed.take_lost(o.rank.control_url for o in cached.values()):
+                await self._owners.forget(engine_id)  # out of reach since: its connections may have failed
             owners = await self._lookup(engine_id, room, limit)
             claim = Claim(room, readers)
             try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdkv.errors import MetadataError, NotReadyError, UnknownEngineError
+from transfer.addresses import is_local_only, is_wildcard
 from transfer.http import HttpService, make_app, path_int, read_body, reply
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
@@ -118,9 +119,12 @@ class RegistryServer:
         port: int = 0,
         timeouts: Timeouts = Timeouts(),
         secret: str | None = None,
+        advertise: str | None = None,
         grace: float | None = None,
     ) -> None:
-        """`grace`: as `Registry`'s (by default `timeouts.lease`)."""
+        """Listens on `host` (the wildcard for every interface); `url` names `advertise`, by
+        default the bound address (loopback for the wildcard: what clients on this host use).
+        `grace`: as `Registry`'s (by default `timeouts.lease`)."""
         self.registry = Registry(timeouts.lease, grace)
         app = make_app(secret)
         app.router.add_put(r"/v1/engines/{engine}/ranks/{rank:\d+}", self._put)
@@ -129,7 +133,7 @@ class RegistryServer:
         app.router.add_get("/v1/engines", self._list)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
-        self._http = HttpService(app, host, port, timeouts=timeouts)
+        self._http = HttpService(app, host, port, advertise=advertise, timeouts=timeouts)
         self._sweeper: asyncio.Task[None] | None = None
         self._interval = timeouts.lease / 4
 
@@ -140,7 +144,10 @@ class RegistryServer:
     async def start(self) -> str:
         url = await self._http.start()
         self._sweeper = asyncio.create_task(self._sweep())
-        logger.info("registry on %s", url)
+        where = self._http.host
+        logger.info("registry on %s (listening on %s)", url, where)
+        if is_local_only(where) and not is_wildcard(where):
+            logger.info("the registry listens on loopback: only this host's prefills and decodes reach it")
         return url
 
     async def aclose(self) -> None:

@@ -44,6 +44,7 @@ from sglang.srt.disaggregation.base.conn import (
 from pdkv.errors import IncompatibleLayoutError, LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
+from transfer.lanes.ucx.nixl import use_ucx_devices
 from transfer.logctx import failure_fields
 from transfer.metadata import RoomStatus
 from transfer.metrics import set_scope
@@ -51,7 +52,15 @@ from transfer.registry.server import RegistryServer
 from transfer.results import FetchResult
 from transfer.sglang.kvargs import DRAFT_SUFFIX, AuxRows, draft_kv_from_args, engine_kv_from_args
 from transfer.sglang.plugin import check_runtime
-from transfer.sglang.topology import Settings, Topology, secret, settings, sglang_timeouts, topology
+from transfer.sglang.topology import (
+    Settings,
+    Topology,
+    secret,
+    settings,
+    sglang_timeouts,
+    topology,
+    ucx_devices,
+)
 from transfer.sync import BackgroundLoop, FetchStatus, Handle, SyncExporter, SyncFetcher
 
 __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer", "engine_kv_from_args"]
@@ -91,6 +100,7 @@ class PdkvKVManager(BaseKVManager):
         if not self.is_prefill and self.settings.path == "cuda_ipc" and self.topology.device.type != "cuda":
             raise LayoutError("PDKV_SGLANG_PATH=cuda_ipc needs the decode's KV on a GPU")
         self.timeouts = sglang_timeouts()
+        use_ucx_devices(ucx_devices(args, server_args))  # --disaggregation-ib-device, for UCX
         self.kv = engine_kv_from_args(args, self.topology.layer_num, self.topology.device)
         self.parts: dict[str, EngineKV] = {"": self.kv}
         draft = draft_kv_from_args(args, self.topology.device)
@@ -125,11 +135,11 @@ class PdkvKVManager(BaseKVManager):
             size,
             t.registry_url,
             on_free=lambda room, pages: self._room_finished(part, room),
+            host=t.bind,
+            advertise=t.advertise,
             secret=self.secret,
             timeouts=timeouts,
         )
-        ready, why = self.readiness()  # also for a probe of the operator's (docs/deployment.md)
-        logger.log(logging.INFO if ready else logging.WARNING, "pdkv readiness: %s", why)
 
     @property
     def exporter(self) -> SyncExporter | None:
@@ -548,4 +558,4 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
 
     def close(self) -> None:
         self._loop.run(self._server.aclose(), self._timeouts.start)
-        self._loop.stop(self._timeouts.start)
+        self._loop.stop()

@@ -23,6 +23,13 @@ a deployment SGLang does not describe, says it):
     PDKV_SGLANG_OWNER_PROGRESS_MS
                            how often a prefill rank drives its UCX worker, in ms (default 10);
                            over TCP between hosts a READ waits for it: 1 there
+    PDKV_SGLANG_HOST       the address a prefill rank advertises for its control endpoint
+                           (default: SGLANG_HOST_IP / HOST_IP, else what SGLang's
+                           get_local_ip_auto() finds where it is this host's, else the
+                           address that routes to the bootstrap server); never loopback or
+                           the wildcard unless the bootstrap server itself is on loopback
+    PDKV_SGLANG_BIND       where that endpoint listens (default: the advertised address where
+                           it is this host's, else the wildcard of its family)
     PDKV_SECRET            the deployment's shared secret (as the demo app's): every pdkv
                            service it starts asks for it, every request carries it
     PDKV_REQUIRE_SECRET    "1": refuse to start without PDKV_SECRET (else a warning, once)
@@ -40,6 +47,16 @@ from typing import Any
 import torch
 
 from pdkv.errors import AuthError, LayoutError
+from transfer.addresses import (
+    AddressError,
+    bind_for,
+    http_url,
+    is_local_only,
+    is_own_address,
+    is_wildcard,
+    registry_is_local,
+    route_source,
+)
 from transfer.timeouts import Timeouts
 
 __all__ = ["Settings", "Topology", "topology", "environment", "secret", "settings", "sglang_timeouts"]
@@ -65,6 +82,9 @@ class Topology:
     # exports; on a decode every TP rank reads the whole room (one of `tp_size` readers).
     tp_rank: int = 0
     tp_size: int = 1
+    # A prefill's control endpoint: the address it registers, and where it listens.
+    advertise: str = "127.0.0.1"
+    bind: str = "127.0.0.1"
 
     @property
     def exports(self) -> bool:
@@ -122,6 +142,7 @@ def _sglang_context() -> dict[str, Any]:
         parallel, disagg, serving = rc.get_parallel(), rc.get_disagg(), rc.get_serving()
         return {
             "host": serving.host,
+            "dist_init_addr": getattr(parallel, "dist_init_addr", None),
             "port": disagg.disaggregation_bootstrap_port,
             "cp_rank": parallel.attn_cp_rank if parallel.enable_dsa_cache_layer_split else 0,
             "cp_size": parallel.attn_cp_size if parallel.enable_dsa_cache_layer_split else 1,
@@ -165,10 +186,11 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     """This rank's place, from the environment, else SGLang's runtime context, else `kv_args`."""
     ctx = _sglang_context()
     registry = os.environ.get("PDKV_SGLANG_REGISTRY", "")
+    shared = bool(registry) and not registry_is_local(registry)  # other hosts read it
     if prefill and not registry:
         if "port" not in ctx:
             raise LayoutError("a pdkv prefill needs its bootstrap server: set PDKV_SGLANG_REGISTRY")
-        registry = f"http://{ctx['host'] or '127.0.0.1'}:{ctx['port']}"
+        registry, shared = _bootstrap_url(ctx)
     cp_rank = _env_int("PDKV_SGLANG_CP_RANK")
     cp_size = _env_int("PDKV_SGLANG_CP_SIZE")
     cp_rank = ctx.get("cp_rank", 0) if cp_rank is None else cp_rank
@@ -193,7 +215,78 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"attention TP rank {tp_rank} outside a TP size of {tp_size}")
     _supported(kv_args, ctx)
-    return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device, tp_rank, tp_size)
+    advertise = bind = "127.0.0.1"
+    if prefill:
+        advertise = _advertised(registry, shared)
+        bind = (os.environ.get("PDKV_SGLANG_BIND") or "").strip("[]") or bind_for(advertise)
+    return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device, tp_rank, tp_size, advertise, bind)
+
+
+def _bootstrap_url(ctx: dict[str, Any]) -> tuple[str, bool]:
+    """SGLang's bootstrap server as SGLang's own prefill ranks reach it: on the host of
+    `--dist-init-addr` (several nodes), else on the launcher's `--host` (a wildcard there
+    reached through loopback); and whether other hosts read it (all but a loopback `--host`)."""
+    host = str(ctx.get("host") or "127.0.0.1")
+    if ctx.get("dist_init_addr"):
+        host = str(ctx["dist_init_addr"]).rsplit(":", 1)[0].strip("[]")
+    shared = not is_local_only(host) or is_wildcard(host)
+    if is_wildcard(host):
+        host = "::1" if ":" in host else "127.0.0.1"
+    return http_url(host, int(ctx["port"])), shared
+
+
+def _advertised(registry: str, shared: bool) -> str:
+    """The address a prefill rank registers (the module's docstring, PDKV_SGLANG_HOST)."""
+    given = os.environ.get("PDKV_SGLANG_HOST") or os.environ.get("SGLANG_HOST_IP") or os.environ.get("HOST_IP")
+    if given:  # the operator's word: it may be forwarded here (NAT), so it need not be this host's
+        chosen = given.strip("[]")
+    else:
+        found = _sglang_local_ip()
+        chosen = found or ""
+        if found is None or not is_own_address(found) or is_local_only(found):
+            chosen = (route_source(registry) if shared else None) or "127.0.0.1"
+            logger.info("SGLang's get_local_ip_auto() gave %s, not this host's: advertising %s", found, chosen)
+    if is_local_only(chosen) and shared:
+        raise AddressError(
+            f"a pdkv prefill would advertise {chosen} to a bootstrap server ({registry}) that other "
+            "hosts read: set PDKV_SGLANG_HOST (or SGLANG_HOST_IP) to the address they reach this host at"
+        )
+    return chosen
+
+
+def _sglang_local_ip() -> str | None:
+    """What SGLang's KV managers advertise (`get_local_ip_auto`: its NIC, then its route out),
+    None where it finds nothing."""
+    try:
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        return str(get_local_ip_auto()).strip("[]")
+    except Exception as exc:  # no SGLang here, or it found no address
+        logger.debug("SGLang's get_local_ip_auto: %s", exc)
+        return None
+
+
+def ucx_devices(kv_args: Any, server_args: Any) -> str | None:
+    """The NICs UCX may use, from SGLang's `--disaggregation-ib-device` (a list, or per GPU),
+    for NIXL's UCX `device_list`; None where it is not given or UCX_NET_DEVICES is set."""
+    ib = getattr(server_args, "disaggregation_ib_device", None) or getattr(kv_args, "ib_device", None)
+    if not ib:
+        return None
+    if os.environ.get("UCX_NET_DEVICES"):
+        logger.warning("UCX_NET_DEVICES is set: --disaggregation-ib-device %s is not applied to pdkv's UCX", ib)
+        return None
+    try:
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import get_ib_devices_for_gpu
+
+        devices = get_ib_devices_for_gpu(ib, int(getattr(kv_args, "gpu_id", 0) or 0))
+    except ImportError:
+        devices = ib
+    except ValueError as exc:
+        raise LayoutError(f"--disaggregation-ib-device {ib!r}: {exc}") from exc
+    names = [n.strip() for n in str(devices or "").split(",") if n.strip()]
+    if any(":" in n for n in names):  # NIXL appends the port itself
+        raise LayoutError(f"--disaggregation-ib-device {ib!r}: HCA names without a port (mlx5_0, not mlx5_0:1)")
+    return ", ".join(names) or None
 
 
 @dataclass(frozen=True)
@@ -226,6 +319,9 @@ def settings() -> Settings:
     return Settings(workers, path, None if ms is None else ms / 1e3)
 
 
+STREAM_HEARTBEAT = 1.0
+
+
 def _sglang_env(name: str, default: float) -> float:
     """SGLang's own setting `name` (its default where unset), as SGLang reads it."""
     try:
@@ -250,6 +346,8 @@ def sglang_timeouts(base: Timeouts = Timeouts()) -> Timeouts:
         lookup=bootstrap,
         fetch=waiting,
         publish=waiting,
-        heartbeat=interval,
+        # A readiness stream's heartbeat: silent for three, its owner is taken as lost (a link
+        # cut is then noticed within 3 s), not SGLang's interval x failures (10 s by default).
+        heartbeat=min(interval, STREAM_HEARTBEAT),
         lease=interval * max(1.0, failures),
     )

@@ -185,6 +185,25 @@ def default_workers(mem_type: str = "DRAM") -> int:
     return max(1, min(4 if mem_type == "VRAM" else 8, len(os.sched_getaffinity(0))))
 
 
+_ucx_devices: str | None = None  # this process's NICs for UCX (`use_ucx_devices`)
+
+
+def use_ucx_devices(devices: str | None) -> None:
+    """Hold this process's UCX agents to `devices` (HCA names, ", "-separated: NIXL's UCX
+    `device_list`, which it turns into UCX_NET_DEVICES with port 1), as SGLang's own NIXL
+    backend does with `--disaggregation-ib-device`. Per agent, not through the environment;
+    a UCX_NET_DEVICES set by the operator wins. Agents made after the call take it."""
+    global _ucx_devices
+    _ucx_devices = devices or None
+
+
+def ucx_backend_params() -> dict[str, str]:
+    """NIXL's UCX backend parameters for a new agent."""
+    if _ucx_devices is None or os.environ.get("UCX_NET_DEVICES"):
+        return {}
+    return {"device_list": _ucx_devices}
+
+
 def _torch_cuda_major() -> int | None:
     return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
+from transfer.lanes.ucx.nixl import ucx_backend_params
 from transfer.lanes.ucx.plan import ReadPlan
 from transfer.timeouts import Timeouts
 
@@ -35,8 +36,7 @@ class Worker:
         self.name = name
         self.read_stall, self.late_read = timeouts.read_stall, timeouts.late_read
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-{name}")
-        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.agent: Any = self.executor.submit(nixl.nixl_agent, name, conf).result()
+        self.agent: Any = self.executor.submit(_agent, nixl, name).result()
 
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
@@ -120,6 +120,17 @@ class Worker:
             handle.release()
         except Exception as exc:
             logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
+
+
+def _agent(nixl: ModuleType, name: str) -> Any:
+    """A NIXL agent with the UCX backend, on the NICs this process was given (`use_ucx_devices`)."""
+    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    params = ucx_backend_params()
+    try:
+        agent.create_backend("UCX", params)
+    except Exception as exc:  # an unknown device, most often
+        raise TransferError(f"NIXL's UCX backend refused {params or 'its defaults'}: {exc}") from exc
+    return agent
 
 
 # A READ goes out in parts, two in flight: what a worker has posted and not seen end (64 MiB)
