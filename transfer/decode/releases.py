@@ -116,7 +116,8 @@ class Releases:
                 except Exception:  # never end silently: the releases left would wait for their pins
                     logger.exception("checking %d releases by their pin words", len(self._pending))
         finally:
-            self._watcher = None
+            if self._watcher is asyncio.current_task():  # not one started after a close cancelled this
+                self._watcher = None
 
     async def _round(self) -> None:
         """Look at the releases due, and send again those whose pin word still holds."""
