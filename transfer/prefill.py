@@ -115,7 +115,8 @@ class PrefillExporter:
         self.incarnation = uuid.uuid4().hex[:INCARNATION_HEX]
         # Host memory whatever the pool's device: decodes check a word of it after their data.
         self._pins = PinWords(PIN_SLOTS)
-        self._readiness = ReadinessHub(on_lost=lambda consumer: self.rooms.give_up_consumer(consumer))
+        # A reader gone for a heartbeat (its releases had time to land) no longer holds its claims.
+        self._readiness = ReadinessHub(lambda consumer: self.rooms.give_up_consumer(consumer), timeouts.heartbeat)
         self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push)
         self._client = ControlClient(timeouts, secret)
         self._ipc = IpcExporter(secret, timeouts)

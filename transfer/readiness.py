@@ -77,11 +77,13 @@ def _moved(state: RoomState, after: int, after_pages: int) -> bool:
 class ReadinessHub:
     """The owner's side: who listens, and whom a room's change concerns. `on_lost(consumer)`:
     a consumer's stream ended from its side (it went away, or its link was cut), not
-    replaced by a new one nor closed here: the owner gives its claims up."""
+    replaced by a new one nor closed here, and no new one came within `grace` seconds (a
+    release it sent before closing may still be on its way): the owner gives its claims up."""
 
-    def __init__(self, on_lost: Callable[[str], object] = lambda consumer: None) -> None:
+    def __init__(self, on_lost: Callable[[str], object] = lambda consumer: None, grace: float = 0.0) -> None:
         self._subs: dict[str, Subscription] = {}
-        self._on_lost = on_lost
+        self._on_lost, self._grace = on_lost, grace
+        self._closed = False
 
     def subscribe(self, consumer: str) -> Subscription:
         old = self._subs.get(consumer)
@@ -94,7 +96,11 @@ class ReadinessHub:
         if self._subs.get(consumer) is sub:
             del self._subs[consumer]
             if not sub.closed.is_set():
-                self._on_lost(consumer)
+                asyncio.get_running_loop().call_later(self._grace, self._lost, consumer)
+
+    def _lost(self, consumer: str) -> None:
+        if consumer not in self._subs and not self._closed:  # not back meanwhile
+            self._on_lost(consumer)
 
     def publish(self, state: RoomState, consumers: Iterable[str]) -> None:
         for consumer in consumers:
@@ -103,6 +109,7 @@ class ReadinessHub:
                 sub.push(state)
 
     def close(self) -> None:
+        self._closed = True
         for sub in self._subs.values():
             sub.closed.set()
         self._subs.clear()
