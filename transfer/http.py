@@ -23,7 +23,7 @@ import mmap
 import re
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import aiohttp
@@ -37,7 +37,7 @@ from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, P
 from transfer.addresses import http_url, is_wildcard
 from transfer.http_guard import MAX_CONNECTIONS, ConnectionGuard
 from transfer.logctx import request_context
-from transfer.metadata import ErrorReply, decode, encode
+from transfer.metadata import ErrorReply, decode, encode, error_from, error_reply
 from transfer.timeouts import Timeouts
 
 __all__ = [
@@ -166,15 +166,8 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": PROMETHEUS_TYPE})
 
 
-def _lineage(exc: PdkvError) -> Iterator[str]:
-    for cls in type(exc).__mro__[1:]:
-        if isinstance(cls, type) and issubclass(cls, PdkvError):
-            yield cls.__name__
-
-
 def _error_response(exc: PdkvError) -> web.Response:
-    body = ErrorReply(code=type(exc).__name__, message=str(exc)[:4000], lineage=list(_lineage(exc))[:16])
-    return reply(body, status=status_of(exc))
+    return reply(error_reply(exc), status=status_of(exc))
 
 
 def _refuse_early(request: web.Request, secret: str | None) -> None:
@@ -223,25 +216,12 @@ def make_app(secret: str | None, **identity: object) -> web.Application:
     return app
 
 
-def _known_errors() -> dict[str, type[PdkvError]]:
-    """Every pdkv error class this process has imported, by name."""
-    out: dict[str, type[PdkvError]] = {}
-    todo: list[type[PdkvError]] = [PdkvError]
-    while todo:
-        cls = todo.pop()
-        out.setdefault(cls.__name__, cls)
-        todo += cls.__subclasses__()
-    return out
-
-
 def _error_from_reply(status: int, body: bytes, url: str) -> PdkvError:
     try:
         err = decode(body, ErrorReply)
     except MetadataError:
         return PdkvError(f"{url}: HTTP {status}")
-    known = _known_errors()
-    cls = next((known[n] for n in [err.code, *err.lineage] if n in known), PdkvError)
-    return cls(f"{url}: {err.message}")
+    return error_from(err, url)
 
 
 class ControlClient:

@@ -62,7 +62,7 @@ from transfer.metrics import track_exporter, untrack_exporter
 from transfer.pin_table import PinWords
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
 from transfer.registry import register_until, registry_client
-from transfer.rooms import RoomTable
+from transfer.rooms import OnEnd, RoomTable
 from transfer.timeouts import Timeouts
 
 __all__ = ["PrefillExporter"]
@@ -138,7 +138,7 @@ class PrefillExporter:
         self._registered: float | None = None  # when the registry last took this rank (monotonic)
         self._ucx_failing: str | None = None  # why UCX progress last failed, while it fails
         self._tasks: list[asyncio.Task[None]] = []
-        self._written: asyncio.Queue[tuple[int, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
+        self._written: asyncio.Queue[tuple[int, int | None, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -237,33 +237,46 @@ class PrefillExporter:
         return web.json_response(body, status=200 if ready else 503)
 
     # ---- the model side ----------------------------------------------------------------------
-    def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1) -> None:
-        """`room`'s KV will be in `src_pages`; pin them until released or expired."""
-        self.rooms.publish(room, src_pages, consumers)
+    # A publication id (what publish_* return) names one publication of a room id: calls
+    # that pass it act on that publication only, never on another of the same room id.
+    def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None) -> int:
+        """`room`'s KV will be in `src_pages`; pin them until released or expired. Returns
+        the publication's id; `on_end(status, reason)` runs (on this loop) as it ends."""
+        return self.rooms.publish(room, src_pages, consumers, on_end)
 
-    def mark_ready(self, room: int, upto_layer: int, written: torch.cuda.Event | None = None) -> None:
+    def mark_ready(
+        self, room: int, upto_layer: int, written: torch.cuda.Event | None = None, pub: int | None = None
+    ) -> None:
         """Owned layers below `upto_layer` (global id) of `room` are written.
 
         On a GPU the writes were only queued: the layers become readable for decodes once
         `written` (by default an event recorded now on the current stream) has completed.
         """
-        self._after_writes(room, lambda: self.rooms.mark_ready(room, upto_layer), written)
+        self._after_writes(room, pub, lambda: self.rooms.mark_ready(room, upto_layer, pub), written)
 
-    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1) -> None:
-        """`room` arrives in chunks of pages (a chunked prefill), `total_pages` in all."""
-        self.rooms.publish_chunked(room, total_pages, consumers)
+    def publish_chunked(self, room: int, total_pages: int, consumers: int = 1, on_end: OnEnd | None = None) -> int:
+        """`room` arrives in chunks of pages (a chunked prefill), `total_pages` in all;
+        returns the publication's id, as `publish_room`."""
+        return self.rooms.publish_chunked(room, total_pages, consumers, on_end)
 
     def add_chunk(
-        self, room: int, pages: np.ndarray, written: torch.cuda.Event | None = None, aux: bytes | None = None
+        self,
+        room: int,
+        pages: np.ndarray,
+        written: torch.cuda.Event | None = None,
+        aux: bytes | None = None,
+        pub: int | None = None,
     ) -> None:
         """The next chunk of `room`: `pages`, written in every owned layer (on a GPU, as
         for `mark_ready`, readable once `written` has completed). `aux`: the request's
         auxiliary bytes (an engine's first output token and the like), with the last chunk;
         decodes get them with the room (`FetchResult.aux`)."""
         chunk = np.array(pages, copy=True)
-        self._after_writes(room, lambda: self.rooms.add_chunk(room, chunk, aux), written)
+        self._after_writes(room, pub, lambda: self.rooms.add_chunk(room, chunk, aux, pub), written)
 
-    def _after_writes(self, room: int, publish: Callable[[], None], written: torch.cuda.Event | None) -> None:
+    def _after_writes(
+        self, room: int, pub: int | None, publish: Callable[[], None], written: torch.cuda.Event | None
+    ) -> None:
         """`publish` now on the host; on a GPU once the writes queued before have landed."""
         if self.pool.device.type != "cuda":
             publish()  # refusals (a bad chunk) reach the caller
@@ -271,22 +284,24 @@ class PrefillExporter:
         if written is None:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.pool.device))
-        self._written.put_nowait((room, written, publish))
+        self._written.put_nowait((room, pub, written, publish))
 
     async def _ready_after_writes(self) -> None:
         """Publish GPU layers as their writes complete, in the order they were queued."""
         while True:
-            room, written, publish = await self._written.get()
+            room, pub, written, publish = await self._written.get()
             if not written.query():
                 await asyncio.to_thread(written.synchronize)
             try:
                 publish()
             except PdkvError as exc:  # refused after the caller returned: its decodes see the room aborted
                 logger.error("room %d aborted: readiness after its writes refused: %s", room, exc)
-                self.rooms.abort(room)
+                self.rooms.abort(room, pub, exc)
 
-    def abort_room(self, room: int) -> bool:
-        return self.rooms.abort(room)
+    def abort_room(self, room: int, pub: int | None = None, reason: PdkvError | None = None) -> bool:
+        """Free `room` now (only its publication `pub`, where given); its decodes fail, told
+        `reason` where given. False if it was not live."""
+        return self.rooms.abort(room, pub, reason)
 
     async def pin(self, room: int, timeout: float) -> OwnerPin | None:
         """This rank's part of `room`'s ticket, once every owned layer is readable.

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError, RoomAbortedError
 from transfer.deadline import wait_until
 from transfer.http import ControlClient
-from transfer.metadata import RoomState, RoomStatus, decode, encode
+from transfer.metadata import RoomState, RoomStatus, decode, encode, error_from
 
-__all__ = ["ReadinessHub", "Subscription", "ReadinessFeed", "frame", "HEARTBEAT"]
+__all__ = ["ReadinessHub", "Subscription", "ReadinessFeed", "frame", "aborted_error", "HEARTBEAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,17 @@ class Subscription:
             if not get.done():
                 get.cancel()
         return get.result() if get.done() and not get.cancelled() and not self.closed.is_set() else None
+
+
+def aborted_error(state: RoomState, rank: int) -> RoomAbortedError:
+    """The error a decode raises for an aborted `state` from CP rank `rank`: where the
+    prefill failed the room, it names that error and is caused by it (rebuilt by name)."""
+    where = f"room {state.room} was aborted on cp rank {rank}"
+    if state.reason is None:
+        return RoomAbortedError(f"{where} (or its pin expired there)")
+    error = RoomAbortedError(f"{where}: its prefill failed it: {state.reason.code}: {state.reason.message}")
+    error.__cause__ = error_from(state.reason, f"room {state.room}, cp rank {rank}")
+    return error
 
 
 def _moved(state: RoomState, after: int, after_pages: int) -> bool:
@@ -185,7 +196,7 @@ class ReadinessFeed:
                     raise PeerLostError(f"room {room}: cp rank {rank} unreachable: {self._lost[url]}", url)
                 state = self._wanted.get((url, room))
                 if state is not None and state.status is RoomStatus.ABORTED:
-                    raise RoomAbortedError(f"room {room} was aborted on cp rank {rank} (or its pin expired there)")
+                    raise aborted_error(state, rank)
             waits = [asyncio.ensure_future(self._moved.setdefault(url, asyncio.Event()).wait()) for url in urls]
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -123,7 +123,7 @@ class DecodeFetcher:
             timeouts=self.timeouts,
             notifies=True,  # ticket releases
         )
-        self._ucx = UcxLane(transport, merge_runs=self.merge_runs, transfer_timeout=self.timeouts.transfer)
+        self._ucx = UcxLane(transport, merge_runs=self.merge_runs)
         self._tickets = TicketProtocol(self._ctx, self._ucx, self._release_delay)
         transport.register([*self.pool.registered_buffers(), self._tickets.pin_windows])
         lanes: list[Lane] = []

@@ -15,8 +15,8 @@ Every call returns at once: pdkv's asyncio side runs on threads of its own
 `bootstrap_room`; an engine is a prefill DP rank (`dp<N>`), its CP ranks the owners; a
 draft model's (MTP) layers travel as the engine `dp<N>-draft` (`transfer.sglang.kvargs`).
 What is not supported is refused with a `PdkvError` through `failure_exception()`:
-a decode prefix (`decode_prefix_len` > 0), host destinations, and auxiliary buffers in
-device memory.
+host destinations, and auxiliary buffers in device memory (docs/sglang.md says why). A
+decode's prefix (`decode_prefix_len`) is served by reading only the room's pages past it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ from sglang.srt.disaggregation.base.conn import (
     StateType,
 )
 
-from pdkv.errors import IncompatibleLayoutError, LayoutError, PdkvError, RoomAbortedError, TransferError
+from pdkv.errors import (
+    IncompatibleLayoutError,
+    InvalidPagesError,
+    LayoutError,
+    PdkvError,
+    RoomAbortedError,
+    TransferError,
+)
 from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
 from transfer.lanes.ucx.nixl import use_ucx_devices
@@ -113,13 +120,26 @@ class PdkvKVManager(BaseKVManager):
         set_scope(str(model), self.topology.tp_rank, int(getattr(args, "system_dp_rank", 0) or 0))
         self.secret = secret()
         self._lock = threading.Lock()
-        self._finished: dict[tuple[str, int], RoomStatus] = {}  # prefill: rooms done, until their sender looks
         self._fetchers: dict[tuple[str, str], concurrent.futures.Future[SyncFetcher]] = {}  # decode
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdkv-sglang-start")
         self.exporters: dict[str, SyncExporter] = {}  # none on a prefill's TP ranks but the first
         if self.is_prefill and self.topology.exports:
             for part, kv in self.parts.items():
                 self.exporters[part] = self._export(part, kv)
+        t = self.topology
+        logger.info(  # the operator's check that pdkv, not the built-in backend, serves here
+            "pdkv is SGLang's KV transfer backend here: %s, engine %s, owner %d of %d, TP rank %d of %d, layers %s%s",
+            "prefill" if self.is_prefill else "decode",
+            self.engine_id,
+            t.cp_rank,
+            t.cp_size,
+            t.tp_rank,
+            t.tp_size,
+            self.kv.owned,
+            f", advertised at {t.advertise}" if self.exporters else "",
+        )
+        ready, why = self.readiness()  # also for a probe of the operator's (docs/deployment.md)
+        logger.log(logging.INFO if ready else logging.WARNING, "pdkv readiness: %s", why)
 
     def _export(self, part: str, kv: EngineKV) -> SyncExporter:
         """An exporter of one part: the target's CP rank, or the draft as an engine of one rank."""
@@ -134,7 +154,6 @@ class PdkvKVManager(BaseKVManager):
             rank,
             size,
             t.registry_url,
-            on_free=lambda room, pages: self._room_finished(part, room),
             host=t.bind,
             advertise=t.advertise,
             secret=self.secret,
@@ -149,18 +168,6 @@ class PdkvKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         """Nothing to do: the exporters registered with the bootstrap server as they
         started, and keep renewing."""
-
-    # ---- prefill -----------------------------------------------------------------------------
-    def _room_finished(self, part: str, room: int) -> None:
-        # Runs on pdkv's thread, once the room is off the table.
-        status = self.exporters[part].exporter.rooms.state(room).status
-        with self._lock:
-            self._finished[(part, room)] = status
-
-    def take_finished(self, part: str, room: int) -> RoomStatus | None:
-        """How `room` ended in `part` (once), or None while it is live."""
-        with self._lock:
-            return self._finished.pop((part, room), None)
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, why) of pdkv in this process, callable from any thread: on a prefill, each
@@ -244,7 +251,12 @@ class _Outcome:
 
 class PdkvKVSender(BaseKVSender):
     """A prefill request's room: published at `init`, a chunk a `send`, done once read
-    (in every part this rank exports: the draft's layers too, on the last CP rank)."""
+    (in every part this rank exports: the draft's layers too, on the last CP rank).
+
+    Every call acts on this sender's own publications only: a sender whose publish was
+    refused (its room id live or used already) fails, and nothing it does afterwards
+    reaches the room that holds the id. A sender that fails for any reason aborts its
+    rooms, naming the error, so its decode fails now rather than at the pin's expiry."""
 
     def __init__(
         self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False
@@ -256,24 +268,35 @@ class PdkvKVSender(BaseKVSender):
         self._aux_index: int | None = None
         self._last = False
         self._held: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._pubs: dict[str, Handle[int]] = {}  # part -> its publication
         self._handles: list[Handle[None]] = []
-        self._ended: dict[str, RoomStatus] = {}
+        self._ended: dict[str, RoomStatus] = {}  # part -> how its room ended (set on pdkv's thread)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._total, self._aux_index = int(num_kv_indices), aux_index
-        for exporter in self.kv_mgr.exporters.values():
-            self._handles.append(exporter.publish_chunked(self.room, self._total))
+        pool_pages = self.kv_mgr.kv.layout.num_pages
+        if not 0 < self._total <= pool_pages:  # refused here, not at the last send
+            self._fail(InvalidPagesError(f"room {self.room}: {self._total} pages (the pool has {pool_pages})"))
+            return
+        for part, exporter in self.kv_mgr.exporters.items():
+            on_end = functools.partial(self._on_end, part)
+            self._pubs[part] = exporter.publish_chunked(self.room, self._total, on_end=on_end)
         self._outcome.state = KVPoll.WaitingForInput  # a pull needs no decode handshake
+
+    def _on_end(self, part: str, status: RoomStatus, reason: object) -> None:
+        self._ended[part] = status
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         self._last = last_chunk  # the aux row is final only with the last chunk
         return num_pages > 0 or last_chunk
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None, num_kv_tokens: int | None = None) -> None:
+        if self._outcome.state in (KVPoll.Success, KVPoll.Failed):
+            return  # ended: nothing more reaches any room (poll says how it ended)
         try:
             self._send(np.asarray(kv_indices, dtype=np.int64).reshape(-1), state_indices)
         except PdkvError as exc:
-            self._outcome.fail(exc)
+            self._fail(exc)
 
     def _send(self, pages: np.ndarray, state_indices: list[Any] | None) -> None:
         if self._outcome.started is None:
@@ -289,7 +312,9 @@ class PdkvKVSender(BaseKVSender):
             chunk, self._held = (pages[:-1], pages[-1:]) if complete and len(pages) else (pages, pages[:0])
             aux = None
         for part, exporter in self.kv_mgr.exporters.items():  # the aux row travels with the target's room
-            self._handles.append(exporter.add_chunk(self.room, chunk, aux=aux if part == "" else None))
+            part_aux = aux if part == "" else None
+            add = exporter.add_chunk(self.room, chunk, part_aux, self._pubs[part], abort_if_refused=True)
+            self._handles.append(add)
         self._outcome.state = KVPoll.Transferring
 
     def _check_indexer_pages(self, state_indices: list[Any] | None) -> None:
@@ -305,14 +330,11 @@ class PdkvKVSender(BaseKVSender):
     def poll(self) -> int:
         if self._outcome.state in (KVPoll.Success, KVPoll.Failed):
             return self._outcome.state
-        for handle in self._handles:
+        handles: list[Handle[Any]] = [*self._pubs.values(), *self._handles]
+        for handle in handles:
             if handle.poll() is FetchStatus.FAILED:
-                return self._outcome.fail(handle.exception() or TransferError("refused"))
-        for part in self.kv_mgr.exporters:
-            ended = self._ended.get(part) or self.kv_mgr.take_finished(part, self.room)
-            if ended is None:
-                continue
-            self._ended[part] = ended
+                return self._fail(handle.exception() or TransferError("refused"))
+        for part, ended in list(self._ended.items()):
             if ended is not RoomStatus.RELEASED:
                 why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
                 return self._outcome.fail(RoomAbortedError(f"room {self.room}{part} ended {why} before it was read"))
@@ -322,13 +344,24 @@ class PdkvKVSender(BaseKVSender):
             return self._outcome.succeed()
         return self._outcome.state
 
+    def _fail(self, error: BaseException) -> int:
+        """Failed with `error`; this sender's rooms end now, their decodes told why."""
+        reason = error if isinstance(error, PdkvError) else TransferError(str(error))
+        self._abort_rooms(reason)
+        return self._outcome.fail(error)
+
+    def _abort_rooms(self, reason: PdkvError | None) -> None:
+        for part, exporter in self.kv_mgr.exporters.items():
+            publication = self._pubs.get(part)
+            if publication is not None and part not in self._ended:
+                exporter.abort_room(self.room, publication, reason)
+
     def failure_exception(self) -> None:
         self._outcome.raise_failure(f"room {self.room}")
 
     def abort(self) -> None:
         """Free the room now; its decode hears of it on its readiness stream and stops reading."""
-        for exporter in self.kv_mgr.exporters.values():
-            exporter.abort_room(self.room)
+        self._abort_rooms(None)
         self._outcome.fail(RoomAbortedError(f"room {self.room} aborted by its prefill"))
 
     def get_transfer_metric(self) -> KVTransferMetric:
@@ -407,12 +440,14 @@ class PdkvKVReceiver(BaseKVReceiver):
         destination: Any = "device",
         **_: Any,
     ) -> None:
-        if self._aborted is not None:
+        if self._aborted is not None or self._outcome.state in (KVPoll.Success, KVPoll.Failed):
+            return  # ended: nothing more reaches any room or page
+        if any(p.fetch is not None for p in self._parts):
+            logger.warning("room %d: send_metadata again while its pages are read: ignored", self.room)
             return
         try:
-            if decode_prefix_len:
-                raise TransferError("pdkv does not serve a decode prefix yet (decode_prefix_len > 0)")
-            if str(getattr(destination, "value", destination)) != "device":
+            skip = self._prefix_pages(int(decode_prefix_len or 0))
+            if str(getattr(destination, "value", destination)) != "device":  # SGLang asks only if supported
                 raise TransferError("pdkv fills device (pool) pages only, not host destinations")
             fetchers = [p.started for p in self._parts]
             if not fetchers or any(f is None for f in fetchers):
@@ -424,10 +459,19 @@ class PdkvKVReceiver(BaseKVReceiver):
                 assert fetcher is not None
                 claim = self._claim_ahead(part)
                 assert claim is not None  # the fetcher is up
-                part.fetch = fetcher.read_claimed(claim, pages)
+                part.fetch = fetcher.read_claimed(claim, pages, skip=skip)
             self._outcome.state = KVPoll.Transferring
         except PdkvError as exc:
             self._end(exc)  # claims held ahead are given up: the prefill hears of it at once
+
+    def _prefix_pages(self, tokens: int) -> int:
+        """The room's pages the decode holds already (its radix cache's prefix): the prefill
+        published the whole room (pdkv's sender is never told the prefix), and this decode
+        reads only the pages past it into `kv_indices`."""
+        page = self.kv_mgr.kv.layout.page_size
+        if tokens < 0 or tokens % page:
+            raise LayoutError(f"room {self.room}: a decode prefix of {tokens} tokens is not whole {page}-token pages")
+        return tokens // page
 
     def poll(self) -> int:
         state = self._outcome.state
@@ -558,4 +602,4 @@ class PdkvKVBootstrapServer(BaseKVBootstrapServer):
 
     def close(self) -> None:
         self._loop.run(self._server.aclose(), self._timeouts.start)
-        self._loop.stop()
+        self._loop.stop(self._timeouts.start)

@@ -12,6 +12,9 @@ a deployment SGLang does not describe, says it):
     PDKV_SGLANG_LAYERS     the model's layer count (default: a decode's own layers; a
                            layer-split prefill reads `num_hidden_layers` from the model's
                            config.json, by SGLang's `--model-path`)
+    PDKV_SGLANG_PP_RANK, PDKV_SGLANG_PP_SIZE
+                           a prefill's pipeline stage and PP size (default: SGLang's PP rank
+                           in KVArgs and PP size); each stage's ranks own its layers
     PDKV_SGLANG_TP_RANK, PDKV_SGLANG_TP_SIZE
                            this rank's attention TP rank and size (default: SGLang's)
     PDKV_SGLANG_DEVICE     "cpu" or "cuda" (default: cuda where there is a GPU)
@@ -62,10 +65,18 @@ from transfer.timeouts import Timeouts
 __all__ = ["Settings", "Topology", "topology", "environment", "secret", "settings", "sglang_timeouts"]
 
 
-def _supported(kv_args: Any, ctx: dict[str, Any]) -> None:
-    """Refuse the layouts pdkv's SGLang backend does not serve (see the README)."""
-    if int(getattr(kv_args, "pp_rank", 0) or 0) or ctx.get("pp_size", 1) > 1:
-        raise LayoutError("pdkv's SGLang backend does not serve pipeline parallelism (PP > 1)")
+def _pipeline(kv_args: Any, ctx: dict[str, Any], prefill: bool) -> tuple[int, int]:
+    """This rank's PP stage and the PP size. A prefill's stages each own their layers (an
+    owner is a (PP stage, CP rank) pair); a decode reads every layer into one pool, so a
+    decode split into stages is refused."""
+    pp_rank, pp_size = _env_int("PDKV_SGLANG_PP_RANK"), _env_int("PDKV_SGLANG_PP_SIZE")
+    pp_rank = int(getattr(kv_args, "pp_rank", 0) or 0) if pp_rank is None else pp_rank
+    pp_size = int(ctx.get("pp_size", 1)) if pp_size is None else pp_size
+    if not 0 <= pp_rank < pp_size:
+        raise LayoutError(f"pipeline stage (PP rank) {pp_rank} outside a PP size of {pp_size}")
+    if pp_size > 1 and not prefill:
+        raise LayoutError("pdkv's SGLang backend reads every layer into one decode pool: a decode with PP > 1")
+    return pp_rank, pp_size
 
 
 logger = logging.getLogger(__name__)
@@ -78,6 +89,8 @@ class Topology:
     cp_size: int
     layer_num: int
     device: torch.device
+    # cp_rank, cp_size: this rank's owner index and the engine's owner count. An owner is a
+    # (PP stage, CP rank) pair, numbered stage-major: with PP 1, the CP rank and size.
     # Attention TP: MLA keeps the whole latent on every TP rank. On a prefill only TP rank 0
     # exports; on a decode every TP rank reads the whole room (one of `tp_size` readers).
     tp_rank: int = 0
@@ -110,10 +123,21 @@ def secret() -> str | None:
 
 
 def environment(
-    registry: str, cp_rank: int, cp_size: int, layers: int, device: str, tp_rank: int = 0, tp_size: int = 1
+    registry: str,
+    cp_rank: int,
+    cp_size: int,
+    layers: int,
+    device: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> dict[str, str]:
-    """The variables above, as a launcher (or a test) sets them for one rank."""
+    """The variables above, as a launcher (or a test) sets them for one rank (PP's only
+    where there are stages: else SGLang's own say)."""
+    stages = {"PDKV_SGLANG_PP_RANK": str(pp_rank), "PDKV_SGLANG_PP_SIZE": str(pp_size)} if pp_size > 1 else {}
     return {
+        **stages,
         "PDKV_SGLANG_REGISTRY": registry,
         "PDKV_SGLANG_CP_RANK": str(cp_rank),
         "PDKV_SGLANG_CP_SIZE": str(cp_size),
@@ -195,8 +219,9 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     cp_size = _env_int("PDKV_SGLANG_CP_SIZE")
     cp_rank = ctx.get("cp_rank", 0) if cp_rank is None else cp_rank
     cp_size = ctx.get("cp_size", 1) if cp_size is None else cp_size
+    pp_rank, pp_size = _pipeline(kv_args, ctx, prefill)
     layers = _env_int("PDKV_SGLANG_LAYERS")
-    if layers is None and prefill and cp_size > 1:
+    if layers is None and prefill and cp_size * pp_size > 1:
         layers = _model_layers(server_args)
         if layers is None:
             raise LayoutError(
@@ -214,7 +239,7 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     tp_size = ctx.get("tp_size", 1) if tp_size is None else tp_size
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"attention TP rank {tp_rank} outside a TP size of {tp_size}")
-    _supported(kv_args, ctx)
+    cp_rank, cp_size = pp_rank * cp_size + cp_rank, pp_size * cp_size  # the engine's owners, stage-major
     advertise = bind = "127.0.0.1"
     if prefill:
         advertise = _advertised(registry, shared)
