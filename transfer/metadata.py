@@ -32,7 +32,8 @@ Schema history:
  12: IpcExport.vmm and fd_socket: owned buffers in VMM memory (expandable segments) as
      spans of chunks whose file descriptors the owner hands out over a Unix socket.
  13: RoomState.reason: why an aborted room ended where its prefill failed it (a bad chunk,
-     a sender's error), so its decode fails naming the prefill's error, not only "aborted".
+     a sender's error), so its decode fails naming the prefill's error, not only "aborted";
+     ErrorReply.cause: the pdkv error an error was raised from (such a room's claim refused).
 """
 
 from __future__ import annotations
@@ -396,16 +397,25 @@ class ErrorReply(_Wire, frozen=True):
     code: ErrorName  # the error's class name
     message: Annotated[str, Meta(max_length=4096)]
     lineage: Annotated[list[ErrorName], Meta(max_length=16)] = []  # its pdkv ancestors, nearest first
+    cause: ErrorReply | None = None  # the pdkv error it was raised from, one level deep
 
 
-def error_reply(exc: PdkvError) -> ErrorReply:
-    """`exc` as it crosses the wire: its class name, message and pdkv ancestors."""
+def error_reply(exc: PdkvError, with_cause: bool = True) -> ErrorReply:
+    """`exc` as it crosses the wire: its class name, message and pdkv ancestors, and the
+    pdkv error it was raised from (a room aborted because its prefill failed: that error)."""
     lineage = [c.__name__ for c in type(exc).__mro__[1:] if isinstance(c, type) and issubclass(c, PdkvError)]
-    return ErrorReply(code=type(exc).__name__, message=str(exc)[:4000], lineage=lineage[:16])
+    cause = exc.__cause__ if with_cause and isinstance(exc.__cause__, PdkvError) else None
+    return ErrorReply(
+        code=type(exc).__name__,
+        message=str(exc)[:4000],
+        lineage=lineage[:16],
+        cause=error_reply(cause, with_cause=False) if cause is not None else None,
+    )
 
 
 def error_from(reply: ErrorReply, where: str) -> PdkvError:
-    """The error `reply` names, rebuilt as the nearest class this process knows."""
+    """The error `reply` names, rebuilt as the nearest class this process knows (and the
+    one it was raised from, as its `__cause__`)."""
     known: dict[str, type[PdkvError]] = {}
     todo: list[type[PdkvError]] = [PdkvError]
     while todo:
@@ -413,7 +423,10 @@ def error_from(reply: ErrorReply, where: str) -> PdkvError:
         known.setdefault(cls.__name__, cls)
         todo += cls.__subclasses__()
     cls = next((known[n] for n in [reply.code, *reply.lineage] if n in known), PdkvError)
-    return cls(f"{where}: {reply.message}")
+    error = cls(f"{where}: {reply.message}")
+    if reply.cause is not None:
+        error.__cause__ = error_from(reply.cause, where)
+    return error
 
 
 class Envelope(Struct, frozen=True, array_like=True):

@@ -52,7 +52,7 @@ from pdkv.errors import (
 from pdkv.pages import has_repeats, page_ids
 from transfer.deadline import wait_until
 from transfer.logctx import failure_fields
-from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_reply
+from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_from, error_reply
 
 __all__ = ["RoomTable", "RoomCounters", "OnEnd"]
 
@@ -275,7 +275,10 @@ class RoomTable:
     def _aborted(self, room: int) -> RoomAbortedError:
         why = self._why.get(room)
         cause = f"its prefill failed it: {why.code}: {why.message}" if why is not None else "or its pin expired"
-        return RoomAbortedError(f"room {room} was aborted on this rank ({cause})")
+        error = RoomAbortedError(f"room {room} was aborted on this rank ({cause})")
+        if why is not None:
+            error.__cause__ = error_from(why, f"room {room}")
+        return error
 
     def pin_of(self, room: int) -> tuple[int, int] | None:
         """The live room's pin (slot, nonce), or None (no slot, or not live)."""
