@@ -216,8 +216,12 @@ def _nixl_module() -> str:
         return next(iter(installed.values()), "nixl._api")
     if cuda in installed:
         return installed[cuda]
-    if installed or cuda not in _NIXL_BUILDS:
-        have = ", ".join(f"nixl-cu{m}" for m in installed) or "none for it"
+    if cuda not in _NIXL_BUILDS:
+        raise BuildMismatchError(
+            f"torch is built for CUDA {torch.version.cuda}: pdkv serves CUDA 12 and 13 (NIXL's builds)"
+        )
+    if installed:
+        have = ", ".join(f"nixl-cu{m}" for m in installed)
         raise BuildMismatchError(
             f"torch is built for CUDA {torch.version.cuda}, NIXL is installed as {have}: "
             f"pip install 'pdkv[cu{cuda}]' (NIXL and CUDA bindings built for CUDA {cuda})"
