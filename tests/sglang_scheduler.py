@@ -1,0 +1,667 @@
+"""SGLang 0.5.23's own disaggregation scheduler code driving pdkv, on the CPU.
+
+A prefill scheduler process per CP rank (a layer-split DSA prefill) and a decode scheduler
+process per attention-TP rank, each running SGLang's own queue code in a loop:
+
+* prefill: `PrefillBootstrapQueue` (`add`, `pop_bootstrapped`), the scheduler mixin's
+  `resolve_waiting_queue_bootstrap`, `send_kv_chunk`, `process_disagg_prefill_inflight_queue`
+  (and its failure paths), with its poll states all-reduced over real gloo groups (attention
+  TP, then attention CP: both CP ranks of a prefill take the same decisions);
+* decode: `DecodePreallocQueue` (`add`, `pop_preallocated`) and `DecodeTransferQueue`
+  (`pop_transferred`), through the scheduler mixin's `process_decode_queue`, the poll states
+  all-reduced over the attention-TP gloo group.
+
+Real SGLang parts: `ServerArgs` published as the process's runtime context, the DSA pools
+(`LayerSplitDSATokenToKVPool` on the prefill's CP ranks, `DSATokenToKVPool` on the decode),
+`ReqToTokenPool` / `DecodeReqToTokenPool`, `PagedTokenToKVPoolAllocator`, a disabled
+`RadixCache`, `MetadataBuffers`, `ReqToMetadataIdxAllocator`, `Req`, and the `Scheduler`
+class's methods (the object is made with `object.__new__`: its `__init__` loads a model).
+`KVArgs` are built by SGLang's `_init_kv_manager`, the classes come from SGLang's
+`get_kv_class(TransferBackend.MOONCAKE, ...)` with pdkv's plugin hook applied
+(`load_plugins()` under `PDKV_SGLANG=1`), the bootstrap server is pdkv's.
+
+Stubbed, as the brief allows, only what needs a model: the forward pass (it allocates the
+request's KV through the real allocator, as SGLang's batch preparation does, writes known
+bytes into the real pool pages of every layer this rank owns, and samples a known first
+token), the scheduler's model-bound fields (`tp_worker.model_runner`, `model_config`), and
+its output side (`output_streamer`, `metrics_reporter`: the harness records what would be
+streamed). The scheduler's `abort_request` needs its tokenizer-facing managers (grammar,
+multimodal, beam); the harness runs the disaggregation branch of it, line for line.
+
+`torchvision` cannot be installed beside the CPU torch (its wheels bring a CUDA torch), and
+SGLang's `configs` package imports it at import time for multimodal processors; the harness
+puts an empty stand-in module in its place (after telling transformers it is absent). Nothing
+on the disaggregation path calls it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+import types
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYERS, PAGE, POOL_PAGES = 4, 64, 24  # DSA needs 64-token physical pages
+KV_DIM = 576  # 512 lora + 64 rope, bf16
+INDEX_ITEM = PAGE * 132  # 64 x 128 fp8 keys + 64 fp32 scales a page
+MAX_REQS = 8
+CONTEXT = PAGE * 8
+
+logger = logging.getLogger("sglang_scheduler")
+
+
+# ---- imports ----------------------------------------------------------------------------------
+
+
+class _Absent(types.ModuleType):
+    """A module whose every attribute is another such module: `from torchvision.transforms
+    import InterpolationMode` binds a placeholder; calling one raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Absent(f"{self.__name__}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.__name__}: torchvision is not installed (stand-in of tests/sglang_scheduler.py)")
+
+
+class _AbsentFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _Absent(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []  # type: ignore[attr-defined]
+
+
+def import_sglang_scheduler_code() -> None:
+    """Import SGLang's prefill.py and decode.py on the CPU (see the module docstring)."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        from transformers.utils import import_utils
+
+        # cached False before the stand-in exists, so transformers never uses it
+        assert not import_utils.is_torchvision_available()
+        import_utils.is_torchvision_v2_available()
+        if not any(isinstance(f, _AbsentFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _AbsentFinder())
+    import sglang.srt.disaggregation.decode  # noqa: F401
+    import sglang.srt.disaggregation.prefill  # noqa: F401
+
+
+# ---- what a request holds -----------------------------------------------------------------------
+
+
+def first_token(room: int) -> int:
+    return 1000 + room % 997
+
+
+def kv_bytes(room: int, layer: int, tokens: int) -> Any:
+    """The latent KV rows (bf16 as bytes) the stub forward writes for `room` at `layer`."""
+    import torch
+
+    g = torch.Generator().manual_seed(room * 131 + layer)
+    return torch.randint(0, 256, (tokens, KV_DIM * 2), generator=g, dtype=torch.uint8)
+
+
+def index_bytes(room: int, layer: int, pages: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(room * 131 + layer + 7_000_000)
+    return torch.randint(0, 256, (pages, INDEX_ITEM), generator=g, dtype=torch.uint8)
+
+
+# ---- a process's SGLang context ----------------------------------------------------------------
+
+
+def _model_dir() -> str:
+    """A model directory SGLang's `ServerArgs` resolves on the CPU (no DSA hooks, which ask
+    for a GPU); the pools themselves are DSA's."""
+    d = tempfile.mkdtemp(prefix="pdkv-sglang-model-")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": LAYERS,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 2048,
+        "max_position_embeddings": 4096,
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    return d
+
+
+@dataclass
+class Role:
+    """One scheduler process: `mode` "prefill" or "decode", its rank in its gloo group of
+    `size` (CP ranks of a prefill, attention-TP ranks of a decode)."""
+
+    mode: str
+    rank: int
+    size: int
+    registry: str  # pdkv's bootstrap server URL (SGLang's bootstrap server)
+    dist_init: str  # the gloo group's rendezvous (file://)
+    env: dict[str, str] = field(default_factory=dict)
+    timeouts: dict[str, str] = field(default_factory=dict)  # SGLANG_DISAGGREGATION_* settings
+
+
+def _set_env(role: Role) -> None:
+    from transfer.sglang.topology import environment
+
+    if role.mode == "prefill":
+        os.environ.update(environment(role.registry, role.rank, role.size, LAYERS, "cpu"))
+        os.environ.setdefault("PDKV_SGLANG_HOST", "127.0.0.1")  # loopback unless the test says a host
+    else:
+        os.environ.update(environment("", 0, 1, LAYERS, "cpu", role.rank, role.size))
+    os.environ["PDKV_SGLANG"] = "1"
+    os.environ.update(role.timeouts)
+    os.environ.update(role.env)
+
+
+def _publish(role: Role) -> Any:
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.server_args import ServerArgs
+
+    port = int(role.registry.rsplit(":", 1)[1])
+    cp = role.mode == "prefill" and role.size > 1
+    server_args = ServerArgs(
+        model_path=_model_dir(),
+        disaggregation_mode=role.mode,
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=port,
+        device="cpu",
+        page_size=PAGE,
+        skip_tokenizer_init=True,
+        tp_size=role.size,
+        **({"attn_cp_size": role.size, "enable_prefill_cp": True, "cp_strategy": "interleave"} if cp else {}),
+    )
+    rc.publish(server_args, role="scheduler")
+    if cp:
+        # SGLang's ServerArgs takes --enable-dsa-cache-layer-split only for a DSA model, whose
+        # hooks ask for a GPU: the flag is set on the published context instead
+        rc.get_parallel().override_permanently(enable_dsa_cache_layer_split=True)
+    return server_args
+
+
+@dataclass
+class _Group:
+    """What SGLang's `GroupCoordinator` offers the pools and queues here: a real gloo group."""
+
+    cpu_group: Any
+    world_size: int
+    rank_in_group: int
+    pynccl_comm: Any = None
+    device: Any = "cpu"
+
+
+def _groups(role: Role) -> tuple[Any, Any]:
+    """(attention-TP group, attention-CP group) of this process, real gloo groups."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=role.dist_init, rank=role.rank, world_size=role.size)
+    singles = [dist.new_group([r], backend="gloo") for r in range(role.size)]
+    everyone = dist.new_group(list(range(role.size)), backend="gloo")
+    if role.mode == "prefill":  # CP ranks: TP of one each, CP across
+        return singles[role.rank], everyone
+    return everyone, singles[role.rank]
+
+
+# ---- the scheduler object ---------------------------------------------------------------------
+
+
+class Outputs:
+    """What the scheduler would stream to its tokenizer: (rid, finished reason) records."""
+
+    def __init__(self) -> None:
+        self.streamed: list[tuple[str, str]] = []
+
+    def stream_output(self, reqs: list[Any], *args: Any, **kwargs: Any) -> None:
+        for req in reqs:
+            self.streamed.append((req.rid, type(req.finished_reason).__name__))
+
+
+def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> Any:
+    """SGLang's `Scheduler` with the fields its disaggregation code reads; no model."""
+    import torch
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.disaggregation.decode import (
+        DecodePreallocQueue,
+        DecodeReqToTokenPool,
+        DecodeTransferQueue,
+    )
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        MetadataBuffers,
+        ReqToMetadataIdxAllocator,
+        TransferBackend,
+    )
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    prefill = role.mode == "prefill"
+    parallel = rc.get_parallel()
+    tp_rank, tp_size = role.rank, role.size  # a prefill's CP ranks are its TP ranks, of attention TP 1
+    attn_tp_rank, attn_tp_size = (0, 1) if prefill else (role.rank, role.size)
+    parallel.override_permanently(
+        tp_rank=tp_rank,
+        attn_tp_rank=attn_tp_rank,
+        attn_cp_rank=role.rank if prefill else 0,
+        attn_dp_rank=0,
+        dp_rank=None,
+        pp_rank=0,
+        attn_tp_group=_Group(tp_group, attn_tp_size, attn_tp_rank),
+        attn_cp_group=_Group(cp_group, role.size if prefill else 1, role.rank if prefill else 0),
+    )
+    rc.get_device()._set("gpu_id", 0)
+
+    tokens = PAGE * POOL_PAGES
+    pool_kwargs = dict(
+        size=tokens,
+        page_size=PAGE,
+        kv_lora_rank=512,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=64,
+        layer_num=LAYERS,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=KV_DIM,
+    )
+    if prefill and role.size > 1:
+        pool = LayerSplitDSATokenToKVPool(**pool_kwargs, layer_shard_rank=role.rank, layer_shard_size=role.size)
+    else:
+        pool = DSATokenToKVPool(**pool_kwargs)
+    allocator = PagedTokenToKVPoolAllocator(tokens, PAGE, torch.int64, "cpu", pool, need_sort=False)
+    if prefill:
+        req_to_token = ReqToTokenPool(MAX_REQS, CONTEXT, "cpu", False)
+    else:
+        req_to_token = DecodeReqToTokenPool(MAX_REQS, CONTEXT, "cpu", False, pre_alloc_size=MAX_REQS)
+    tree = RadixCache(
+        CacheInitParams(
+            disable=True, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator, page_size=PAGE
+        )
+    )
+
+    s = object.__new__(Scheduler)
+    s.server_args = server_args
+    s.disaggregation_mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
+    s.transfer_backend = TransferBackend.MOONCAKE
+    s.tp_rank, s.tp_size = tp_rank, tp_size
+    s.attn_tp_cpu_group, s.attn_cp_cpu_group = tp_group, cp_group
+    s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache = req_to_token, allocator, tree
+    s.max_total_num_tokens = tokens
+    s.waiting_queue = []
+    s.running_batch = types.SimpleNamespace(reqs=[], batch_is_full=False)
+    s.last_batch = None
+    s.chunked_req = None
+    s.enable_overlap = False
+    s.enable_staging = False
+    s.enable_hisparse = False
+    s.enable_lora = False
+    s.enable_decode_hicache = False
+    s.enable_priority_scheduling = False
+    s.rust_server = None
+    s.processed_tokens_counter = 0
+    s.random_seed = 0
+    s.output_streamer = Outputs()
+    s.scheduler_stage_metrics = None
+    # the decode's commit counts reasoning tokens of what the prefill sampled: no tokenizer here
+    s.batch_result_processor = types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda *a, **k: None)
+    s.metrics_reporter = types.SimpleNamespace(
+        enable_metrics=False, kv_transfer_latency_ms=None, kv_transfer_speed_gb_s=None
+    )
+    # model-bound fields
+    s.model_config = types.SimpleNamespace(
+        num_hidden_layers=LAYERS, hf_text_config=types.SimpleNamespace(), hf_config=types.SimpleNamespace()
+    )
+    s.tp_worker = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(kv_cache_dtype_str="auto", effective_logical_max_total_num_tokens=tokens),
+        is_hybrid_swa=False,
+    )
+    s.spec_algorithm = types.SimpleNamespace(is_eagle=lambda: False, is_none=lambda: True)
+
+    s.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(MAX_REQS * 2)
+    s.disagg_metadata_buffers = MetadataBuffers(
+        MAX_REQS * 2, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0
+    )
+    if prefill:
+        s.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
+            token_to_kv_pool=pool,
+            draft_token_to_kv_pool=None,
+            req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=s.disagg_metadata_buffers,
+            gpu_id=0,
+            bootstrap_port=int(role.registry.rsplit(":", 1)[1]),
+            max_total_num_tokens=tokens,
+            scheduler=s,
+            scheduler_stage_metrics=None,
+            transfer_backend=TransferBackend.MOONCAKE,
+        )
+        s.disagg_prefill_inflight_queue = []
+        s.disagg_prefill_pending_chunk_rids = set()
+    else:
+        s.disagg_decode_transfer_queue = DecodeTransferQueue(
+            req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=s.disagg_metadata_buffers,
+            scheduler=s,
+            tree_cache=tree,
+        )
+        s.disagg_decode_prealloc_queue = DecodePreallocQueue(
+            req_to_token_pool=req_to_token,
+            token_to_kv_pool_allocator=allocator,
+            draft_token_to_kv_pool=None,
+            req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=s.disagg_metadata_buffers,
+            scheduler=s,
+            transfer_queue=s.disagg_decode_transfer_queue,
+            tree_cache=tree,
+            gpu_id=0,
+            bootstrap_port=int(role.registry.rsplit(":", 1)[1]),
+            max_total_num_tokens=tokens,
+            num_reserved_decode_tokens=0,
+            transfer_backend=TransferBackend.MOONCAKE,
+        )
+    s.harness_pool = pool
+    return s
+
+
+def _new_req(rid: str, room: int, tokens: int, host: str, port: int, mode: str) -> Any:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=1 if mode == "prefill" else 4)
+    params.normalize(None)
+    req = Req(
+        rid,
+        "",
+        array("q", [(room + i) % 2000 + 1 for i in range(tokens)]),
+        params,
+        bootstrap_host=host,
+        bootstrap_port=port,
+        bootstrap_room=room,
+        disagg_mode=DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE,
+    )
+    return req
+
+
+# ---- the stub forward ---------------------------------------------------------------------------
+
+
+def _owned_layers(pool: Any) -> list[int]:
+    return [layer for layer in range(LAYERS) if pool.kv_buffer[layer].shape[0] > 0]
+
+
+def _prefill_forward(s: Any, req: Any) -> None:
+    """One prefill forward of a whole prompt: KV allocated through SGLang's allocator (as its
+    batch preparation does), known bytes into the owned layers' pages, a first token sampled;
+    then what `process_batch_result_disagg_prefill` does with a finished request."""
+    import torch
+
+    pool, n = s.harness_pool, len(req.origin_input_ids)
+    assert s.req_to_token_pool.alloc([req]) is not None
+    locs = s.token_to_kv_pool_allocator.alloc(-(-n // PAGE) * PAGE)
+    assert locs is not None, "the prefill's KV pool is full"
+    s.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), locs[:n].to(torch.int32))
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = n
+    req.prefix_len, req.extend_end = 0, n
+    pages = locs[::PAGE] // PAGE
+    for layer in _owned_layers(pool):
+        pool.kv_buffer[layer].view(torch.uint8).view(-1, KV_DIM * 2)[locs[:n]] = kv_bytes(req.bootstrap_room, layer, n)
+        pool.index_k_with_scale_buffer[layer][pages] = index_bytes(req.bootstrap_room, layer, len(pages))
+    req.output_ids.append(first_token(req.bootstrap_room))
+    s.checkpoint_disagg_prefill(req)
+    s.disagg_prefill_inflight_queue.append(req)
+    if not req.pending_bootstrap:
+        s.send_kv_chunk(req, last_chunk=True)
+
+
+def _decode_check(s: Any, req: Any) -> dict[str, Any]:
+    """What the decode's first forward would read: the room's KV and aux, byte for byte."""
+    import torch
+
+    pool, n = s.harness_pool, len(req.origin_input_ids)
+    locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
+    pages = locs[::PAGE] // PAGE
+    bad = []
+    for layer in range(LAYERS):
+        got = pool.kv_buffer[layer].view(torch.uint8).view(-1, KV_DIM * 2)[locs]
+        if not torch.equal(got, kv_bytes(req.bootstrap_room, layer, n)):
+            bad.append(("kv", layer))
+        if not torch.equal(
+            pool.index_k_with_scale_buffer[layer][pages], index_bytes(req.bootstrap_room, layer, len(pages))
+        ):
+            bad.append(("index", layer))
+    return {"bad": bad, "first_token": list(req.output_ids)[:1], "pages": pages.tolist()}
+
+
+# ---- aborts, as the scheduler's abort_request takes them -----------------------------------------
+
+
+def _abort_prefill(s: Any, rid: str) -> None:
+    """The prefill branch of `Scheduler.abort_request` (0.5.23): the waiting queue's
+    entries are popped and released, the bootstrap and in-flight queues' senders aborted."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for i in reversed([i for i, r in enumerate(s.waiting_queue) if r.rid.startswith(rid)]):
+        req = s.waiting_queue.pop(i)
+        s._release_aborted_request(req)
+        req.finished_reason = req.finished_reason or FINISH_ABORT()
+        s.output_streamer.stream_output([req])
+        s.release_aborted_prefill_waiting_req(req)
+    for req in s.disagg_prefill_bootstrap_queue.queue:
+        if req.rid.startswith(rid):
+            s._release_aborted_request(req)
+            req.disagg_kv_sender.abort()
+    for req in s.disagg_prefill_inflight_queue:
+        if req.rid.startswith(rid):
+            req.disagg_kv_sender.abort()
+
+
+def _abort_decode(s: Any, rid: str) -> None:
+    """The decode branch of `Scheduler.abort_request` (0.5.23) for its two queues."""
+    for decode_req in s.disagg_decode_prealloc_queue.queue:
+        if decode_req.req.rid.startswith(rid):
+            decode_req.kv_receiver.abort()
+    for decode_req in s.disagg_decode_transfer_queue.queue:
+        if decode_req.req.rid.startswith(rid):
+            decode_req.kv_receiver.abort()
+
+
+# ---- the scheduler processes ---------------------------------------------------------------------
+
+
+def _prefill_stats(s: Any) -> dict[str, Any]:
+    mgr = s.disagg_prefill_bootstrap_queue.kv_manager
+    rooms = mgr.exporter.exporter.rooms
+    return {"live_rooms": rooms.live_rooms, "pinned_pages": rooms.pinned_pages, "rooms": sorted(rooms._live)}
+
+
+def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
+    """One scheduler process: SGLang's own queue code in a loop, commands from the test
+    (rank 0 reads them and broadcasts them over the group, as SGLang broadcasts requests)."""
+    logging.basicConfig(level=os.environ.get("PDKV_TEST_LOG", "WARNING"))
+    try:
+        _set_env(role)
+        import_sglang_scheduler_code()
+        import torch.distributed as dist
+        from sglang.srt.disaggregation.utils import is_aborted
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        if os.environ.get("PDKV_SGLANG_SCHEDULER_PRELOAD"):
+            # diagnostic: a module imported after the plugin, to try a change to pdkv's classes
+            # without editing transfer/ (never set by the tests)
+            __import__(os.environ["PDKV_SGLANG_SCHEDULER_PRELOAD"])
+        server_args = _publish(role)
+        tp_group, cp_group = _groups(role)
+        s = _scheduler(role, server_args, tp_group, cp_group)
+        group = cp_group if role.mode == "prefill" else tp_group
+        prefill = role.mode == "prefill"
+        mgr = s.disagg_prefill_bootstrap_queue.kv_manager if prefill else s.disagg_decode_prealloc_queue.kv_manager
+        outbox.put(("ready", role.rank, type(mgr).__module__ + "." + type(mgr).__qualname__))
+    except BaseException:
+        outbox.put(("error", role.rank, traceback.format_exc()))
+        raise
+    streamed = 0
+    held: set[str] = set()  # prefill: requests whose forward waits for a "go"
+    try:
+        while True:
+            cmds: list[Any] = []
+            if role.rank == 0:
+                while True:
+                    try:
+                        cmds.append(inbox.get_nowait())
+                    except queue.Empty:
+                        break
+            box = [cmds]
+            dist.broadcast_object_list(box, src=0, group=group)
+            cmds = box[0]
+            if any(c[0] == "stop" for c in cmds):
+                break
+            for cmd in cmds:
+                if cmd[0] == "req":
+                    _, rid, room, tokens, host, port, hold = cmd
+                    if hold:
+                        held.add(rid)
+                    req = _new_req(rid, room, tokens, host, port, role.mode)
+                    if prefill:
+                        s.disagg_prefill_bootstrap_queue.add(req, num_kv_heads=1)
+                    else:
+                        s.disagg_decode_prealloc_queue.add(req)
+                elif cmd[0] == "abort":
+                    (_abort_prefill if prefill else _abort_decode)(s, cmd[1])
+                    outbox.put(("aborted", role.rank, cmd[1], time.time()))
+                elif cmd[0] == "go":
+                    held.discard(cmd[1])
+                elif cmd[0] == "stats" and prefill:
+                    outbox.put(("stats", role.rank, _prefill_stats(s)))
+            if prefill:
+                s.waiting_queue.extend(s.disagg_prefill_bootstrap_queue.pop_bootstrapped())
+                s.resolve_waiting_queue_bootstrap()
+                batch = [r for r in s.waiting_queue if not is_aborted(r) and r.rid not in held]
+                s.waiting_queue = [r for r in s.waiting_queue if r not in batch]
+                for req in batch:
+                    _prefill_forward(s, req)
+                for req in s.process_disagg_prefill_inflight_queue():
+                    state = int(req.disagg_kv_sender.poll())
+                    error = None
+                    try:
+                        req.disagg_kv_sender.failure_exception() if state == 0 else None
+                    except Exception as exc:
+                        error = f"{type(exc).__name__}: {exc}"
+                    outbox.put(
+                        ("done", role.rank, req.rid, type(req.finished_reason).__name__, state, error, time.time())
+                    )
+            else:
+                s.process_decode_queue()
+                for req in s.waiting_queue:
+                    outbox.put(("received", role.rank, req.rid, _decode_check(s, req), time.time()))
+                    req.finished_reason = FINISH_LENGTH(length=0)
+                    release_kv_cache(req, s.tree_cache, checkpoint=False)
+                s.waiting_queue = []
+            for rid, reason in s.output_streamer.streamed[streamed:]:
+                outbox.put(("streamed", role.rank, rid, reason, time.time()))
+            streamed = len(s.output_streamer.streamed)
+            time.sleep(0.002)
+    except BaseException:
+        outbox.put(("error", role.rank, traceback.format_exc()))
+        raise
+    finally:
+        mgr.close()
+        dist.destroy_process_group()
+
+
+# ---- the test's side -------------------------------------------------------------------------------
+
+
+class Side:
+    """The scheduler processes of one prefill (its CP ranks) or one decode (its TP ranks)."""
+
+    def __init__(self, mode: str, size: int, registry: str, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.mode, self.size = mode, size
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.rendezvous = tempfile.NamedTemporaryFile(prefix=f"pdkv-{mode}-gloo-", delete=False).name
+        os.unlink(self.rendezvous)
+        port = "file://" + self.rendezvous
+        self.idle = [ctx.Queue() for _ in range(size - 1)]  # the other ranks hear from rank 0
+        inboxes = [self.inbox, *self.idle]
+        self.procs = [
+            ctx.Process(
+                target=scheduler_main,
+                args=(Role(mode, r, size, registry, port, **kwargs), inboxes[r], self.outbox),
+                daemon=True,
+            )
+            for r in range(size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.events: list[tuple] = []
+        self.failure: str | None = None  # a rank's traceback, once one failed
+
+    def ready(self, timeout: float = 90) -> list[str]:
+        managers = [self.wait("ready", timeout=timeout)[2] for _ in range(self.size)]
+        return managers
+
+    def send(self, *cmd: Any) -> None:
+        self.inbox.put(cmd)
+
+    def _pump(self, timeout: float) -> tuple | None:
+        try:
+            event = self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if event[0] == "error":
+            self.failure = f"{self.mode} rank {event[1]} failed:\n{event[2]}"
+        self.events.append(event)
+        return event
+
+    def wait(self, kind: str, rid: str | None = None, timeout: float = 60, rank: int | None = None) -> tuple:
+        """The first event of `kind` (for `rid`, from `rank`) not yet taken."""
+        end = time.monotonic() + timeout
+        while True:
+            if self.failure is not None:  # its group cannot go on: every later wait fails at once
+                raise RuntimeError(self.failure)
+            for i, e in enumerate(self.events):
+                if e[0] == kind and (rid is None or e[2] == rid) and (rank is None or e[1] == rank):
+                    return self.events.pop(i)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.mode}: no {kind} event for {rid} in {timeout} s; seen {self.events}")
+            self._pump(min(left, 0.5))
+
+    def close(self) -> None:
+        self.send("stop")
+        for p in self.procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
