@@ -163,6 +163,7 @@ class Role:
     dist_init: str  # the gloo group's rendezvous (file://)
     env: dict[str, str] = field(default_factory=dict)
     timeouts: dict[str, str] = field(default_factory=dict)  # SGLANG_DISAGGREGATION_* settings
+    netns: str | None = None  # the network namespace (tests/netns.py's host) it runs in
 
 
 def _set_env(role: Role) -> None:
@@ -505,6 +506,10 @@ def _prefill_stats(s: Any) -> dict[str, Any]:
 def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
     """One scheduler process: SGLang's own queue code in a loop, commands from the test
     (rank 0 reads them and broadcasts them over the group, as SGLang broadcasts requests)."""
+    if role.netns is not None:  # first: before any thread or socket exists
+        from tests.netns import enter_netns
+
+        enter_netns(role.netns)
     logging.basicConfig(level=os.environ.get("PDKV_TEST_LOG", "WARNING"))
     try:
         _set_env(role)
@@ -600,6 +605,39 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
 
 
 # ---- the test's side -------------------------------------------------------------------------------
+
+
+def registry_main(netns: str | None, host: str, outbox: Any, stop: Any) -> None:
+    """pdkv's bootstrap server (SGLang's bootstrap server in a deployment) on a host of its own."""
+    if netns is not None:
+        from tests.netns import enter_netns
+
+        enter_netns(netns)
+    from transfer.sglang.conn import PdkvKVBootstrapServer
+
+    server = PdkvKVBootstrapServer(host, 0)
+    outbox.put(server.url)
+    try:
+        stop.get()
+    finally:
+        server.close()
+
+
+class Registry:
+    """`registry_main` in a process, on `host` inside `netns`."""
+
+    def __init__(self, netns: str | None, host: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.outbox, self.stop = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=registry_main, args=(netns, host, self.outbox, self.stop), daemon=True)
+        self.proc.start()
+        self.url: str = self.outbox.get(timeout=120)
+
+    def close(self) -> None:
+        self.stop.put(None)
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 class Side:

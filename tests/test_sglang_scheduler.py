@@ -161,3 +161,44 @@ def test_a_prefill_abort_fails_the_decode(cluster):
     assert reason == "FINISH_ABORT"
     print(f"prefill abort -> the decode's request aborted: {at - aborted:.3f} s")
     assert at - aborted < 1.0, at - aborted
+
+
+@NOT_YET
+def test_across_two_hosts_a_layer_split_prefill_and_a_decode_through_sglangs_queues():
+    """Item 3's first case: the prefill (both CP ranks and SGLang's bootstrap server, which is
+    pdkv's registry) on one host, the decode on another (network namespaces: UCX over TCP);
+    the prefill advertises its host's address (PDKV_SGLANG_HOST). Rooms byte-exact, senders
+    Success, through SGLang's own queue code on both sides."""
+    from tests.netns import HostNet, unavailable
+    from tests.sglang_scheduler import Registry
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    before = os.environ.get("PDKV_SECRET")
+    os.environ["PDKV_SECRET"] = "scheduler-test-secret"
+    with HostNet(["prefill", "decode"]) as net:
+        at = net.address("prefill")
+        registry = Registry(net.netns("prefill"), at)
+        cluster = Cluster.__new__(Cluster)
+        cluster.host, cluster.port = at, int(registry.url.rsplit(":", 1)[1])
+        cluster.prefill = Side("prefill", 2, registry.url, netns=net.netns("prefill"), env={"PDKV_SGLANG_HOST": at})
+        cluster.decodes = {1: Side("decode", 1, registry.url, netns=net.netns("decode"))}
+        try:
+            cluster.start()
+            rooms = {"h": (6001, 2 * PAGE + 5), "i": (6002, PAGE)}
+            for rid, (room, tokens) in rooms.items():
+                cluster.submit(rid, room, tokens)
+            for rid, (room, tokens) in rooms.items():
+                got = cluster.decodes[1].wait("received", rid, timeout=60)[3]
+                assert got["bad"] == [] and got["first_token"] == [first_token(room)], (rid, got)
+                assert len(got["pages"]) == -(-tokens // PAGE)
+                for rank in range(2):
+                    _, _, _, reason, state, error, _ = cluster.prefill.wait("done", rid, timeout=30, rank=rank)
+                    assert (reason, state, error) == ("FINISH_LENGTH", SUCCESS, None)
+        finally:
+            cluster.close()
+            registry.close()
+            if before is None:
+                os.environ.pop("PDKV_SECRET", None)
+            else:
+                os.environ["PDKV_SECRET"] = before
