@@ -408,6 +408,9 @@ class FakeFeed:
     def latest(self, url: str, room: int) -> RoomState | None:
         return None
 
+    def lost(self, url: str) -> bool:  # a fake owner's stream never falls silent
+        return False
+
     async def wait(self, url: str, room: int, after: int, timeout: float, after_pages: int = -1) -> RoomState | None:
         gate = self.points.reach("wait", self.cp_of[url]) if self.points is not None else None
         if gate is not None:
