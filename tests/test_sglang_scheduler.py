@@ -46,7 +46,16 @@ BOOTSTRAP = (
     "(finalize_bootstrap, handle_pending_bootstrap); PdkvKVSender polls Bootstrapping until init(), "
     "so the room is never published and prefill and decode wait on each other"
 )
+GROUP_FAILED = (
+    "a room SGLang's CP all-reduce (MIN) fails while this rank's own sender is not Failed: "
+    "handle_inflight_transfer_failure frees the pages (release_kv_cache) and calls only failure_exception(), "
+    "which raises TransferError('room N: no failure recorded'); nothing aborts this rank's room, so its "
+    "exporter keeps the freed pages pinned and readable until its own pin deadline"
+)
 NOT_YET = pytest.mark.xfail(reason=f"{PREFILL_INFO}; {BOOTSTRAP}", strict=True, raises=(RuntimeError, TimeoutError))
+
+
+TIMEOUT = 6  # SGLang's bootstrap timeout on the prefill, its waiting timeout on the TP 1 decode
 
 
 class Cluster:
@@ -57,8 +66,9 @@ class Cluster:
     def __init__(self, url: str) -> None:
         self.host, port = url.removeprefix("http://").rsplit(":", 1)
         self.port = int(port)
-        self.prefill = Side("prefill", 2, url)
-        self.decodes = {1: Side("decode", 1, url), 2: Side("decode", 2, url)}
+        self.prefill = Side("prefill", 2, url, timeouts={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT)})
+        waiting = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT)}
+        self.decodes = {1: Side("decode", 1, url, timeouts=waiting), 2: Side("decode", 2, url)}
 
     def start(self) -> None:
         managers = self.prefill.ready(timeout=240)
@@ -161,6 +171,37 @@ def test_a_prefill_abort_fails_the_decode(cluster):
     assert reason == "FINISH_ABORT"
     print(f"prefill abort -> the decode's request aborted: {at - aborted:.3f} s")
     assert at - aborted < 1.0, at - aborted
+
+
+@pytest.mark.xfail(
+    reason=f"{PREFILL_INFO}; {BOOTSTRAP}; {GROUP_FAILED}",
+    strict=True,
+    raises=(RuntimeError, TimeoutError, AssertionError),
+)
+def test_a_room_no_decode_reads_fails_at_sglangs_bootstrap_timeout(cluster):
+    """No decode asks for the room: at SGLang's bootstrap timeout each CP rank's sender is
+    Failed (the scheduler aborts the request) and no exporter holds its pages."""
+    cluster.prefill.send("req", "z", 7201, 150, cluster.host, cluster.port, False)
+    start = time.time()
+    for rank in range(2):
+        _, _, _, reason, at = cluster.prefill.wait("streamed", "z", timeout=10 * TIMEOUT, rank=rank)
+        assert reason == "FINISH_ABORT"
+        print(f"no decode -> CP rank {rank}'s sender Failed after {at - start:.1f} s (bootstrap timeout {TIMEOUT} s)")
+    cluster.prefill.send("stats")
+    for _ in range(2):
+        stats = cluster.prefill.wait("stats", timeout=30)[2]
+        assert 7201 not in stats["rooms"], stats
+
+
+@NOT_YET
+def test_a_decode_whose_prefill_never_sends_fails_at_sglangs_waiting_timeout(cluster):
+    """No prefill serves the room: at SGLang's waiting timeout the decode's receiver is
+    Failed and its transfer queue aborts the request (and frees its pages)."""
+    cluster.decodes[1].send("req", "w", 7301, 150, cluster.host, cluster.port, False)
+    start = time.time()
+    _, _, _, reason, at = cluster.decodes[1].wait("streamed", "w", timeout=10 * TIMEOUT)
+    assert reason == "FINISH_ABORT"
+    print(f"no prefill -> the decode's request aborted after {at - start:.1f} s (waiting timeout {TIMEOUT} s)")
 
 
 @NOT_YET
