@@ -6,8 +6,11 @@ gloo groups, over SGLang's real DSA pools, allocators and metadata buffers, on t
 `tests/sglang_scheduler.py` says what is real and what is stubbed (the forward pass and the
 scheduler's model-bound fields). Loopback; a CP=2 layer-split prefill, a CP=1 decode.
 
-Found by these tests (sglang 0.5.23; see the xfail reasons): pdkv's classes do not yet meet
-what SGLang's queues ask of them, so every case is an expected failure until they do.
+What these tests found pdkv's classes lacking under SGLang's queues, and now asserted: the
+decode's manager answers `prefill_info_table` / `try_ensure_parallel_info` (the prefill's DP
+size, from the registry); a sender waits for input before `init` (SGLang's bootstrap queue
+inits it only then); a room SGLang's all-reduce fails while this rank's own transfer has
+not ends on this rank too when SGLang asks for the failure (its pages are not left pinned).
 """
 
 from __future__ import annotations
@@ -33,27 +36,6 @@ except ImportError as exc:  # the scheduler's imports need scripts/sglang-cpu.tx
     pytest.skip(f"SGLang's scheduler code does not import here: {exc}", allow_module_level=True)
 
 SUCCESS, FAILED = 4, 0  # KVPoll
-
-# What SGLang's queues ask and pdkv's classes (transfer/sglang/conn.py) do not give, each seen
-# with these tests (the lead has the details; each was checked by supplying it in a preload).
-PREFILL_INFO = (
-    "DecodePreallocQueue.add reads kv_manager.prefill_info_table (and _ensure_prefill_info calls "
-    "kv_manager.try_ensure_parallel_info(addr)); PdkvKVManager has neither: AttributeError on the "
-    "decode's first request"
-)
-BOOTSTRAP = (
-    "PrefillBootstrapQueue calls sender.init() only once the sender polls WaitingForInput "
-    "(finalize_bootstrap, handle_pending_bootstrap); PdkvKVSender polls Bootstrapping until init(), "
-    "so the room is never published and prefill and decode wait on each other"
-)
-GROUP_FAILED = (
-    "a room SGLang's CP all-reduce (MIN) fails while this rank's own sender is not Failed: "
-    "handle_inflight_transfer_failure frees the pages (release_kv_cache) and calls only failure_exception(), "
-    "which raises TransferError('room N: no failure recorded'); nothing aborts this rank's room, so its "
-    "exporter keeps the freed pages pinned and readable until its own pin deadline"
-)
-NOT_YET = pytest.mark.xfail(reason=f"{PREFILL_INFO}; {BOOTSTRAP}", strict=True, raises=(RuntimeError, TimeoutError))
-
 
 TIMEOUT = 6  # SGLang's bootstrap timeout on the prefill, its waiting timeout on the TP 1 decode
 
@@ -124,21 +106,18 @@ def _submit_and_check(cluster: Cluster, tp: int, base: int) -> None:
             assert (reason, state, error) == ("FINISH_LENGTH", SUCCESS, None)
 
 
-@NOT_YET
 def test_a_layer_split_prefill_and_a_decode_through_sglangs_queues(cluster):
     """CP=2 layer-split prefill -> CP=1 decode: several rooms byte-exact, KV and aux rows,
     both CP ranks' senders Success, through SGLang's own queue code on both sides."""
     _submit_and_check(cluster, tp=1, base=9000)
 
 
-@NOT_YET
 def test_attention_tp2_on_the_decode_all_reduces_over_gloo(cluster):
     """Decode attention TP 2: both TP ranks' receivers read the whole room into their own
     pools, and SGLang's transfer queue all-reduces their poll states over the gloo group."""
     _submit_and_check(cluster, tp=2, base=8000)
 
 
-@NOT_YET
 def test_a_decode_abort_fails_the_prefills_sender_within_a_second_and_frees_its_pin(cluster):
     """The decode aborts a request (the scheduler's abort path) while the prefill's forward is
     still to run: each CP rank's sender reaches Failed within 1 s, and no exporter holds a
@@ -159,7 +138,6 @@ def test_a_decode_abort_fails_the_prefills_sender_within_a_second_and_frees_its_
     assert cluster.decodes[1].wait("streamed", "x", timeout=30)[3] == "FINISH_ABORT"
 
 
-@NOT_YET
 def test_a_prefill_abort_fails_the_decode(cluster):
     """The prefill aborts a request before its forward: the decode's receiver reaches
     Failed and SGLang's transfer queue aborts the request."""
@@ -173,11 +151,6 @@ def test_a_prefill_abort_fails_the_decode(cluster):
     assert at - aborted < 1.0, at - aborted
 
 
-@pytest.mark.xfail(
-    reason=f"{PREFILL_INFO}; {BOOTSTRAP}; {GROUP_FAILED}",
-    strict=True,
-    raises=(RuntimeError, TimeoutError, AssertionError),
-)
 def test_a_room_no_decode_reads_fails_at_sglangs_bootstrap_timeout(cluster):
     """No decode asks for the room: at SGLang's bootstrap timeout each CP rank's sender is
     Failed (the scheduler aborts the request) and no exporter holds its pages."""
@@ -193,7 +166,6 @@ def test_a_room_no_decode_reads_fails_at_sglangs_bootstrap_timeout(cluster):
         assert 7201 not in stats["rooms"], stats
 
 
-@NOT_YET
 def test_a_decode_whose_prefill_never_sends_fails_at_sglangs_waiting_timeout(cluster):
     """No prefill serves the room: at SGLang's waiting timeout the decode's receiver is
     Failed and its transfer queue aborts the request (and frees its pages)."""
@@ -204,7 +176,6 @@ def test_a_decode_whose_prefill_never_sends_fails_at_sglangs_waiting_timeout(clu
     print(f"no prefill -> the decode's request aborted after {at - start:.1f} s (waiting timeout {TIMEOUT} s)")
 
 
-@NOT_YET
 def test_across_two_hosts_a_layer_split_prefill_and_a_decode_through_sglangs_queues():
     """Item 3's first case: the prefill (both CP ranks and SGLang's bootstrap server, which is
     pdkv's registry) on one host, the decode on another (network namespaces: UCX over TCP);

@@ -33,7 +33,9 @@ Schema history:
      spans of chunks whose file descriptors the owner hands out over a Unix socket.
  13: RoomState.reason: why an aborted room ended where its prefill failed it (a bad chunk,
      a sender's error), so its decode fails naming the prefill's error, not only "aborted";
-     ErrorReply.cause: the pdkv error an error was raised from (such a room's claim refused).
+     ErrorReply.cause: the pdkv error an error was raised from (such a room's claim refused);
+     RankDescriptor.group_size (an SGLang prefill's DP size, for its decodes' routing), and
+     a rank's layers any run of the model's (a pipeline stage's split is the engine's own).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from msgspec import Meta, Struct
 
 from pdkv.errors import IncompatibleLayoutError, MetadataError, PdkvError
 from pdkv.layout import BufferKind, KVLayout, geometry_fingerprint
-from pdkv.sharding import get_layer_shard_range
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -242,20 +243,22 @@ class RankDescriptor(_Wire, frozen=True):
     incarnation: Name
     ipc: IpcExport | None = None  # GPU ranks only
     pins: PinTable | None = None
+    # Engines in this one's serving group, which a decode picks among by the request (an
+    # SGLang prefill's DP size: engines dp0..dp<n-1>, a room on dp<room % n>).
+    group_size: Annotated[int, Meta(ge=1, le=1024)] = 1
 
     def __post_init__(self) -> None:
         if self.cp_rank >= self.cp_size:
             raise ValueError(f"cp_rank {self.cp_rank} >= cp_size {self.cp_size}")
         if self.fingerprint != geometry_fingerprint(msgspec.structs.asdict(self.layout)):
             raise ValueError("fingerprint does not match the layout it travels with")
-        start, end = get_layer_shard_range(self.cp_rank, self.cp_size, self.layout.layer_num)
-        start += self.layout.start_layer
-        end += self.layout.start_layer
-        if (self.layer_start, self.layer_end) != (start, end):
-            raise ValueError(
-                f"layer range [{self.layer_start}, {self.layer_end}) disagrees with the shard "
-                f"plan [{start}, {end}) for rank {self.cp_rank} of {self.cp_size}"
-            )
+        # Any contiguous run of the model's layers: a CP shard, or a pipeline stage's (whose
+        # split is the engine's own); that an engine's owners cover each layer once is the
+        # decode's check (`check_owners`).
+        start, end = self.layer_start, self.layer_end
+        first, last = self.layout.start_layer, self.layout.start_layer + self.layout.layer_num
+        if not first <= start < end <= last:
+            raise ValueError(f"layer range [{start}, {end}) is not a run of the model's layers [{first}, {last})")
         seen = sorted((b.kind.value, b.layer_id) for b in self.buffers)
         want = sorted((k.value, layer) for k in BufferKind for layer in range(start, end))
         if seen != want:

@@ -102,6 +102,7 @@ class PrefillExporter:
         timeouts: Timeouts = Timeouts(),
         secret: str | None = None,
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
+        group_size: int = 1,
     ) -> None:
         """`host`: where the control endpoint listens (loopback by default; the wildcard for
         every interface); `advertise`: the address it registers for decodes, by default `host`
@@ -109,6 +110,7 @@ class PrefillExporter:
         is refused (`AddressError`) unless the registry is on loopback too."""
         advertised = advertised_for(host, advertise, registry_url)
         self.pool = pool
+        self._group_size = group_size  # engines in its serving group (`RankDescriptor.group_size`)
         self.engine_id, self.cp_rank, self.cp_size = engine_id, cp_rank, cp_size
         self._registry = registry_client(registry_url, timeouts, secret)
         self.timeouts = timeouts
@@ -172,6 +174,7 @@ class PrefillExporter:
             incarnation=self.incarnation,
             ipc=await self._ipc.start(self.pool),
             pins=self._pins.wire(),
+            group_size=self._group_size,
         )
         await register_until(
             self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup, self.timeouts.retry_pause

@@ -39,7 +39,7 @@ from pdkv.pages import PageIds
 from transfer.decode import DecodeFetcher, RoomLease
 from transfer.decode.landing import Landing
 from transfer.engine_kv import KVBuffers
-from transfer.metadata import OwnerPin, RoomTicket
+from transfer.metadata import OwnerPin, RankDescriptor, RoomTicket
 from transfer.prefill import PrefillExporter
 from transfer.results import FetchResult
 from transfer.rooms import OnEnd
@@ -327,6 +327,10 @@ class SyncFetcher:
         landing = Landing()
         read = _read_claimed(claim, _own(dst_pages), timeout, landing, skip)
         return FetchHandle(self._bg.submit(read), landing)
+
+    def describe(self, engine_id: str, *, timeout: float | None = None) -> Handle[dict[int, RankDescriptor]]:
+        """Start `DecodeFetcher.describe` (the engine's ranks); returns a handle at once."""
+        return Handle(self._bg.submit(self.fetcher.describe(engine_id, timeout=timeout)))
 
     def give_up(self, lease: RoomLease) -> Handle[None]:
         """Start `RoomLease.give_up`: a room claimed ahead will not be read."""

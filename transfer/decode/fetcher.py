@@ -48,7 +48,7 @@ from transfer.lanes.ucx.lane import UcxLane
 from transfer.lanes.ucx.nixl import default_workers
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import failure_fields, request_context
-from transfer.metadata import RoomTicket
+from transfer.metadata import RankDescriptor, RoomTicket
 from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
 from transfer.readiness import ReadinessFeed
 from transfer.registry import registry_client
@@ -274,6 +274,13 @@ class DecodeFetcher:
                 raise
             logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, job.room)
             return await self._claims.fetch(fresh, Claim(job.room, readers), job)
+
+    async def describe(self, engine_id: str, *, timeout: float | None = None) -> dict[int, RankDescriptor]:
+        """The engine's ranks as this fetcher reads them (looked up and checked as for a
+        fetch, cached): a serving engine's routing reads them (`RankDescriptor.group_size`)."""
+        with self._activity.call():
+            owners = await self._owners.lookup(engine_id, budget(self.timeouts.lookup, None, timeout))
+        return {r: o.rank for r, o in owners.items()}
 
     async def abandon(self, engine_id: str, room: int, *, timeout: float | None = None) -> None:
         """This decode will not read `room` (its request was aborted): every owner gives up

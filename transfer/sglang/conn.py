@@ -24,9 +24,11 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,7 +55,7 @@ from transfer.decode import RoomLease
 from transfer.engine_kv import EngineKV
 from transfer.lanes.ucx.nixl import use_ucx_devices
 from transfer.logctx import failure_fields
-from transfer.metadata import RoomStatus
+from transfer.metadata import RankDescriptor, RoomStatus
 from transfer.metrics import set_scope
 from transfer.registry.server import RegistryServer
 from transfer.results import FetchResult
@@ -121,6 +123,10 @@ class PdkvKVManager(BaseKVManager):
         self.secret = secret()
         self._lock = threading.Lock()
         self._fetchers: dict[tuple[str, str], concurrent.futures.Future[SyncFetcher]] = {}  # decode
+        self.dp_size = _prefill_dp_size(server_args) if self.is_prefill else 1
+        # decode: what SGLang's prealloc queue routes by (`try_ensure_parallel_info`), by bootstrap address
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._describing: dict[str, Handle[dict[int, RankDescriptor]]] = {}
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdkv-sglang-start")
         self.exporters: dict[str, SyncExporter] = {}  # none on a prefill's TP ranks but the first
         if self.is_prefill and self.topology.exports:
@@ -158,6 +164,7 @@ class PdkvKVManager(BaseKVManager):
             advertise=t.advertise,
             secret=self.secret,
             timeouts=timeouts,
+            group_size=self.dp_size,
         )
 
     @property
@@ -186,6 +193,31 @@ class PdkvKVManager(BaseKVManager):
         return True, "ready"
 
     # ---- decode ------------------------------------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Whether the prefill behind `bootstrap_addr` is known (its DP size, which SGLang's
+        decode routes a room by: engine dp<room % size>). Never blocks: the first call starts
+        a lookup of its engine dp0 on pdkv's thread and says False until it has answered
+        (SGLang asks again each second, and gives its requests up after 15 tries)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        asked = self._describing.get(bootstrap_addr)  # only the scheduler's thread writes it
+        if asked is None:
+            started = self.fetcher(bootstrap_addr)
+            if started.done() and started.exception() is None:
+                self._describing[bootstrap_addr] = started.result().describe("dp0")
+            elif started.done():
+                logger.warning("pdkv cannot reach the prefill at %s: %s", bootstrap_addr, started.exception())
+            return False
+        if asked.poll() is FetchStatus.PENDING:
+            return False
+        del self._describing[bootstrap_addr]
+        if asked.poll() is FetchStatus.FAILED:
+            logger.warning("pdkv: the prefill at %s is not known yet: %s", bootstrap_addr, asked.exception())
+            return False
+        ranks = asked.result()
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(dp_size=ranks[min(ranks)].group_size)
+        return True
+
     def fetcher(self, bootstrap_addr: str, part: str = "") -> concurrent.futures.Future[SyncFetcher]:
         """The fetcher of `part` for the prefill behind `bootstrap_addr`, started off the scheduler."""
         with self._lock:
@@ -217,6 +249,28 @@ class PdkvKVManager(BaseKVManager):
 
     def teardown(self) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    """What SGLang's decode asks of a prefill before it routes a request to one of its DP
+    ranks (the fields of SGLang's `PrefillServerInfo` it reads)."""
+
+    dp_size: int
+    follow_bootstrap_room: bool = True  # a prefill of several DP ranks is refused otherwise
+
+
+def _prefill_dp_size(server_args: Any) -> int:
+    """The prefill's DP size (its engines dp0..dp<n-1>), from SGLang's settings; a room is on
+    dp<room % n> only where SGLang routes by the room, so any other routing is refused."""
+    size = int(os.environ.get("PDKV_SGLANG_DP_SIZE") or getattr(server_args, "dp_size", None) or 1)
+    method = getattr(server_args, "load_balance_method", None)
+    if size > 1 and method not in (None, "follow_bootstrap_room"):
+        raise LayoutError(
+            f"pdkv serves a prefill of {size} DP ranks routed by the room (--load-balance-method "
+            f"follow_bootstrap_room), not {method!r}: its decodes find a room's engine from the room"
+        )
+    return size
 
 
 class _Outcome:
@@ -271,9 +325,13 @@ class PdkvKVSender(BaseKVSender):
         self._pubs: dict[str, Handle[int]] = {}  # part -> its publication
         self._handles: list[Handle[None]] = []
         self._ended: dict[str, RoomStatus] = {}  # part -> how its room ended (set on pdkv's thread)
+        self._inited = False
+        # SGLang's bootstrap queue calls `init` once the sender waits for input: a pull needs
+        # no handshake with the decode, so it waits at once.
+        self._outcome.state = KVPoll.WaitingForInput
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        self._total, self._aux_index = int(num_kv_indices), aux_index
+        self._total, self._aux_index, self._inited = int(num_kv_indices), aux_index, True
         pool_pages = self.kv_mgr.kv.layout.num_pages
         if not 0 < self._total <= pool_pages:  # refused here, not at the last send
             self._fail(InvalidPagesError(f"room {self.room}: {self._total} pages (the pool has {pool_pages})"))
@@ -281,7 +339,6 @@ class PdkvKVSender(BaseKVSender):
         for part, exporter in self.kv_mgr.exporters.items():
             on_end = functools.partial(self._on_end, part)
             self._pubs[part] = exporter.publish_chunked(self.room, self._total, on_end=on_end)
-        self._outcome.state = KVPoll.WaitingForInput  # a pull needs no decode handshake
 
     def _on_end(self, part: str, status: RoomStatus, reason: object) -> None:
         self._ended[part] = status
@@ -338,7 +395,7 @@ class PdkvKVSender(BaseKVSender):
             if ended is not RoomStatus.RELEASED:
                 why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
                 return self._outcome.fail(RoomAbortedError(f"room {self.room}{part} ended {why} before it was read"))
-        if len(self._ended) == len(self.kv_mgr.exporters) and self._outcome.state != KVPoll.Bootstrapping:
+        if self._inited and len(self._ended) == len(self.kv_mgr.exporters):
             # Every part read; on a TP rank that exports nothing, at once (TP rank 0's
             # sender carries the room, and SGLang takes the lowest state of its TP group).
             return self._outcome.succeed()
@@ -357,6 +414,14 @@ class PdkvKVSender(BaseKVSender):
                 exporter.abort_room(self.room, publication, reason)
 
     def failure_exception(self) -> None:
+        """Raise the failure. SGLang asks it also of a rank whose own transfer has not failed
+        where another rank of its group has (its poll states are all-reduced), and then
+        frees the request's pages: this rank's rooms end now too, rather than stay readable."""
+        elsewhere = TransferError(f"room {self.room}: failed in its SGLang group (another rank's transfer failed)")
+        if self._outcome.state == KVPoll.Success:  # read already: nothing of it stays pinned
+            raise elsewhere
+        if self._outcome.state != KVPoll.Failed:
+            self._fail(elsewhere)
         self._outcome.raise_failure(f"room {self.room}")
 
     def abort(self) -> None:
@@ -540,6 +605,17 @@ class PdkvKVReceiver(BaseKVReceiver):
         return self._outcome.succeed()
 
     def failure_exception(self) -> None:
+        """Raise the failure. SGLang asks it also of a rank whose own read has not failed
+        where another rank of its TP group has, and then frees the pages at once: this read
+        stops, and the call returns only once its READs and kernels have ended (bounded by
+        the fetcher's `transfer` timeout), so that no byte lands in pages SGLang reuses."""
+        if self._outcome.state == KVPoll.Success:  # read and released already
+            raise TransferError(f"room {self.room}: failed in its SGLang group (another rank's read failed)")
+        if self._outcome.state != KVPoll.Failed:
+            self.abort()
+            end = time.monotonic() + self.kv_mgr.timeouts.transfer
+            while self.poll() != KVPoll.Failed and time.monotonic() < end:
+                time.sleep(0.0005)  # an error path: the scheduler waits for the reads to end
         self._outcome.raise_failure(f"room {self.room}")
 
     def abort(self) -> None:
