@@ -17,7 +17,7 @@ pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23
 from pdkv.errors import LayoutError  # noqa: E402
 from tests.test_sglang import LAYERS, _kv_args  # noqa: E402
 from transfer.lanes.ucx import nixl  # noqa: E402
-from transfer.sglang import plugin  # noqa: E402
+from transfer.sglang import plugin, runtime  # noqa: E402
 from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager  # noqa: E402
 from transfer.sglang.topology import environment  # noqa: E402
 
@@ -95,8 +95,8 @@ def test_bad_settings_refused_at_start(env, name, value):
 
 
 def test_other_sglang_release_refused(env, monkeypatch):
-    real = plugin.importlib.metadata.version
-    monkeypatch.setattr(plugin.importlib.metadata, "version", lambda d: "0.5.24" if d == "sglang" else real(d))
+    real = runtime.importlib.metadata.version
+    monkeypatch.setattr(runtime.importlib.metadata, "version", lambda d: "0.5.24" if d == "sglang" else real(d))
     plugin.check_runtime.cache_clear()
     try:
         with pytest.raises(plugin.UnsupportedSGLangError, match=r"0\.5\.24.*sglang==0\.5\.23"):

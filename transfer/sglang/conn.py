@@ -60,7 +60,7 @@ from transfer.metrics import set_scope
 from transfer.registry.server import RegistryServer
 from transfer.results import FetchResult
 from transfer.sglang.kvargs import DRAFT_SUFFIX, AuxRows, draft_kv_from_args, engine_kv_from_args
-from transfer.sglang.plugin import check_runtime
+from transfer.sglang.runtime import check_runtime
 from transfer.sglang.topology import (
     Settings,
     Topology,

@@ -23,8 +23,6 @@ and on NIXL or CUDA bindings built for another CUDA than torch (`BuildMismatchEr
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import logging
 import os
 import sys
@@ -32,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdkv.errors import PdkvError
+from transfer.sglang.runtime import SGLANG_TESTED, UnsupportedSGLangError, check_runtime
 
 __all__ = [
     "SGLANG_TESTED",
@@ -48,34 +47,7 @@ _TARGET_MODULE = TARGET.rsplit(".", 1)[0]
 # SGLang's fake backend serves its warm-up requests; `select` leaves it alone, so may the guard.
 _FAKE_BACKEND = "sglang.srt.disaggregation.fake"
 
-# The SGLang releases whose interface pdkv's conformance tests ran against (tests/test_sglang*.py).
-SGLANG_TESTED = ("0.5.23",)
-
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedSGLangError(PdkvError, RuntimeError):
-    """The installed SGLang is not a release pdkv's conformance tests cover."""
-
-
-@functools.lru_cache(maxsize=1)
-def check_runtime() -> None:
-    """Refuse, at start, an SGLang release outside `SGLANG_TESTED` and NIXL or CUDA bindings
-    built for another CUDA major than torch (`transfer.lanes.ucx.nixl.check_cuda_builds`).
-    Cached: a process checks once, and a refusal is raised again each time it is asked."""
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        version = getattr(sys.modules.get("sglang"), "__version__", "unknown")
-    if version not in SGLANG_TESTED:
-        raise UnsupportedSGLangError(
-            f"pdkv's SGLang backend is tested with sglang {', '.join(SGLANG_TESTED)}, and this process has sglang "
-            f"{version}: its transfer-backend interface changes between releases. Install sglang=={SGLANG_TESTED[-1]} "
-            "(pip install 'pdkv[sglang]'), or unset PDKV_SGLANG to run SGLang's own backend."
-        )
-    from transfer.lanes.ucx.nixl import check_cuda_builds
-
-    check_cuda_builds()
 
 
 class PdkvNotInChargeError(PdkvError, RuntimeError):
