@@ -167,9 +167,10 @@ def _map_with(fields: dict[str, object], key: str, raw_value: bytes) -> bytes:
     """The message's map with `key` set to `raw_value`, a msgpack fragment taken as it is."""
     rest = {k: v for k, v in fields.items() if k != key}
     head = msgspec.msgpack.encode(rest)
+    body = head[1:] if len(rest) < 16 else head[3:]  # past a fixmap's or a map 16's header
     count = len(rest) + 1
-    assert count < 16  # a fixmap
-    return bytes([0x80 | count]) + head[1:] + msgspec.msgpack.encode(key) + raw_value
+    header = bytes([0x80 | count]) if count < 16 else b"\xde" + count.to_bytes(2, "big")
+    return header + body + msgspec.msgpack.encode(key) + raw_value
 
 
 def _hand_made(target: Target) -> list[bytes]:
