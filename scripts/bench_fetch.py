@@ -55,7 +55,7 @@ from transfer.app.supervisor import Host  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator, fragmented_page_order  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
 from transfer.decode.owners import buffer_pairs  # noqa: E402
-from transfer.lanes.pages import BufferPair, mem_type  # noqa: E402
+from transfer.lanes.runs import BufferPair, mem_type  # noqa: E402
 from transfer.lanes.ucx.nixl import load_nixl  # noqa: E402
 from transfer.lanes.ucx.plan import build_read_plan  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState, RoomTicket  # noqa: E402

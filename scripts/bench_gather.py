@@ -27,7 +27,7 @@ from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.synthetic import fragmented_page_order  # noqa: E402
 from transfer.lanes.cuda_ipc.gather import Gatherer  # noqa: E402
 from transfer.lanes.cuda_ipc.plan import build_gather_plan
-from transfer.lanes.pages import BufferPair  # noqa: E402
+from transfer.lanes.runs import BufferPair  # noqa: E402
 
 
 def pairs(dst: DSAKVPool, src: DSAKVPool) -> list[BufferPair]:

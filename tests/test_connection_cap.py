@@ -19,7 +19,7 @@ from aiohttp import web
 
 from tests.http_probe import closed_by_server, raise_open_files_limit
 from transfer.app.router import Deployment, DeploymentSpec
-from transfer.http import ControlClient, HttpService, make_app
+from transfer.control import ControlClient, HttpService, make_app
 from transfer.http_guard import FD_RESERVE, MAX_CONNECTIONS
 from transfer.metadata import EngineDescriptor
 from transfer.timeouts import Timeouts
@@ -183,7 +183,7 @@ async def test_a_low_open_files_limit_lowers_the_connection_limit_before_accept_
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     ready = tmp_path / "registry.url"
     registry = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "transfer.app.registry", "--ready-file", str(ready), "--die-with-parent"),
+        *(sys.executable, "-m", "transfer.app.bootstrap_registry", "--ready-file", str(ready), "--die-with-parent"),
         cwd=ROOT,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard)),
     )

@@ -133,7 +133,7 @@ def _gather_case(word: int, pages: int, seed: int, items: int = 64, base: int = 
     """Two buffers (items of two lengths whose widest load is `word` bytes), random source
     bytes, poisoned destination, and a plan of `pages` random distinct pages each side."""
     from transfer.lanes.cuda_ipc.plan import build_gather_plan
-    from transfer.lanes.pages import BufferPair
+    from transfer.lanes.runs import BufferPair
 
     gen = torch.Generator().manual_seed(seed)
     base += word % 16  # `word` divides it, no wider load does
@@ -475,7 +475,7 @@ def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused(
     allocation of every owner, byte-exact; a slab whose length the wire inflates is refused
     when it is mapped, before any launch."""
     from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
-    from transfer.http import ControlClient
+    from transfer.control import ControlClient
     from transfer.metadata import RoomTicket
     from transfer.registry.server import RegistryServer
 

@@ -22,7 +22,7 @@ from tests.http_probe import MiB, rss_bytes, send_big
 from tests.wire_helpers import TOKEN, rank_descriptor
 from transfer.app.api import DecodeRequest, PrefillRequest
 from transfer.app.router import Deployment, DeploymentSpec
-from transfer.http import CONTENT_TYPE
+from transfer.control import CONTENT_TYPE
 from transfer.metadata import (
     SCHEMA_VERSION,
     ClaimRequest,

@@ -8,7 +8,7 @@ from aiohttp import web
 from pdkv import ConflictError, PdkvError, RoomClaimedError, UnknownRoomError
 from pdkv.errors import MetadataError
 from tests.http_probe import closed_by_server, send_big
-from transfer.http import (
+from transfer.control import (
     ControlClient,
     HttpService,
     _error_from_reply,

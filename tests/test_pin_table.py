@@ -1,10 +1,10 @@
-"""The pin table a decode on the owner's host maps (transfer.pin_table)."""
+"""The pin table a decode on the owner's host maps (transfer.prefill.pins)."""
 
 import msgspec
 import pytest
 
 from pdkv import PeerLostError
-from transfer.pin_table import PinWords, map_pins
+from transfer.prefill.pins import PinWords, map_pins
 
 
 def test_a_mapped_table_shows_the_owners_words_as_they_change():

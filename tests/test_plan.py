@@ -17,7 +17,7 @@ from transfer.lanes.cuda_ipc.plan import (
     merge_gather_tables,
     route_pages,
 )
-from transfer.lanes.pages import BufferPair, page_runs
+from transfer.lanes.runs import BufferPair, page_runs
 from transfer.lanes.ucx.plan import ReadPlan, build_read_plan
 from transfer.lanes.ucx.worker import split as _split
 

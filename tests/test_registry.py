@@ -9,9 +9,9 @@ import torch
 
 from pdkv import AuthError, DSAKVPool, MetadataError, NotReadyError, UnknownEngineError, tiny
 from tests.wire_helpers import rank_descriptor
+from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.decode import DecodeFetcher
-from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor
 from transfer.prefill import PrefillExporter
 from transfer.registry import HttpRegistry

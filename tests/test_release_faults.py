@@ -62,9 +62,9 @@ def _owner(engine: str, rank: int, registry_url: str, faults: str, remember: int
     if faults:
         os.environ[NOTIFY_FAULTS_ENV] = faults
     if remember:  # a room id leaves the owner's memory after this many others: it may be published again
-        import transfer.rooms
+        import transfer.prefill.rooms
 
-        transfer.rooms._REMEMBER_FINISHED = remember
+        transfer.prefill.rooms._REMEMBER_FINISHED = remember
     asyncio.run(_serve(engine, rank, registry_url, conn))
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from pdkv import ClaimLostError, ConflictError, InvalidPagesError, PageRangeError, RoomClaimedError, UnknownRoomError
 from transfer.metadata import RoomStatus
-from transfer.rooms import RoomTable
+from transfer.prefill.rooms import RoomTable
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 

@@ -10,10 +10,10 @@ say, which every SGLang process loads) does not load NIXL, torch or aiohttp with
     bounds:   Timeouts, Deadline
     registry: RegistryServer (the bootstrap registry), registry_client
 
-Modules, one per role: `metadata` (wire types), `prefill` (the exporter), `rooms` and
-`pin_table` (a rank's rooms and pins), `readiness` (readiness pushed to decodes),
-`decode/` (the fetcher and its protocols), `lanes/` (what moves bytes: UCX through NIXL,
-the same-host GPU lane), `registry/`, `http` and `http_guard` (the control plane),
+Modules, one per role: `metadata` (wire types), `prefill/` (a rank's exporter, its rooms
+and its pin words), `readiness` (readiness pushed to decodes), `decode/` (the fetcher and
+its protocols), `lanes/` (what moves bytes: UCX through NIXL, the same-host GPU lane),
+`registry/`, `control` and `http_guard` (the control plane over HTTP),
 `sync` (the synchronous faces), `sglang/` (the SGLang backend), `metrics`, `logctx`,
 `deadline`, `timeouts`. The application that runs them lives in `transfer.app`, which
 nothing here imports.

@@ -1,6 +1,6 @@
 """The HTTP services' connection guard: timers for stalled connections, and room at the limit.
 
-Used by `transfer.http.HttpService` beneath aiohttp's protocol; `request_started` and
+Used by `transfer.control.HttpService` beneath aiohttp's protocol; `request_started` and
 `request_finished` are called by its middleware around each request.
 """
 

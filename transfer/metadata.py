@@ -215,7 +215,7 @@ class PinTable(_Wire, frozen=True):
 
     addr: U63  # slot 0's address in the owner, for UCX READs
     slots: Annotated[int, Meta(ge=1, le=1 << 20)]
-    # For a decode on the same host: map the owner's table instead (transfer.pin_table).
+    # For a decode on the same host: map the owner's table instead (transfer.prefill.pins).
     host_id: Annotated[str, Meta(min_length=1, max_length=256)]
     pid: Annotated[int, Meta(ge=1, le=2**31 - 1)]
     fd: Annotated[int, Meta(ge=0, le=2**31 - 1)]

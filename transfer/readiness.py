@@ -21,8 +21,8 @@ import struct
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError, RoomAbortedError
+from transfer.control import ControlClient
 from transfer.deadline import wait_until
-from transfer.http import ControlClient
 from transfer.metadata import RoomState, RoomStatus, decode, encode, error_from
 
 __all__ = ["ReadinessHub", "Subscription", "ReadinessFeed", "frame", "aborted_error", "HEARTBEAT"]

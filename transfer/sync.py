@@ -41,8 +41,8 @@ from transfer.decode.landing import Landing
 from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RankDescriptor, RoomTicket
 from transfer.prefill import PrefillExporter
+from transfer.prefill.rooms import OnEnd
 from transfer.results import FetchResult
-from transfer.rooms import OnEnd
 from transfer.timeouts import CALLER_FIRST, Timeouts
 
 __all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "SyncFetcher", "SyncExporter"]

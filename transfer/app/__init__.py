@@ -1,7 +1,7 @@
 """The demo application that runs the transfer library: a local PD deployment.
 
     python -m transfer.app                 the main job (router + supervised services)
-    python -m transfer.app.registry        the bootstrap registry as a process
+    python -m transfer.app.bootstrap_registry        the bootstrap registry as a process
     python -m transfer.app.prefill_worker  one CP rank of a stand-in prefill engine
     python -m transfer.app.decode_worker   a decode worker that fetches and verifies
 

@@ -33,9 +33,9 @@ from transfer.app.service import (
     wait_for_signal,
 )
 from transfer.app.synthetic import RequestContent, fragmented_allocator, prefix_seed, request_seed
+from transfer.control import HttpService, health, make_app, path_int, read_body, reply
 from transfer.deadline import Deadline
 from transfer.decode import DecodeFetcher
-from transfer.http import HttpService, health, make_app, path_int, read_body, reply
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)

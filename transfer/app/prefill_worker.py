@@ -51,11 +51,11 @@ from transfer.app.synthetic import (
     summable,
     token_locations,
 )
+from transfer.control import HttpService, health, make_app, path_int, read_body, reply
 from transfer.deadline import Deadline
-from transfer.http import HttpService, health, make_app, path_int, read_body, reply
 from transfer.logctx import request_context
 from transfer.metadata import OwnerPin, RoomTicket
-from transfer.prefill import INCARNATION_HEX, PrefillExporter
+from transfer.prefill.exporter import INCARNATION_HEX, PrefillExporter
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import msgspec
 from pdkv.errors import CapacityError, PdkvError, PeerLostError, UnknownEngineError
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
 from transfer.app.supervisor import DecoderEndpoint, DeploymentSpec, EngineEndpoints, Supervisor
+from transfer.control import ControlClient
 from transfer.deadline import Deadline
-from transfer.http import ControlClient
 from transfer.timeouts import Timeouts
 
 __all__ = ["Deployment", "DeploymentSpec", "RequestOutcome", "Router", "TokenBudget"]

@@ -165,7 +165,7 @@ class Supervisor:
             self.registry_url = self.spec.registry
             return
         args = ["--lease", str(self.spec.lease), "--port", str(port)]
-        registry = self._spawn("registry", "transfer.app.registry", args, self.spec.registry_host)
+        registry = self._spawn("registry", "transfer.app.bootstrap_registry", args, self.spec.registry_host)
         self.registry_url = (await self.launcher.all_ready([registry], self.spec.start_timeout))[0]
 
     def _spawn_engine(self, engine_id: str, cp: int) -> list[Child]:

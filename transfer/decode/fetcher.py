@@ -33,6 +33,7 @@ import uuid
 
 from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError, TransferError
 from pdkv.pages import PageIds, page_ids
+from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
 from transfer.decode.landing import Landing
@@ -41,9 +42,8 @@ from transfer.decode.owners import Owner, Owners, ticket_readable
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
 from transfer.decode.tickets import TicketProtocol
 from transfer.engine_kv import KVBuffers
-from transfer.http import ControlClient
 from transfer.lanes.base import Lane
-from transfer.lanes.pages import mem_type
+from transfer.lanes.runs import mem_type
 from transfer.lanes.ucx.lane import UcxLane
 from transfer.lanes.ucx.nixl import default_workers
 from transfer.lanes.ucx.transport import UcxTransport

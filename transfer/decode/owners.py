@@ -27,11 +27,11 @@ from pdkv.layout import BufferKind
 from transfer.deadline import Deadline
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.base import Lane, Pairs
-from transfer.lanes.pages import BufferPair, device_id
+from transfer.lanes.runs import BufferPair, device_id
 from transfer.lanes.ucx.lane import UcxLane
 from transfer.metadata import EngineDescriptor, RankDescriptor, RoomTicket
 from transfer.metrics import observe_lookup
-from transfer.pin_table import MappedPins, map_pins
+from transfer.prefill.pins import MappedPins, map_pins
 from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
 

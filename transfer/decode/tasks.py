@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pdkv.errors import ClosedError, MetadataError
+from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.decode.landing import Landing
 from transfer.engine_kv import KVBuffers
-from transfer.http import ControlClient
 from transfer.readiness import ReadinessFeed
 from transfer.timeouts import Timeouts
 

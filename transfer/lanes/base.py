@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from transfer.deadline import Deadline
-from transfer.lanes.pages import BufferPair
+from transfer.lanes.runs import BufferPair
 from transfer.metadata import RankDescriptor
 
 __all__ = ["Lane", "LanePeer", "MergedRead", "ReadGroup", "ReadSlot", "ReadStats", "Watch", "host_id"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from transfer.registry.base import RegistryClient, assemble, register_until
-from transfer.registry.http import HttpRegistry
+from transfer.registry.builtin import HttpRegistry
 from transfer.registry.server import RegistryServer
 from transfer.timeouts import Timeouts
 

@@ -8,7 +8,7 @@
     GET    /ready                              readiness (200 once listening), no secret needed
 
 An entry lives `Timeouts.lease` seconds unless renewed, so a rank that dies drops out
-by itself. Run it as a process with `python -m transfer.app.registry`.
+by itself. Run it as a process with `python -m transfer.app.bootstrap_registry`.
 
 A lookup of an engine without a rank in answers `NotReadyError` (wait) for an engine seen
 since the registry started (restarting, or its lease lapsed) and, during the registry's first
@@ -28,7 +28,7 @@ from aiohttp import web
 
 from pdkv.errors import MetadataError, NotReadyError, UnknownEngineError
 from transfer.addresses import is_local_only, is_wildcard
-from transfer.http import HttpService, make_app, path_int, read_body, reply
+from transfer.control import HttpService, make_app, path_int, read_body, reply
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
 

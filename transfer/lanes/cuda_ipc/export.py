@@ -21,7 +21,7 @@ from transfer.lanes.base import host_id
 from transfer.lanes.cuda_ipc.driver import CudaDriver
 from transfer.lanes.cuda_ipc.fd_pass import FdServer
 from transfer.lanes.cuda_ipc.vmm import VmmExport, export_span, is_vmm
-from transfer.lanes.pages import device_id
+from transfer.lanes.runs import device_id
 from transfer.metadata import IpcExport, IpcSlab, VmmSpan
 from transfer.timeouts import Timeouts
 

@@ -42,7 +42,7 @@ from transfer.lanes.cuda_ipc.plan import (
     shares_source_pages,
 )
 from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
-from transfer.lanes.pages import BufferPair
+from transfer.lanes.runs import BufferPair
 from transfer.metadata import RankDescriptor
 
 __all__ = ["CudaIpcLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]

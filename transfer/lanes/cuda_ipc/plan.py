@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 
 from pdkv.errors import PageRangeError
-from transfer.lanes.pages import BufferPair, check_pages
+from transfer.lanes.runs import BufferPair, check_pages
 
 __all__ = [
     "GatherPlan",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.lanes.pages import BufferPair, check_pages, page_runs
+from transfer.lanes.runs import BufferPair, check_pages, page_runs
 
 __all__ = ["ReadPlan", "ReadTable", "build_read_plan", "read_plan", "read_table"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdkv.errors import NotReadyError
+from transfer.control import ControlClient
 from transfer.deadline import Deadline, retry_until
-from transfer.http import ControlClient
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
 

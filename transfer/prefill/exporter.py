@@ -36,10 +36,10 @@ from aiohttp import web
 from pdkv.errors import MetadataError, PdkvError
 from pdkv.layout import BufferKind
 from transfer.addresses import advertised_for
+from transfer.control import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.engine_kv import KVBuffers
-from transfer.http import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
 from transfer.lanes.cuda_ipc.export import IpcExporter
-from transfer.lanes.pages import device_id, mem_type
+from transfer.lanes.runs import device_id, mem_type
 from transfer.lanes.ucx.nixl import protect_owner_heap
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
@@ -59,10 +59,10 @@ from transfer.metadata import (
     decode_any,
 )
 from transfer.metrics import track_exporter, untrack_exporter
-from transfer.pin_table import PinWords
+from transfer.prefill.pins import PinWords
+from transfer.prefill.rooms import OnEnd, RoomTable
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
 from transfer.registry import register_until, registry_client
-from transfer.rooms import OnEnd, RoomTable
 from transfer.timeouts import Timeouts
 
 __all__ = ["PrefillExporter"]

@@ -1,4 +1,4 @@
-"""The registry as a process: `python -m transfer.app.registry --port 8998`."""
+"""The registry as a process: `python -m transfer.app.bootstrap_registry --port 8998`."""
 
 from __future__ import annotations
 
