@@ -6,12 +6,11 @@ context, and gathers pages with one kernel (`transfer.lanes.cuda_ipc.gather`).
 
 Why the driver API: it lets the decode open a handle under a context it chooses. torch
 opens IPC handles under the exporting device's context; a kernel on the decode's GPU
-reading such a mapping faulted and poisoned the whole context (seen on H200s). The calls
-go through NVIDIA's `cuda-bindings` (`cuda.bindings.driver`, the `gpu` extra), which
-replaced hand-written ctypes (issue 30 §6): each call here was as cheap or cheaper through
-them on an H200 host (cuCtxGetCurrent 0.26 against 0.65 us), and none of these is on a
-per-fetch path. Nothing here runs, or is imported by anything that runs, without CUDA;
-the bindings are imported when the driver is first needed, never at module import.
+reading such a mapping faulted and poisoned the whole context. The calls go through
+NVIDIA's `cuda-bindings` (`cuda.bindings.driver`, the `gpu` extra), no dearer than
+hand-written ctypes (docs/benchmarks.md), and none of these is on a per-fetch path.
+Nothing here runs, or is imported by anything that runs, without CUDA; the bindings
+are imported when the driver is first needed, never at module import.
 
 An IPC mapping grants read and write to the whole slab, so the lane is only for
 processes of one host and one trust boundary.

@@ -6,9 +6,10 @@ source and destination page ids. The work is cut into tasks, one a block-sized c
 one buffer's item; program (t, i) copies task `t` of the request's i-th page. A table of
 tasks (rather than a grid of buffers x the largest item's chunks) leaves no program
 idle: with DSA's 41 KiB latent and 8 KiB indexer items, a third of the programs of that
-grid had nothing to copy. On an H200 the kernel moves a 32k-token DSA request at
-0.91-0.93x a contiguous device copy, where UCX cuda_ipc (8 us a descriptor) reached 0.01x
-(docs/benchmarks.md). The kernel and its launch through the driver: `transfer.lanes.cuda_ipc.kernel`.
+grid had nothing to copy. The kernel moves a request near a contiguous device copy's
+rate, which UCX cuda_ipc, posting one descriptor at a time, stays far from
+(docs/benchmarks.md). The kernel and its launch through the driver:
+`transfer.lanes.cuda_ipc.kernel`.
 
 Every pointer and page id in a plan is validated on the host before the launch
 (`transfer.lanes.cuda_ipc.plan.gather_plan`, `IpcMapping.translate`): a bad one would fault the
@@ -93,8 +94,9 @@ class Launch:
 async def _polled(launch: Launch, waiter: _Waiter) -> float | None:
     """On the loop: ask whether `launch` has ended between the loop's turns, so that the loop
     never parks while its kernel runs; then its GPU seconds if timed, else None. Parked, the
-    loop is woken by the waiting thread, which cost 0.15 ms after an idle spell on an H200
-    host (docs/benchmarks.md). Cancelled, it still returns only once the kernel has ended."""
+    loop waits for the waiting thread to wake it, a hop dearest after an idle spell
+    (docs/benchmarks.md#seeing-a-kernels-end). Cancelled, it still returns only once the
+    kernel has ended."""
     try:
         while not launch.passed():
             await asyncio.sleep(0)  # other work of the loop runs between the asks
@@ -198,8 +200,7 @@ class Gatherer:
 
     `timed`: time each launch on the GPU (a start and an end event, read back before the
     wake-up). Off, a launch's seconds run from its launch call to the host seeing its end:
-    the timing cost about 50 us of an 8k-token fetch's 0.8 ms on a host just woken (H200,
-    measured).
+    the events' timing costs a fetch host time (docs/benchmarks.md#gpu-lane-end-to-end).
 
     How the end is seen (`poll`): the awaiting loop asks the launch's end event between its
     turns (`_polled`), or parks and the lane's waiting thread wakes it (`_Waiter`). None:

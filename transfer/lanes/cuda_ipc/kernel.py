@@ -2,15 +2,13 @@
 
 Why not Triton or torch: on the decode's fetch path the launch itself was the largest host
 cost left. Triton's launcher (argument binding, specialisation keys, its stream lookup)
-and torch's stream guards and events took 0.2-0.4 ms of host time around a 0.23 ms kernel
-at 8k tokens on an H200 host (docs/benchmarks.md). Through the driver a launch is a few
+and torch's stream guards and events took as much host time as the kernel's own GPU time
+at 8k tokens. Through the driver a launch is a few
 calls on arguments prepared once, and the request's page ids ride in the launch's
 parameters rather than in a copy queued before it. The driver calls go through NVIDIA's
-`cuda-bindings` (`cuda.bindings.driver`, the `gpu` extra; issue 30 §6), with every handle
-wrapped once: on an H200 host a fetch's driver calls (two context checks, the prime and
-gather launches, an event record) took 9.17 us of host time through them against 13.09 us
-through hand-written ctypes (9.61 against 13.62 through pdkv's code after the change), and
-no call was dearer (scripts/bench_bindings.py). NVRTC
+`cuda-bindings` (`cuda.bindings.driver`, the `gpu` extra), with every handle wrapped once:
+no call is dearer through them than through hand-written ctypes
+(docs/benchmarks.md#driver-bindings-host-cost-a-call). NVRTC
 ships with every CUDA build of torch (`nvidia-cuda-nvrtc`); the kernel is compiled for the
 GPU at hand the first time a lane starts in a process (tens of milliseconds).
 
@@ -44,8 +42,8 @@ __all__ = ["DriverEvent", "GatherKernel", "LaunchArgs", "IDS", "WORDS"]
 WORDS = (16, 8, 4, 2, 1)  # bytes a load may move; 16: a vector of four 32-bit words
 # Page ids a launch can carry in its parameters: six 8-byte scalars and the ids (int32) fill
 # the classic 4 KiB of parameters, or 8 or 32 KiB, which CUDA 12.1 drivers allow from Volta
-# on. Tiers, since the driver copies every declared byte at each launch (32 KiB cost 20 us
-# more per launch than 4 KiB on an H200 host).
+# on. Tiers, since the driver copies every declared byte at each launch (a larger tier costs
+# every launch more host time).
 IDS = ((4096 - 48) // 4, (8192 - 48) // 4, (32764 - 48) // 4)
 _LARGE_PARAMS_CUDA = 12010  # the driver and NVRTC version from which a launch may carry more than 4 KiB
 
