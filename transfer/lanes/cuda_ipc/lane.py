@@ -7,7 +7,7 @@ claims, readiness polls and releases go over the control plane, which is also th
 way to learn that an owner died: a mapping of a SIGKILLed owner stays readable, so a
 fetch's release (refused by a dead owner) is what proves the bytes.
 
-Rules that each cost a crash or a hang when learnt on H200s: handles are opened under the
+Rules, each learnt from a crash or a hang: handles are opened under the
 decode GPU's context; every address and page id is checked on the host before a launch;
 handles are opened eagerly, when the engine is looked up (a handle first opened after its
 owner died fails); a mapping is closed only once no kernel can still read it.

@@ -133,7 +133,7 @@ class UcxTransport:
     ) -> None:
         """`notifies`: this transport sends notifications (`notify`), from an agent of their
         own: a notification sent on a READ worker's connection made that worker's next READs
-        from the peer wait for the peer's progress (4-10 ms each on loopback, measured).
+        from the peer wait for the peer's progress.
         `timeouts`: its `connect`, `notify` and `drain`, and its workers' `read_stall` and
         `late_read`."""
         self._nixl = load_nixl()
@@ -193,7 +193,7 @@ class UcxTransport:
             for worker in self._agents():
                 await self._load_peer(worker, agent_name, metadata)
                 loaded.append(worker)
-                # Wire up now rather than inside the first READ (tens of ms there, measured).
+                # Wire up now rather than inside the first READ, which would wait for it.
                 connect = worker.call(functools.partial(worker.agent.make_connection, agent_name))
                 await asyncio.wait_for(connect, self.timeouts.connect)
         except Exception as exc:
@@ -254,8 +254,8 @@ class UcxTransport:
         memory kind of its descriptors, by default the transport's.
 
         With `pieces` > 1 a large plan is cut into up to that many READs posted on as many
-        workers at once: posting costs about 8 us a descriptor on the posting thread over
-        cuda_ipc (measured on an H200), so one READ is bound by one thread. A caller with
+        workers at once: each descriptor costs the posting thread microseconds (over cuda_ipc
+        most), so one READ is bound by one thread. A caller with
         more workers than concurrent READs asks for pieces; one that already keeps every worker
         busy does not (more, smaller posts then only cost). If the caller is
         cancelled, this still waits for every piece to end (bounded by the same deadline)
@@ -339,7 +339,7 @@ class UcxTransport:
         at doubling intervals (up to 10 ms): a notification on a connection not yet wired
         up waits for the owner's progress too. One timer serves every sender, and each poll
         is queued on the sender's thread without an await: a wait per poll, and a poller per
-        release, made the next fetch wait (measured, back-to-back GPU-lane fetches)."""
+        release, made the next of back-to-back fetches wait."""
         self._drive_until = time.monotonic() + self.timeouts.notify
         self._drive_interval = _NOTIFY_POLL_S
         if not self._driving:
