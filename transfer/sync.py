@@ -452,7 +452,7 @@ def _own(pages: PageIds) -> PageIds:
 def _eager_task(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """A task whose first step runs in this call (Python >= 3.12), not at the loop's next
     turn: a read handed over from another thread then launches before the loop looks for
-    other work (a turn that cost a claimed read 50-70 us on the H200's host)."""
+    other work (a turn the read would wait for)."""
     if sys.version_info >= (3, 12):
         return asyncio.Task(coro, loop=loop, eager_start=True)
     return loop.create_task(coro)

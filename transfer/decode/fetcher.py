@@ -70,7 +70,7 @@ class DecodeFetcher:
     the rest over UCX; "ucx" and "cuda_ipc" force one (the latter fails the lookup of an
     engine it cannot reach so). `time_kernels`: the GPU lane times each gather kernel on
     the GPU, in `OwnerStats.read_seconds` (else from its launch to the bytes in place); it
-    costs tens of microseconds a fetch. `release_delay`: seconds a room read as a ticket's
+    costs each fetch host time. `release_delay`: seconds a room read as a ticket's
     waits after the fetch returned before its releases go (`TicketProtocol`; for callers
     polling from another thread).
     """
@@ -243,7 +243,7 @@ class DecodeFetcher:
             logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
             raise
         # Recorded once the caller has its result: a fetch of a finished room through the GPU
-        # lane takes well under a millisecond, and on a CPU just woken each step costs 10x.
+        # lane takes well under a millisecond, and on a CPU just woken each step costs more.
         asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
 

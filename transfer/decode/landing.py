@@ -2,12 +2,13 @@
 
 A read on the GPU lane has landed once its kernel has passed. The lane's waiting thread
 sees that first; the decode's loop hears it from there, then proves the pin words, builds
-the result and settles the caller's handle: on an H200 host the wake-up and that Python
-took 0.25-0.3 ms of an 8k-token read, while holding the interpreter lock that a polling
-scheduler needs to see the outcome. Given a `Landing`, such a read has the waiting thread
-prove the pin words (loads from the owners' mapped tables) and keep the result as the
-kernel ends; the caller's `poll()` reads it from there, and the loop's continuation (its
-releases) comes a moment later (`transfer.timeouts.CALLER_FIRST`).
+the result and settles the caller's handle: the wake-up and that Python are a large part
+of a GPU lane read (docs/benchmarks.md#sglang-through-its-receiver), all of it holding
+the interpreter lock that a polling scheduler needs to see the outcome. Given a
+`Landing`, such a read has the waiting thread prove the pin words (loads from the owners'
+mapped tables) and keep the result as the kernel ends; the caller's `poll()` reads it
+from there, and the loop's continuation (its releases) comes a moment later
+(`transfer.timeouts.CALLER_FIRST`).
 
 The proof is made once, by whichever thread comes first (the waiting thread, or the loop
 where the lane had nothing to tell), and both follow that verdict: a read reported to the

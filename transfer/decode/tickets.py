@@ -68,8 +68,8 @@ class TicketProtocol:
     `release_delay`: seconds a proved room's releases wait after the fetch returned. 0 (an
     async caller): at the loop's next turn, after the caller's own continuation. A caller
     polling from another thread (`transfer.sync`) needs the interpreter lock to see the
-    outcome, and the releases' sends hold it: sent at once, they kept SGLang's receiver from
-    seeing its read done for 0.2 ms, whether it polled every 50 or 200 us (H200 host). `flush`
+    outcome, and the releases' sends hold it: sent at once, they delayed SGLang's receiver
+    seeing its read done, however often it polled. `flush`
     sends those still waiting (at close)."""
 
     def __init__(self, ctx: DecodeContext, ucx: UcxLane, release_delay: float = 0.0) -> None:
