@@ -1,22 +1,20 @@
 """An NCCL communicator driven directly, for the owner broadcast's per-layer path.
 
 A prefill reads every non-owned layer through one broadcast, and through torch's
-`ProcessGroupNCCL` a broadcast and its wait took 29-41 us of host time (work objects,
-stream guards, the watchdog's bookkeeping): about what a 6 MiB layer takes on NVLink, so
-the host, not the link, set the pace. Here a broadcast is two driver calls that order it
-after the compute stream, `ncclBroadcast` on a high-priority stream of its own, and an
-end event: 18-29 us with the wait (H200 host, docs/benchmarks.md). vLLM drives NCCL the
-same way (`PyNcclCommunicator`), for the same reason.
+`ProcessGroupNCCL` a broadcast and its wait cost about as much host time (work objects,
+stream guards, the watchdog's bookkeeping) as a 6 MiB layer takes on NVLink, so the host,
+not the link, set the pace. Here a broadcast is two driver calls that order it after the
+compute stream, `ncclBroadcast` on a high-priority stream of its own, and an end event
+(docs/benchmarks.md). vLLM drives NCCL the same way (`PyNcclCommunicator`), for the same
+reason.
 
 The calls go through NVIDIA's bindings, `nccl4py`'s low-level `nccl.bindings` and
-`cuda-bindings`' `cuda.bindings.driver` (the `gpu` extra; issue 30 §6), which replaced
-hand-written ctypes: on an H200 host a broadcast's four calls took 2.06 us of host time a
-layer through them against 3.41 us (`ncclBroadcast` alone 0.59 against 2.43 us), and 2.34
-against 6.08 us as this module makes them after the change (scripts/bench_bindings.py).
-nccl4py's high-level `nccl.core` cost more (9.24 us a broadcast against this module's 4.77),
-so it is not used. Both are imported on first use, with CUDA
-only. The communicator config stays the ctypes struct below (NCCL 2.17's prefix, passed by
-address): built once a communicator, it keeps the fields NCCL reads what they were.
+`cuda-bindings`' `cuda.bindings.driver` (the `gpu` extra), cheaper a call than
+hand-written ctypes; nccl4py's high-level `nccl.core` costs more than either, so it is not
+used (docs/benchmarks.md#driver-bindings-host-cost-a-call). Both are imported on first
+use, with CUDA only. The communicator config stays the ctypes struct below (NCCL 2.17's
+prefix, passed by address): built once a communicator, it keeps the fields NCCL reads what
+they were.
 
 What ProcessGroupNCCL's watchdog did is done here by `_Watchdog`: a broadcast still
 running at its deadline (a peer died or hangs: on one host NCCL's kernels wait for it
@@ -251,8 +249,8 @@ class NcclComm:
         """Create the communicator (nccl4py's `Comm`), waiting for every rank at most `timeout`.
 
         The communicator is blocking: a non-blocking one returned `ncclInProgress` from
-        every broadcast and finished it on a thread of its own, 0.1 ms a call (measured,
-        H200 host). So the init runs on a thread this one waits for (nccl4py releases the
+        every broadcast and finished it on a thread of its own, a cost on every call. So the
+        init runs on a thread this one waits for (nccl4py releases the
         GIL in it); if a rank never comes, that thread stays in NCCL until the process
         ends, and this raises.
         """
