@@ -1,21 +1,11 @@
 """The prefill side: one exporter per CP rank.
 
 It registers only the rank's owned KV buffers (and its pin table) with UCX, publishes a
-`RankDescriptor` to the registry and keeps renewing it, serves decodes' control requests
-(readiness long-polls, releases), keeps each room's source pages pinned until released,
-aborted or expired, and keeps its UCX worker progressing (a target is not always passive);
-ticket releases arrive there, as UCX notifications.
-
-    POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
-    GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
-    GET  /v1/rooms/{room}?after=N&after_pages=P&claim=T
-                                     RoomState once layers beyond N (or, for a room sent
-                                     by chunks, pages beyond P) are ready (long-poll);
-                                     with a claim, ClaimLostError if it no longer pins the room
-    POST /v1/rooms/{room}/release    ReleaseNotice -> ReleaseReply
-    POST /v1/rooms/{room}/abort      free the room now (the router cancelled it)
-    GET  /v1/stats                   pinned pages and counters (JSON)
-    GET  /health
+`RankDescriptor` to the registry and keeps renewing it, keeps each room's source pages
+pinned until released, aborted or expired (`transfer.prefill.rooms`), and keeps its UCX
+worker progressing (a target is not always passive): ticket releases arrive there, as UCX
+notifications. What decodes ask of it (claims, readiness, releases) is its service's
+(`transfer.prefill.service`); the model's side (publish, mark ready, chunks, pins) is here.
 """
 
 from __future__ import annotations
@@ -26,17 +16,14 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import cast
 
-import msgspec
 import numpy as np
 import torch
-from aiohttp import web
 
-from pdkv.errors import MetadataError, PdkvError
+from pdkv.errors import PdkvError
 from pdkv.layout import BufferKind
 from transfer.addresses import advertised_for
-from transfer.control import ControlClient, HttpService, health, make_app, path_int, query_int, read_body, reply
+from transfer.control import ControlClient, HttpService, make_app
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.cuda_ipc.export import IpcExporter
 from transfer.lanes.runs import device_id, mem_type
@@ -44,24 +31,17 @@ from transfer.lanes.ucx.nixl import protect_owner_heap
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
 from transfer.metadata import (
-    ClaimRelease,
-    ClaimRequest,
     LayoutSpec,
     MemoryDescriptor,
     OwnerPin,
     RankDescriptor,
-    ReleaseNotice,
     RoomState,
-    RoomStatus,
-    TicketRelease,
-    claim_token,
-    consumer_name,
-    decode_any,
 )
 from transfer.metrics import track_exporter, untrack_exporter
 from transfer.prefill.pins import PinWords
 from transfer.prefill.rooms import OnEnd, RoomTable
-from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
+from transfer.prefill.service import PrefillService
+from transfer.readiness import ReadinessHub
 from transfer.registry import register_until, registry_client
 from transfer.timeouts import Timeouts
 
@@ -119,18 +99,20 @@ class PrefillExporter:
         self._pins = PinWords(PIN_SLOTS)
         # A reader gone for a heartbeat (its releases had time to land) no longer holds its claims.
         self._readiness = ReadinessHub(lambda consumer: self.rooms.give_up_consumer(consumer), timeouts.heartbeat)
-        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._push)
+        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._pushed)
         self._client = ControlClient(timeouts, secret)
         self._ipc = IpcExporter(secret, timeouts)
+        self._service = PrefillService(
+            self.rooms,
+            self._readiness,
+            pool.layout.fingerprint,
+            timeouts,
+            cp_rank=cp_rank,
+            incarnation=self.incarnation,
+            engine_id=engine_id,
+        )
         app = make_app(secret, engine=engine_id, rank=cp_rank)
-        app.router.add_get("/v1/rooms/{room}", self._wait)
-        app.router.add_get("/v1/events", self._events)
-        app.router.add_post("/v1/rooms/{room}/claim", self._claim)
-        app.router.add_post("/v1/rooms/{room}/release", self._release)
-        app.router.add_post("/v1/rooms/{room}/abort", self._abort)
-        app.router.add_get("/v1/stats", self._stats)
-        app.router.add_get("/health", health)
-        app.router.add_get("/ready", self._ready)  # 503 until registered with UCX up (`readiness`)
+        self._service.add_routes(app, self.readiness, self._stats)
         self._bind_host = host
         # A stream's heartbeats unacknowledged for three intervals: its reader is out of reach.
         unacked = 3 * timeouts.heartbeat
@@ -234,11 +216,6 @@ class PrefillExporter:
             return False, f"the registry has not taken a renewal for {since:.1f}s (its lease lapsed)"
         return True, "registered, UCX up"
 
-    async def _ready(self, request: web.Request) -> web.Response:
-        ready, why = self.readiness()
-        body = {"status": "ready" if ready else "not ready", "why": why}
-        return web.json_response(body, status=200 if ready else 503)
-
     # ---- the model side ----------------------------------------------------------------------
     # A publication id (what publish_* return) names one publication of a room id: calls
     # that pass it act on that publication only, never on another of the same room id.
@@ -315,7 +292,11 @@ class PrefillExporter:
         if got is None:
             return None
         slot, nonce = got
-        return OwnerPin(cp_rank=self.cp_rank, incarnation=self.incarnation, slot=slot, nonce=nonce)
+        return self._service.owner_pin(slot, nonce)
+
+    def _pushed(self, state: RoomState, consumers: set[str]) -> None:
+        """A room moved (the rooms' callback): its readiness streams hear it."""
+        self._service.push(state, consumers)
 
     # ---- registry ----------------------------------------------------------------------------
     async def _renew_forever(self) -> None:
@@ -347,104 +328,15 @@ class PrefillExporter:
                 self._ucx_failing, arrived = str(exc) or type(exc).__name__, {}
             for peer, messages in arrived.items():
                 for message in messages:
-                    self._on_notification(peer, message)
+                    self._service.on_notification(peer, message)
             busy = self.rooms.tickets_out > 0
             await asyncio.sleep(self.timeouts.ticket_progress_interval if busy else self.timeouts.progress_interval)
-
-    def _on_notification(self, peer: str, message: bytes) -> None:
-        try:
-            kinds = (TicketRelease, ClaimRelease)  # decoded as one of them; mypy infers only their base
-            notice = cast("TicketRelease | ClaimRelease", decode_any(message, kinds, self.pool.layout.fingerprint))
-        except PdkvError as exc:
-            logger.warning("dropping a malformed notification from %s: %s", peer, exc)
-            return
-        with self._about(notice.room):
-            if isinstance(notice, TicketRelease):
-                self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
-                return
-            try:
-                self.rooms.release(notice.room, notice.claim)
-            except PdkvError as exc:  # its reader proved its bytes by the pin word: nothing to answer
-                # Mostly a copy sent again before the reader saw the first take (`Releases`).
-                logger.debug("a claim release that pins nothing: %s", exc)
-
-    def _about(self, room: int) -> contextlib.AbstractContextManager[None]:
-        """Log lines inside name this engine, rank and `room`."""
-        return request_context(engine=self.engine_id, rank=self.cp_rank, room=room)
 
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.timeouts.pin / 4))
             with request_context(engine=self.engine_id, rank=self.cp_rank):  # an expiry's line names them
                 self.rooms.expire(time.monotonic())
-
-    # ---- control endpoints -------------------------------------------------------------------
-    async def _wait(self, request: web.Request) -> web.Response:
-        room = path_int(request, "room")
-        after = query_int(request, "after", -1, lo=-1, hi=2**31 - 1)
-        after_pages = query_int(request, "after_pages", -1, lo=-1, hi=2**31 - 1)
-        claim = request.query.get("claim")
-        if claim is not None:
-            claim = claim_token(claim)
-        state = await self.rooms.wait(room, after, self.timeouts.poll, after_pages)
-        if claim is not None:
-            self.rooms.check_claim(room, claim)
-            state = self._with_pin(state)  # a claim holder's, as its pushed states are
-        return reply(state, self.pool.layout.fingerprint)
-
-    async def _events(self, request: web.Request) -> web.StreamResponse:
-        """The consumer's readiness stream: its claimed rooms now, then every move."""
-        consumer = consumer_name(request.query.get("consumer", ""))
-        fp = self.pool.layout.fingerprint
-        sub = self._readiness.subscribe(consumer)
-        resp = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
-        try:
-            await resp.prepare(request)
-            for claimed in map(self._with_pin, self.rooms.claimed_by(consumer)):
-                await resp.write(frame(claimed, fp))
-            await resp.write(HEARTBEAT)  # the consumer knows the stream is up
-            while not sub.closed.is_set():
-                state = await sub.next(self.timeouts.heartbeat)
-                await resp.write(HEARTBEAT if state is None else frame(state, fp))
-        except ConnectionResetError:  # the consumer went away; it reconnects or polls
-            logger.debug("readiness stream to %s closed by the peer", consumer)
-        finally:
-            self._readiness.unsubscribe(consumer, sub)
-        return resp
-
-    async def _claim(self, request: web.Request) -> web.Response:
-        room = path_int(request, "room")
-        ask = await read_body(request, ClaimRequest, self.pool.layout.fingerprint)
-        if ask.room != room:
-            raise MetadataError(f"claim names room {ask.room}, path names {room}")
-        await self.rooms.wait(room, -1, self.timeouts.poll)  # until it is published
-        state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
-        return reply(self._with_pin(state), self.pool.layout.fingerprint)
-
-    def _with_pin(self, state: RoomState) -> RoomState:
-        """`state` as a claim holder gets it: with the room's pin, once it is whole, so the
-        holder may prove its read by the pin word and release by notification, as a ticket's."""
-        pin = self.rooms.pin_of(state.room) if state.status is RoomStatus.READY else None
-        if pin is None:
-            return state
-        owner = OwnerPin(cp_rank=self.cp_rank, incarnation=self.incarnation, slot=pin[0], nonce=pin[1])
-        return msgspec.structs.replace(state, pin=owner)
-
-    def _push(self, state: RoomState, consumers: set[str]) -> None:
-        self._readiness.publish(self._with_pin(state), consumers)
-
-    async def _release(self, request: web.Request) -> web.Response:
-        room = path_int(request, "room")
-        notice = await read_body(request, ReleaseNotice, self.pool.layout.fingerprint)
-        if notice.room != room:
-            raise MetadataError(f"release names room {notice.room}, path names {room}")
-        with self._about(room):
-            answer = self.rooms.give_up(room, notice.claim) if notice.abort else self.rooms.release(room, notice.claim)
-        return reply(answer, self.pool.layout.fingerprint)
-
-    async def _abort(self, request: web.Request) -> web.Response:
-        self.abort_room(path_int(request, "room"))
-        return web.Response(status=200)
 
     def room_metrics(self) -> dict[str, int]:
         """What `/metrics` and `/v1/stats` report of the rooms."""
@@ -459,6 +351,7 @@ class PrefillExporter:
             "expired": c.expired,
         }
 
-    async def _stats(self, request: web.Request) -> web.Response:
+    def _stats(self) -> dict[str, int]:
+        """What `/v1/stats` reports: the rooms' counters and the bytes registered with UCX."""
         registered = self.transport.local_regions.total if self.transport else 0
-        return web.json_response({**self.room_metrics(), "registered_bytes": registered})
+        return {**self.room_metrics(), "registered_bytes": registered}

@@ -1,0 +1,190 @@
+"""What decodes ask of a prefill rank: its HTTP routes and its release notifications.
+
+    POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
+    GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
+    GET  /v1/rooms/{room}?after=N&after_pages=P&claim=T
+                                     RoomState once layers beyond N (or, for a room sent
+                                     by chunks, pages beyond P) are ready (long-poll);
+                                     with a claim, ClaimLostError if it no longer pins the room
+    POST /v1/rooms/{room}/release    ReleaseNotice -> ReleaseReply
+    POST /v1/rooms/{room}/abort      free the room now (the router cancelled it)
+    GET  /v1/stats                   pinned pages and counters (JSON)
+    GET  /ready                      200 once decodes can find and read this rank, else 503
+    GET  /health
+
+Releases also arrive as UCX notifications (`on_notification`): a ticket's, and a claim
+holder's that proved its read by the pin word. Every answer is about the rank's rooms
+(`RoomTable`); the exporter (`transfer.prefill.exporter`) owns this service and its rooms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import msgspec
+from aiohttp import web
+
+from pdkv.errors import MetadataError, PdkvError
+from transfer.control import health, path_int, query_int, read_body, reply
+from transfer.logctx import request_context
+from transfer.metadata import (
+    ClaimRelease,
+    ClaimRequest,
+    OwnerPin,
+    ReleaseNotice,
+    RoomState,
+    RoomStatus,
+    TicketRelease,
+    claim_token,
+    consumer_name,
+    decode_any,
+)
+from transfer.prefill.rooms import RoomTable
+from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
+from transfer.timeouts import Timeouts
+
+__all__ = ["PrefillService", "Readiness", "Stats"]
+
+logger = logging.getLogger(__name__)
+
+Readiness = Callable[[], tuple[bool, str]]
+"""(ready, why): whether decodes can find and read this rank (`PrefillExporter.readiness`)."""
+Stats = Callable[[], dict[str, int]]
+"""What `/v1/stats` reports (the rooms' counters and the registered bytes)."""
+
+
+class PrefillService:
+    """The routes of one CP rank's control endpoint, over its rooms and readiness streams.
+
+    `cp_rank` and `incarnation` name the rank in the pins it hands out (`OwnerPin`).
+    """
+
+    def __init__(
+        self,
+        rooms: RoomTable,
+        hub: ReadinessHub,
+        fingerprint: str,
+        timeouts: Timeouts,
+        *,
+        cp_rank: int,
+        incarnation: str,
+        engine_id: str,
+    ) -> None:
+        self.rooms, self._hub, self._fp, self._timeouts = rooms, hub, fingerprint, timeouts
+        self._cp_rank, self._incarnation, self._engine_id = cp_rank, incarnation, engine_id
+
+    def add_routes(self, app: web.Application, readiness: Readiness, stats: Stats) -> None:
+        """Serve the routes above on `app`; `/ready` answers `readiness()`, `/v1/stats` `stats()`."""
+
+        async def ready(request: web.Request) -> web.Response:
+            is_ready, why = readiness()
+            body = {"status": "ready" if is_ready else "not ready", "why": why}
+            return web.json_response(body, status=200 if is_ready else 503)
+
+        async def stats_route(request: web.Request) -> web.Response:
+            return web.json_response(stats())
+
+        app.router.add_get("/v1/rooms/{room}", self._wait)
+        app.router.add_get("/v1/events", self._events)
+        app.router.add_post("/v1/rooms/{room}/claim", self._claim)
+        app.router.add_post("/v1/rooms/{room}/release", self._release)
+        app.router.add_post("/v1/rooms/{room}/abort", self._abort)
+        app.router.add_get("/v1/stats", stats_route)
+        app.router.add_get("/health", health)
+        app.router.add_get("/ready", ready)  # 503 until registered with UCX up (`readiness`)
+
+    def owner_pin(self, slot: int, nonce: int) -> OwnerPin:
+        """This rank's pin for a room that holds `slot` with `nonce`."""
+        return OwnerPin(cp_rank=self._cp_rank, incarnation=self._incarnation, slot=slot, nonce=nonce)
+
+    def with_pin(self, state: RoomState) -> RoomState:
+        """`state` as a claim holder gets it: with the room's pin, once it is whole, so the
+        holder may prove its read by the pin word and release by notification, as a ticket's."""
+        pin = self.rooms.pin_of(state.room) if state.status is RoomStatus.READY else None
+        if pin is None:
+            return state
+        return msgspec.structs.replace(state, pin=self.owner_pin(*pin))
+
+    def push(self, state: RoomState, consumers: set[str]) -> None:
+        """A room moved: tell the readiness streams of `consumers`."""
+        self._hub.publish(self.with_pin(state), consumers)
+
+    def on_notification(self, peer: str, message: bytes) -> None:
+        """A release that arrived as a UCX notification: a ticket's, or a claim's."""
+        try:
+            kinds = (TicketRelease, ClaimRelease)  # decoded as one of them; mypy infers only their base
+            notice = cast("TicketRelease | ClaimRelease", decode_any(message, kinds, self._fp))
+        except PdkvError as exc:
+            logger.warning("dropping a malformed notification from %s: %s", peer, exc)
+            return
+        with self.about(notice.room):
+            if isinstance(notice, TicketRelease):
+                self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
+                return
+            try:
+                self.rooms.release(notice.room, notice.claim)
+            except PdkvError as exc:  # its reader proved its bytes by the pin word: nothing to answer
+                # Mostly a copy sent again before the reader saw the first take (`Releases`).
+                logger.debug("a claim release that pins nothing: %s", exc)
+
+    def about(self, room: int) -> contextlib.AbstractContextManager[None]:
+        """Log lines inside name this engine, rank and `room`."""
+        return request_context(engine=self._engine_id, rank=self._cp_rank, room=room)
+
+    # ---- routes ------------------------------------------------------------------------------
+    async def _wait(self, request: web.Request) -> web.Response:
+        room = path_int(request, "room")
+        after = query_int(request, "after", -1, lo=-1, hi=2**31 - 1)
+        after_pages = query_int(request, "after_pages", -1, lo=-1, hi=2**31 - 1)
+        claim = request.query.get("claim")
+        if claim is not None:
+            claim = claim_token(claim)
+        state = await self.rooms.wait(room, after, self._timeouts.poll, after_pages)
+        if claim is not None:
+            self.rooms.check_claim(room, claim)
+            state = self.with_pin(state)  # a claim holder's, as its pushed states are
+        return reply(state, self._fp)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """The consumer's readiness stream: its claimed rooms now, then every move."""
+        consumer = consumer_name(request.query.get("consumer", ""))
+        sub = self._hub.subscribe(consumer)
+        resp = web.StreamResponse(headers={"Content-Type": STREAM_TYPE})
+        try:
+            await resp.prepare(request)
+            for claimed in map(self.with_pin, self.rooms.claimed_by(consumer)):
+                await resp.write(frame(claimed, self._fp))
+            await resp.write(HEARTBEAT)  # the consumer knows the stream is up
+            while not sub.closed.is_set():
+                state = await sub.next(self._timeouts.heartbeat)
+                await resp.write(HEARTBEAT if state is None else frame(state, self._fp))
+        except ConnectionResetError:  # the consumer went away; it reconnects or polls
+            logger.debug("readiness stream to %s closed by the peer", consumer)
+        finally:
+            self._hub.unsubscribe(consumer, sub)
+        return resp
+
+    async def _claim(self, request: web.Request) -> web.Response:
+        room = path_int(request, "room")
+        ask = await read_body(request, ClaimRequest, self._fp)
+        if ask.room != room:
+            raise MetadataError(f"claim names room {ask.room}, path names {room}")
+        await self.rooms.wait(room, -1, self._timeouts.poll)  # until it is published
+        state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
+        return reply(self.with_pin(state), self._fp)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        room = path_int(request, "room")
+        notice = await read_body(request, ReleaseNotice, self._fp)
+        if notice.room != room:
+            raise MetadataError(f"release names room {notice.room}, path names {room}")
+        with self.about(room):
+            answer = self.rooms.give_up(room, notice.claim) if notice.abort else self.rooms.release(room, notice.claim)
+        return reply(answer, self._fp)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.rooms.abort(path_int(request, "room"))
+        return web.Response(status=200)
