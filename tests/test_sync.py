@@ -343,3 +343,47 @@ def test_a_fetch_handle_cancelled_before_its_read_landed_reports_the_tasks_end()
         assert isinstance(handle.exception(), ClosedError)
     finally:
         loop.stop()
+
+
+def test_a_report_and_a_cancel_raced_from_two_threads_decide_once():
+    """A poll's report of a proved read and a cancel from another thread, let go at once: the
+    first decides. Either the report is the outcome and the task runs on uncancelled, or the
+    cancel is and the handle reports the cancelled task's end; never a mix of the two."""
+    import asyncio
+
+    from transfer.sync import Handle, Job
+
+    loop = BackgroundLoop("test-race")
+    seen, outcomes = object(), set()
+    try:
+        for _ in range(40):
+            cancelled = threading.Event()
+
+            async def read(cancelled=cancelled):
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+                return "the task's result"
+
+            job = Job(loop.loop, read())
+            handle = Handle(job)
+            time.sleep(0.002)  # the task started: a cancel reaches its code
+            start = threading.Barrier(2)
+            canceller = threading.Thread(target=lambda job=job, start=start: (start.wait(), job.cancel()))
+            canceller.start()
+            start.wait()
+            job.report(seen)
+            canceller.join(10)
+            _until_done(handle)
+            time.sleep(0.06)  # the task, uncancelled, has ended meanwhile
+            if handle.exception() is None:
+                assert handle.result() is seen and not cancelled.is_set()
+                outcomes.add("report")
+            else:
+                assert isinstance(handle.exception(), ClosedError) and cancelled.is_set()
+                outcomes.add("cancel")
+    finally:
+        loop.stop()
+    assert outcomes  # which wins depends on the threads' timing; each run is one or the other

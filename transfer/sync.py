@@ -131,33 +131,73 @@ class BackgroundLoop:
         self._thread.join(timeout)
 
 
-class Job(Generic[T]):
-    """A task on a `BackgroundLoop`, seen from other threads.
+class _Outcome(enum.Enum):
+    """Where a `Job`'s outcome stands (`Job._decide`)."""
 
-    `future` settles once the task has ended, never earlier: a cancelled fetch is still
-    waiting for its READs (and kernels) to end, and until they have, bytes may land in its
-    destination pages. A `concurrent.futures` future cancelled from outside would report the
-    end at once, which is why cancellation goes to the task instead (`cancel`). The one
-    exception: a poll that finds a read's bytes landed and proved (`FetchHandle`, `Landing`)
-    settles it with that result while the task finishes behind (releases, bookkeeping),
-    unless a cancel was asked first.
+    OPEN = "open"  # nothing decided yet
+    CANCELLED = "cancelled"  # the caller cancelled first: only the task's end settles
+    SETTLED = "settled"  # decided: nothing changes it
+
+
+class _Party(enum.Enum):
+    """Who offers a `Job` its outcome (`Job._decide`)."""
+
+    TASK = "the task's end"
+    REPORT = "a poll's report of a read proved on its lane's thread"
+    CANCEL = "the caller's cancel"
+
+
+class Job(Generic[T]):
+    """A task on a `BackgroundLoop`, seen from other threads: `future` is its outcome.
+
+    The outcome is decided in one place, `_decide`, under one lock. Three parties offer one:
+
+    * the task's end, on the loop (`_settling`): its result, or its error (`ClosedError`
+      once cancelled);
+    * a read proved on its lane's own thread (`transfer.decode.landing.Landing`), which the
+      caller's poll reports (`report`, on the polling thread) while the task still finishes
+      behind (releases, bookkeeping);
+    * the caller's cancel (`cancel`, any thread).
+
+    The first offer decides, by these rules:
+
+    1. Once settled, nothing changes the outcome: the task's later error is only logged, a
+       later cancel does nothing (a read a poll was told of finishes unhindered).
+    2. A cancel before any outcome goes to the task, and from then on only the task's end
+       settles: once its READs and kernels have ended, since until then bytes may still land
+       in its pages (a `concurrent.futures` cancel would report the end at once). A report
+       after the cancel is not taken.
+    3. Otherwise the report or the task's end, whichever comes first. The proof behind a
+       report is made once (`Landing`, by the lane's thread or the loop, whichever comes
+       first), so a task that ends after a report ends with the same verdict.
+
+    The party whose offer decided settles `future`, outside the lock: its done-callbacks run on
+    that party's thread (the loop's, or the polling caller's) and may cancel or close.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> None:
         self._loop = loop
         self._task: asyncio.Task[None] | None = None
         self._cancel_asked = False  # on the loop: the task is cancelled once it has started
-        # A result reported off the loop (`report`) and a cancel are ordered by this lock: a
-        # cancel after the report does nothing, a report after the cancel is not made.
-        self._report_lock = threading.RLock()  # reentrant: the report runs done-callbacks, which may cancel
-        self._caller_cancelled = False
+        self._lock = threading.Lock()
+        self._outcome = _Outcome.OPEN
         self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self.future.set_running_or_notify_cancel()  # from now on only the task settles it
+        self.future.set_running_or_notify_cancel()  # from now on only `_decide`'s winner settles it
         try:
             loop.call_soon_threadsafe(self._start, coro)
         except RuntimeError as exc:  # the loop closed meanwhile
             coro.close()
             raise ClosedError("pdkv's loop has stopped") from exc
+
+    def _decide(self, party: _Party) -> bool:
+        """The one place the outcome is decided (the class's rules): True if `party`'s offer is
+        taken, and that party then settles `future` (a cancel: stops the task)."""
+        with self._lock:
+            now = self._outcome
+            if now is _Outcome.SETTLED or (now is _Outcome.CANCELLED and party is not _Party.TASK):
+                return False  # rules 1 and 2
+            self._outcome = _Outcome.CANCELLED if party is _Party.CANCEL else _Outcome.SETTLED
+            return True
 
     def _start(self, coro: Coroutine[Any, Any, T]) -> None:
         self._task = _eager_task(self._loop, self._settling(coro))
@@ -165,48 +205,39 @@ class Job(Generic[T]):
             self._cancel()
 
     async def _settling(self, coro: Coroutine[Any, Any, T]) -> None:
-        """Run `coro` and settle `future` in its last step, not in a done-callback after it:
+        """Run `coro` and offer its end in its last step, not in a done-callback after it:
         a fetch's releases, queued on its way out, would run first (the notifications'
         sends hold the interpreter lock a while)."""
         try:
             result = await coro
         except asyncio.CancelledError:
-            self._settle_failed(ClosedError("cancelled"))
+            self._ended_with(ClosedError("cancelled"))
             raise
         except BaseException as exc:
-            self._settle_failed(exc)
+            self._ended_with(exc)
             if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on up
                 raise
             return
-        if not self.future.done():  # else a poll found the read proved (`report`)
-            self._settle(result)
-
-    def _settle(self, result: T) -> None:
-        """Report `result` now (from any thread), if nothing was reported yet."""
-        with contextlib.suppress(concurrent.futures.InvalidStateError):  # the other thread was first
+        if self._decide(_Party.TASK):  # else a poll reported the read proved (rule 1)
             self.future.set_result(result)
 
-    def report(self, result: T) -> None:
-        """Report `result`, proved off the loop while the task finishes behind (a read the
-        lane's thread proved), unless a cancel was asked first: then only the task's end is."""
-        with self._report_lock:
-            if not self._caller_cancelled:
-                self._settle(result)
-
-    def _settle_failed(self, exc: BaseException) -> None:
-        if self.future.done():  # a poll reported it done: the bytes were proved before this
-            logger.info("a read already reported done ended with %r afterwards (its bytes were proved)", exc)
-            return
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
+    def _ended_with(self, exc: BaseException) -> None:
+        if self._decide(_Party.TASK):
             self.future.set_exception(exc)
+        else:  # rule 1: a poll reported the read, its bytes proved before this
+            logger.info("a read already reported done ended with %r afterwards (its bytes were proved)", exc)
+
+    def report(self, result: T) -> None:
+        """Offer `result`, proved off the loop while the task finishes behind (a read its lane's
+        thread proved); taken unless the outcome is settled or a cancel came first."""
+        if self._decide(_Party.REPORT):
+            self.future.set_result(result)
 
     def cancel(self) -> None:
         """Ask the task to stop (from any thread); `future` settles once it has. Nothing to
         do once `future` has settled (a read seen landed by a poll finishes unhindered)."""
-        with self._report_lock:
-            if self.future.done():
-                return
-            self._caller_cancelled = True
+        if not self._decide(_Party.CANCEL):
+            return
         try:
             self._loop.call_soon_threadsafe(self._cancel)
         except RuntimeError:  # the loop is closed: the task cannot run any more
@@ -260,16 +291,16 @@ class Handle(Generic[T]):
 
 class FetchHandle(Handle[FetchResult]):
     """A fetch's handle. Where its read is one launch on the GPU lane, the lane's own thread
-    proves it as the kernel ends and leaves the result in its `Landing`: `poll` takes it from
-    there, rather than waiting for pdkv's loop to hear of it and report."""
+    proves it as the kernel ends and leaves the result in its `Landing`: `poll` offers it to
+    the job (`Job.report`, which decides), rather than waiting for pdkv's loop to hear of it."""
 
     def __init__(self, job: Job[FetchResult], landing: Landing) -> None:
         super().__init__(job)
         self._landing = landing
 
     def poll(self) -> FetchStatus:
-        """As `Handle.poll`; a read the lane proved is settled here, and `on_done`'s callbacks
-        then run on this thread. After `cancel()` it waits for the task."""
+        """As `Handle.poll`; a read the lane proved is offered here (`Job.report`), and once
+        taken `on_done`'s callbacks run on this thread. After `cancel()` it waits for the task."""
         future = self._future
         if not future.done():  # written out, not `super().poll()`: a scheduler calls it every iteration
             told = self._landing.told()

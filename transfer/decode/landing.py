@@ -11,8 +11,11 @@ from there, and the loop's continuation (its releases) comes a moment later
 (`transfer.timeouts.CALLER_FIRST`).
 
 The proof is made once, by whichever thread comes first (the waiting thread, or the loop
-where the lane had nothing to tell), and both follow that verdict: a read reported to the
-caller cannot fail on the loop afterwards, and one the proof refused is never reported.
+where the lane had nothing to tell), and both follow that verdict: the loop's read ends as
+the result its caller may already have been given, and a refused read is never offered.
+A `Landing` decides nothing about the caller's handle: it only keeps the proved result.
+Which outcome the handle reports (this result, the task's end, or a cancel first) is
+decided in one place, `transfer.sync.Job`, whose docstring states the order.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Landing:
         `told`. True if the read was proved here; never raises (whatever fails here, the
         loop reports)."""
         try:
-            if self._decide(self._prove) is not True:
+            if self._proved(self._prove) is not True:
                 return False
             self._told = self._result()
             return True
@@ -68,11 +71,11 @@ class Landing:
     def decide(self, prove: Callable[[], None]) -> None:
         """On the loop, once the bytes are in place: prove them with `prove` unless the lane's
         thread did already; raises the proof's failure, whichever thread made it."""
-        verdict = self._decide(prove)
+        verdict = self._proved(prove)
         if isinstance(verdict, Exception):
             raise verdict
 
-    def _decide(self, prove: Callable[[], None]) -> Exception | bool:
+    def _proved(self, prove: Callable[[], None]) -> Exception | bool:
         with self._lock:
             verdict = self._verdict
             if verdict is None:
