@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather than skips
-    import sglang.srt.disaggregation.base.conn  # noqa: F401
-conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
+from tests.sglang_fixtures import _own_environment, bootstrap, sglang_conn  # noqa: F401  (fixtures)
+
+conn = sglang_conn()
 
 LAYERS, PAGE, PAGES, AUX_ROWS = 4, 16, 32, 8
 KV_ITEM, INDEX_ITEM = 656 * PAGE, 132 * PAGE  # DeepSeek-V3.2's latent and indexer pages
@@ -159,30 +159,12 @@ def _receive(mgr, url: str, room: int, dst: list[int], aux_index: int):  # type:
     return receiver, state
 
 
-@pytest.fixture(autouse=True)
-def _own_environment():
-    """The PDKV_SGLANG_* variables a test sets in this process end with it."""
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
-
-
-@pytest.fixture
-def bootstrap():
-    from transfer.sglang.conn import PdkvKVBootstrapServer
-
-    server = PdkvKVBootstrapServer("127.0.0.1", 0)
-    yield server
-    server.close()
-
-
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
 @pytest.mark.parametrize("cp_size", [1, 2], ids=["plain-dsa", "layer-split-cp2"])
-def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size, device):
+def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size, device):  # noqa: F811
     """On a GPU every KV buffer is a CUDA tensor: the receiver reads through the same-host lane."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -280,7 +262,7 @@ def _prefill_then_stall(registry: str, room: int, started: mp.Queue) -> None:
     time.sleep(120)
 
 
-def test_a_prefill_killed_mid_room_fails_the_receiver_with_a_typed_error(bootstrap):
+def test_a_prefill_killed_mid_room_fails_the_receiver_with_a_typed_error(bootstrap):  # noqa: F811
     import signal
 
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -431,7 +413,7 @@ def test_a_layer_split_prefill_reads_the_layer_count_from_the_model_config(tmp_p
     assert topology(args, True, server_args).layer_num == 7
 
 
-def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):
+def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):  # noqa: F811
     """MTP under the layer split: the last of two CP ranks also holds the draft model's
     layer; the decode's receiver reads the target's layers from both ranks and the draft's
     from the draft engine, into its own buffers, byte for byte; both senders succeed."""
@@ -475,7 +457,7 @@ def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 2)])
-def test_attention_tp_on_either_side_every_decode_rank_reads_the_whole_room(bootstrap, prefill_tp, decode_tp):
+def test_attention_tp_on_either_side_every_decode_rank_reads_the_whole_room(bootstrap, prefill_tp, decode_tp):  # noqa: F811
     """Prefill CP=2 x TP, decode TP: MLA keeps the whole latent on every attention-TP rank,
     so each prefill CP rank's TP rank 0 exports (the others' senders succeed with it, as
     SGLang takes the lowest state of a TP group), and every decode TP rank reads the whole

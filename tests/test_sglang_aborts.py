@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather than skips
-    import sglang.srt.disaggregation.base.conn  # noqa: F401
-conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
+from tests.sglang_fixtures import _own_environment, bootstrap, sglang_conn  # noqa: F401  (fixtures)
+
+conn = sglang_conn()
 
 LAYERS, PAGES = 61, 8192
 ROOM_PAGES = 8000  # 61 x 8,000 x 788 bytes: a 384 MB room
@@ -121,23 +121,6 @@ def _prefill(registry: str, rooms: list[int], aborts: mp.Queue, results: mp.Queu
         mgr.close()
 
 
-@pytest.fixture(autouse=True)
-def _own_environment():
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
-
-
-@pytest.fixture
-def bootstrap():
-    from transfer.sglang.conn import PdkvKVBootstrapServer
-
-    server = PdkvKVBootstrapServer("127.0.0.1", 0)
-    yield server
-    server.close()
-
-
 class _Decode:
     """The decode's scheduler side: a manager over SGLang-shaped per-layer buffers."""
 
@@ -214,7 +197,7 @@ def _until_final(receiver, limit: float = 60.0):
     raise AssertionError("the receiver never finished")
 
 
-def _start_prefill(bootstrap, rooms):
+def _start_prefill(bootstrap, rooms):  # noqa: F811
     ctx = mp.get_context("spawn")
     aborts, results = ctx.Queue(), ctx.Queue()
     prefill = ctx.Process(target=_prefill, args=(bootstrap.url, rooms, aborts, results))
@@ -223,7 +206,7 @@ def _start_prefill(bootstrap, rooms):
     return prefill, aborts, results
 
 
-def test_a_decode_abort_lands_no_byte_after_failed_and_frees_the_prefill(bootstrap):
+def test_a_decode_abort_lands_no_byte_after_failed_and_frees_the_prefill(bootstrap):  # noqa: F811
     """The receiver is aborted while its READs are in flight: no byte lands after `poll()`
     says Failed, the prefill's sender fails with `RoomAbortedError` long before its pin
     would expire (its pages freed), and the next room on the same decode arrives whole."""
@@ -270,7 +253,7 @@ def test_a_decode_abort_lands_no_byte_after_failed_and_frees_the_prefill(bootstr
             prefill.kill()
 
 
-def test_a_prefill_abort_stops_the_decode_with_its_own_error_and_no_late_byte(bootstrap):
+def test_a_prefill_abort_stops_the_decode_with_its_own_error_and_no_late_byte(bootstrap):  # noqa: F811
     """The prefill aborts a room while the decode reads it: the decode fails with
     `RoomAbortedError` (not a lost peer), and nothing lands after it says so. A room whose
     READs all ended before the abort reached the prefill is read whole; the next is tried."""
