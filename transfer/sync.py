@@ -29,7 +29,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ __all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "Syn
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class FetchStatus(enum.Enum):
@@ -313,15 +314,43 @@ class FetchHandle(Handle[FetchResult]):
 
 
 class SyncFetcher:
-    """A `DecodeFetcher` driven from a synchronous scheduler thread (its keyword arguments;
-    `release_delay` defaults to `transfer.timeouts.CALLER_FIRST`). Starting and closing wait
-    at most `start_timeout`, by default its `timeouts`' `start`."""
+    """A `DecodeFetcher` driven from a synchronous scheduler thread: the same keyword arguments,
+    except that `release_delay` defaults to `transfer.timeouts.CALLER_FIRST`. Starting and
+    closing wait at most `start_timeout`, by default its `timeouts`' `start`."""
 
-    def __init__(self, pool: KVBuffers, registry_url: str, start_timeout: float | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("release_delay", CALLER_FIRST)
-        self._start: float = kwargs.get("timeouts", Timeouts()).start if start_timeout is None else start_timeout
+    def __init__(
+        self,
+        pool: KVBuffers,
+        registry_url: str,
+        start_timeout: float | None = None,
+        *,
+        consumer_id: str | None = None,
+        timeouts: Timeouts = Timeouts(),
+        secret: str | None = None,
+        ucx_workers: int | None = None,
+        merge_runs: bool = True,
+        path: str = "auto",
+        time_kernels: bool = False,
+        release_delay: float = CALLER_FIRST,
+    ) -> None:
+        self._start = timeouts.start if start_timeout is None else start_timeout
         self._bg = BackgroundLoop("pdkv-decode")
-        self.fetcher: DecodeFetcher = _start_or_stop(self._bg, DecodeFetcher, self._start, pool, registry_url, **kwargs)
+
+        def make() -> DecodeFetcher:
+            return DecodeFetcher(
+                pool,
+                registry_url,
+                consumer_id=consumer_id,
+                timeouts=timeouts,
+                secret=secret,
+                ucx_workers=ucx_workers,
+                merge_runs=merge_runs,
+                path=path,
+                time_kernels=time_kernels,
+                release_delay=release_delay,
+            )
+
+        self.fetcher = _start_or_stop(self._bg, make, self._start)
 
     def fetch(
         self,
@@ -379,7 +408,8 @@ class SyncFetcher:
 
 
 class SyncExporter:
-    """A `PrefillExporter` driven from a synchronous model thread."""
+    """A `PrefillExporter` driven from a synchronous model thread (the same arguments).
+    Starting and closing wait at most `start_timeout`, by default its `timeouts`' `start`."""
 
     def __init__(
         self,
@@ -389,15 +419,36 @@ class SyncExporter:
         cp_size: int,
         registry_url: str,
         start_timeout: float | None = None,
-        **kwargs: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+        timeouts: Timeouts = Timeouts(),
+        secret: str | None = None,
+        on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
+        group_size: int = 1,
     ) -> None:
-        """Starting and closing wait at most `start_timeout`, by default its `timeouts`' `start`."""
         self._bg = BackgroundLoop(f"pdkv-{engine_id}-cp{cp_rank}")
-        self.timeouts: Timeouts = kwargs.get("timeouts", Timeouts())
-        self._start = self.timeouts.start if start_timeout is None else start_timeout
-        self.exporter: PrefillExporter = _start_or_stop(
-            self._bg, PrefillExporter, self._start, pool, engine_id, cp_rank, cp_size, registry_url, **kwargs
-        )
+        self.timeouts = timeouts
+        self._start = timeouts.start if start_timeout is None else start_timeout
+
+        def make() -> PrefillExporter:
+            return PrefillExporter(
+                pool,
+                engine_id,
+                cp_rank,
+                cp_size,
+                registry_url,
+                host=host,
+                port=port,
+                advertise=advertise,
+                timeouts=timeouts,
+                secret=secret,
+                on_free=on_free,
+                group_size=group_size,
+            )
+
+        self.exporter = _start_or_stop(self._bg, make, self._start)
 
     # A publication handle's result is the publication's id. The calls that take one act on
     # that publication only: after a refused publish (the room id was live or used) they
@@ -489,18 +540,25 @@ def _eager_task(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
     return loop.create_task(coro)
 
 
-def _start_or_stop(bg: BackgroundLoop, cls: Callable[..., Any], timeout: float, *args: Any, **kwargs: Any) -> Any:
-    """`cls(*args, **kwargs)` made and started on `bg`; a failure stops `bg`'s thread too."""
+class _Startable(Protocol):
+    async def start(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Startable)
+
+
+def _start_or_stop(bg: BackgroundLoop, make: Callable[[], S], timeout: float) -> S:
+    """`make()`'s object, made and started on `bg`; a failure stops `bg`'s thread too."""
     try:
-        return bg.run(_started(cls, *args, **kwargs), timeout)
+        return bg.run(_started(make), timeout)
     except BaseException:
         bg.stop(timeout)
         raise
 
 
-async def _started(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`cls(*args, **kwargs)`, made and started on the loop's thread."""
-    obj = cls(*args, **kwargs)
+async def _started(make: Callable[[], S]) -> S:
+    """`make()`'s object, made and started on the loop's thread."""
+    obj = make()
     await obj.start()
     return obj
 
@@ -533,6 +591,6 @@ async def _of(publication: Handle[int] | None, room: int, fn: Callable[[int | No
     fn(pub)
 
 
-async def _call(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on the loop's thread; its error reaches the caller through the handle."""
-    return fn(*args)
+async def _call(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`fn(*args, **kwargs)` on the loop's thread; its error reaches the caller through the handle."""
+    return fn(*args, **kwargs)
