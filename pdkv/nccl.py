@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from pdkv.deadline import Deadline
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
 __all__ = ["NcclComm", "NcclWork", "nccl_library", "unique_id"]
@@ -196,7 +197,9 @@ class NcclWork:
 
     __slots__ = ("_comm", "event", "tensors", "what", "deadline", "ran")
 
-    def __init__(self, comm: NcclComm, event: Any, tensors: Sequence[torch.Tensor], what: str, deadline: float) -> None:
+    def __init__(
+        self, comm: NcclComm, event: Any, tensors: Sequence[torch.Tensor], what: str, deadline: Deadline
+    ) -> None:
         self._comm, self.event, self.tensors, self.what, self.deadline = comm, event, tensors, what, deadline
         self.ran = False
 
@@ -236,7 +239,7 @@ class NcclComm:
         self._cu_stream = self.api.drv.CUstream(self._stream)  # the driver calls': wrapped once
         self._failed: PdkvError | None = None
         self._lock = threading.Lock()  # the failure and the abort: the caller's and the watchdog's
-        self.calling_since = 0.0  # when the NCCL call in progress began; 0: none
+        self.calling_until: Deadline | None = None  # the deadline of the NCCL call in progress, if any
         self._events: list[Any] = []  # end events (`CUevent`) of broadcasts that have run, to record again
         with torch.cuda.device(device):
             rc, self._ctx = self.api.ctx_get()
@@ -293,7 +296,7 @@ class NcclComm:
         _check_cuda(api.event_record(self._ready, current)[0], "cuEventRecord")
         _check_cuda(api.stream_wait(self._cu_stream, self._ready, 0)[0], "cuStreamWaitEvent")
         # Watched while in NCCL: a first call connects to the peers and blocks until they come.
-        self.calling_since = start = time.monotonic()
+        self.calling_until = deadline = Deadline.after(self.timeout)
         failure: Exception | None = None
         try:
             if len(tensors) == 1:
@@ -309,13 +312,13 @@ class NcclComm:
         except api.error as exc:
             failure = exc
         finally:
-            self.calling_since = 0.0
+            self.calling_until = None
         if failure is not None:  # a no-op abort if the watchdog aborted it meanwhile: its reason is raised
             self.abort(_nccl_failure(what, failure))
             self.raise_if_failed()
         end = self._event()
         _check_cuda(api.event_record(end, self._cu_stream)[0], "cuEventRecord")
-        work = NcclWork(self, end, tensors, what, start + self.timeout)
+        work = NcclWork(self, end, tensors, what, deadline)
         self._watchdog.track(work)
         return work
 
@@ -349,8 +352,8 @@ class NcclComm:
         self._watchdog.stop()
         if self._failed is not None:
             return
-        deadline = time.monotonic() + self.timeout
-        while not self._watchdog.idle() and time.monotonic() < deadline:
+        deadline = Deadline.after(self.timeout)
+        while not self._watchdog.idle() and not deadline.passed:
             time.sleep(0.001)
         if not self._watchdog.idle():
             self.abort(DeadlineExceeded("closing: a broadcast still running after the timeout"))
@@ -402,13 +405,13 @@ class _Watchdog:
 
     def _sweep(self, comm: NcclComm) -> None:
         comm.check_async()
-        calling = comm.calling_since
-        if calling and time.monotonic() > calling + comm.timeout:
+        calling = comm.calling_until
+        if calling is not None and calling.passed:
             comm.abort(DeadlineExceeded(f"an NCCL call still blocked after {comm.timeout:.0f}s (a peer missing?)"))
         while self._flights:
             work = self._flights[0]
             if not work.is_completed():
-                if time.monotonic() > work.deadline:
+                if work.deadline.passed:
                     comm.abort(DeadlineExceeded(f"{work.what}: still running after {comm.timeout:.0f}s"))
                 return
             self._flights.popleft()

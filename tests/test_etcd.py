@@ -199,7 +199,7 @@ async def test_after_etcd_is_killed_and_restarts_renewals_and_lookups_work_withi
         watch = asyncio.ensure_future(_timed(waiting.lookup("e1", Deadline.after(30))))
         await asyncio.sleep(0.3)
         etcd.kill()
-        far = time.monotonic() + 30
+        far = Deadline.after(30)
         renewals = [
             asyncio.ensure_future(_timed(register_until(ranks[r], rank_descriptor(r), far, timeouts.retry_pause)))
             for r in range(3)
@@ -337,7 +337,7 @@ async def test_with_etcd_users_a_restart_costs_a_new_token_not_the_registry(etcd
         etcd.launch()
         answered = await asyncio.to_thread(etcd.wait_healthy)
         # a put, under a new lease
-        await register_until(ranks[2], rank_descriptor(2), time.monotonic() + 10, timeouts.retry_pause)
+        await register_until(ranks[2], rank_descriptor(2), Deadline.after(10), timeouts.retry_pause)
         engine = await decode.lookup("e0", Deadline.after(10))
         assert [r.cp_rank for r in engine.ranks] == [0, 1, 2]
         await ranks[0].leave("e0", 0)

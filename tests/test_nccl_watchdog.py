@@ -3,18 +3,18 @@ broadcasts whose completion the test decides (the real one runs in tests/test_gp
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from pdkv import DeadlineExceeded
+from pdkv.deadline import Deadline
 from pdkv.nccl import _Watchdog
 
 
 @dataclass
 class _Comm:
     timeout: float = 5.0
-    calling_since: float = 0.0
+    calling_until: Deadline | None = None
     _ctx: None = None
     _events: list[int] = field(default_factory=list)
     aborted: list[Exception] = field(default_factory=list)
@@ -32,7 +32,7 @@ class _Work:
     event: int
     what: str
     done: bool = False
-    deadline: float = float("inf")
+    deadline: Deadline = Deadline(float("inf"))
     tensors: tuple = ("payload",)
     ran: bool = False
 
@@ -62,7 +62,7 @@ def test_a_broadcast_that_ran_lets_its_tensors_go_and_its_event_serve_again():
 def test_a_broadcast_past_its_deadline_aborts_the_communicator():
     comm = _Comm()
     dog = _watchdog(comm)
-    late = _Work(1, "layer 9", deadline=time.monotonic() - 0.1)
+    late = _Work(1, "layer 9", deadline=Deadline.after(-0.1))
     dog.track(late)
     dog._sweep(comm)  # type: ignore[arg-type]
     assert len(comm.aborted) == 1 and isinstance(comm.aborted[0], DeadlineExceeded)
@@ -70,11 +70,11 @@ def test_a_broadcast_past_its_deadline_aborts_the_communicator():
 
 
 def test_a_call_blocked_in_nccl_past_the_timeout_aborts_the_communicator():
-    comm = _Comm(timeout=1.0, calling_since=time.monotonic() - 2.0)
+    comm = _Comm(timeout=1.0, calling_until=Deadline.after(-1.0))  # began 2 s ago
     dog = _watchdog(comm)
     dog._sweep(comm)  # type: ignore[arg-type]
     assert len(comm.aborted) == 1 and "blocked" in str(comm.aborted[0])
     comm.aborted.clear()
-    comm.calling_since = time.monotonic()  # a call that began just now is left alone
+    comm.calling_until = Deadline.after(comm.timeout)  # a call that began just now is left alone
     dog._sweep(comm)  # type: ignore[arg-type]
     assert comm.aborted == []

@@ -20,6 +20,7 @@ import pytest
 
 from pdkv.errors import PeerLostError
 from tests.http_probe import closed_by_server
+from transfer.deadline import Deadline
 from transfer.lanes.ucx.worker import Worker
 from transfer.registry.server import RegistryServer
 from transfer.timeouts import Timeouts
@@ -74,7 +75,7 @@ def _read(worker: Worker) -> float:
     rows = np.array([[4096, 4096, 0]], dtype=np.int64)
     t0 = time.monotonic()
     with pytest.raises(PeerLostError, match="made no end"):
-        worker.read_blocking("owner", rows, rows.copy(), "DRAM", time.monotonic() + 60, threading.Event())
+        worker.read_blocking("owner", rows, rows.copy(), "DRAM", Deadline.after(60), threading.Event())
     return time.monotonic() - t0
 
 

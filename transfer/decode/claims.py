@@ -119,7 +119,7 @@ class ClaimProtocol:
         r, timeouts = owner.rank, self.ctx.timeouts
         url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
         ask = ClaimRequest(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, readers=claim.readers)
-        unknown_until = time.monotonic() + timeouts.publish
+        unknown_until = Deadline.after(timeouts.publish)
         claim.asked.add(r.cp_rank)  # from here on it may be granted there, answered or not
         while True:
             limit = deadline.left(timeouts.poll + timeouts.request)
@@ -128,7 +128,7 @@ class ClaimProtocol:
                 claim.granted.add(r.cp_rank)
                 claim.states[r.cp_rank] = state
                 return state
-            if time.monotonic() > unknown_until:
+            if unknown_until.passed:
                 raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
 
     async def _poll(
@@ -172,7 +172,7 @@ class ClaimProtocol:
         try:
             stats = await self._read_owner(owner, claim, job, state, slot)
             if release:
-                await self.release(owner, claim, job.deadline.left(self.ctx.timeouts.request))
+                await self.release(owner, claim, job.deadline.within(self.ctx.timeouts.request))
             return stats
         except PeerLostError as exc:
             raise lost_peer(owner.rank, exc) from exc
@@ -238,7 +238,7 @@ class ClaimProtocol:
                 return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path, state.aux)
             state = await self._poll(owner, claim, state.ready_upto, job.deadline, after_pages=done)
 
-    async def release(self, owner: Owner, claim: Claim, timeout: float, give_up: bool = False) -> bool:
+    async def release(self, owner: Owner, claim: Claim, deadline: Deadline, give_up: bool = False) -> bool:
         """Release the claim on one owner; True if that freed the room there. `give_up`:
         the room was not read (a failed or cancelled fetch): it ends aborted there unless
         another consumer reads it.
@@ -251,9 +251,9 @@ class ClaimProtocol:
         # own envelope, so a decode whose layout the owner refuses still frees the room. It
         # ends only this token's claim or a free one, and the secret guards it as any request.
         fp = owner.rank.fingerprint if give_up else None
-        sent = asyncio.ensure_future(self._control(claim, "POST", url, ReleaseReply, notice, timeout, fp))
+        sent = asyncio.ensure_future(self._control(claim, "POST", url, ReleaseReply, notice, deadline.left(), fp))
         try:
-            # Seen through if the caller is cancelled (bounded by `timeout`): a release cut
+            # Seen through if the caller is cancelled (bounded by `deadline`): a release cut
             # off mid-request may never reach the owner, and one asked is never asked again,
             # so the room would stay pinned there until its pin expired.
             answer = await asyncio.shield(sent)
@@ -267,12 +267,12 @@ class ClaimProtocol:
         claim.released[owner.rank.cp_rank] = answer.freed
         return answer.freed
 
-    async def _give_up(self, owner: Owner, claim: Claim, limit: float) -> bool:
+    async def _give_up(self, owner: Owner, claim: Claim, deadline: Deadline) -> bool:
         """`release(give_up=True)` on one owner, not waited for once the owner is lost."""
         url = owner.rank.control_url
         if self.ctx.feed.lost(url):  # it gave the claim up itself as our stream to it died
             return False
-        return await _unless_lost(self.ctx.feed, url, self.release(owner, claim, limit, give_up=True), limit)
+        return await _unless_lost(self.ctx.feed, url, self.release(owner, claim, deadline, give_up=True), deadline)
 
     async def release_all(self, owners: dict[int, Owner], claim: Claim, ranks: set[int] | None = None) -> None:
         """Give the claim up unread wherever it may be held, after a failed or cancelled
@@ -284,10 +284,10 @@ class ClaimProtocol:
         request timeout, not what is left of the fetch's deadline: the fetch may have
         failed on that deadline, and the pins must not be left behind.
         """
-        limit = self.ctx.timeouts.request
+        deadline = Deadline.after(self.ctx.timeouts.request)
         ranks = claim.asked - claim.released.keys() if ranks is None else ranks
         results = await asyncio.gather(
-            *(self._give_up(o, claim, limit) for o in owners.values() if o.rank.cp_rank in ranks),
+            *(self._give_up(o, claim, deadline) for o in owners.values() if o.rank.cp_rank in ranks),
             return_exceptions=True,
         )
         for e in results:
@@ -295,12 +295,12 @@ class ClaimProtocol:
                 logger.debug("giving up room %d after a failed fetch: %s", claim.room, e)
 
 
-async def _unless_lost(feed: ReadinessFeed, url: str, request: Awaitable[bool], limit: float) -> bool:
+async def _unless_lost(feed: ReadinessFeed, url: str, request: Awaitable[bool], deadline: Deadline) -> bool:
     """`request`'s answer, unless the owner at `url` is lost first (its readiness stream broke):
     then False at once, the request left to run out behind (it is bounded). Such an owner gives
     this reader's claims up itself as the stream dies, so a give-up has nothing to wait for."""
     sent = asyncio.ensure_future(request)
-    if not await _first(sent, feed.until_lost(url, limit)):
+    if not await _first(sent, feed.until_lost(url, deadline.remaining())):
         return await sent
     _BEHIND.add(sent)
     sent.add_done_callback(_BEHIND.discard)

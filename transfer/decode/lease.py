@@ -94,9 +94,9 @@ class RoomLease:
         claim = self._claim
         self._released = False
         self._forget()
-        ranks, limit = claim.open_ranks, self._ctx.timeouts.request
+        ranks, deadline = claim.open_ranks, Deadline.after(self._ctx.timeouts.request)
         outcomes = await asyncio.gather(
-            *(self._claims.release(o, claim, limit) for o in self._owners.values() if o.rank.cp_rank in ranks),
+            *(self._claims.release(o, claim, deadline) for o in self._owners.values() if o.rank.cp_rank in ranks),
             return_exceptions=True,
         )
         failures = [e for e in outcomes if isinstance(e, BaseException)]

@@ -24,6 +24,7 @@ from pdkv.errors import PdkvError
 from pdkv.layout import BufferKind
 from transfer.addresses import advertised_for
 from transfer.control import ControlClient, HttpService, make_app
+from transfer.deadline import Deadline
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.cuda_ipc.export import IpcExporter
 from transfer.lanes.runs import device_id, mem_type
@@ -159,7 +160,7 @@ class PrefillExporter:
             group_size=self._group_size,
         )
         await register_until(
-            self._registry, self.descriptor, time.monotonic() + self.timeouts.lookup, self.timeouts.retry_pause
+            self._registry, self.descriptor, Deadline.after(self.timeouts.lookup), self.timeouts.retry_pause
         )
         self._registered = time.monotonic()
         self._tasks = [
@@ -308,7 +309,7 @@ class PrefillExporter:
                 await register_until(
                     self._registry,
                     self.descriptor,
-                    time.monotonic() + self.timeouts.renew_interval,
+                    Deadline.after(self.timeouts.renew_interval),
                     self.timeouts.retry_pause,
                 )
                 pause = self.timeouts.renew_interval

@@ -33,7 +33,6 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from pdkv.errors import (
     UnknownRoomError,
 )
 from pdkv.pages import has_repeats, page_ids
-from transfer.deadline import wait_until
+from transfer.deadline import Deadline, wait_until
 from transfer.logctx import failure_fields
 from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_from, error_reply
 
@@ -69,7 +68,7 @@ class _Room:
     room: int
     src_pages: np.ndarray
     consumers: int
-    pinned_until: float
+    pinned_until: Deadline
     ready_upto: int
     open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
     released: int = 0  # claims granted and released; granted = released + open
@@ -134,7 +133,7 @@ class RoomTable:
             why = "ended aborted (its decode or router gave it up)" if ended is RoomStatus.ABORTED else "published"
             raise ConflictError(f"room {room} was already {why} on this rank")
         pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
-        pinned_until = time.monotonic() + self.pin_seconds
+        pinned_until = Deadline.after(self.pin_seconds)
         r = _Room(room, pages, consumers, pinned_until, self.layers.start, pub=next(self._pubs), on_end=on_end)
         self._live[room] = r
         if self._pins is not None and self._free_slots:  # else: no ticket for this room, claims still work
@@ -171,7 +170,7 @@ class RoomTable:
         r.src_pages, r.aux = self._joined(r, pages, aux), aux
         if len(r.src_pages) == r.total_pages:
             r.ready_upto = self.layers.stop
-            r.pinned_until = time.monotonic() + self.pin_seconds
+            r.pinned_until = Deadline.after(self.pin_seconds)
         self._notify()
         if r.open_claims:
             self._on_change(self.state(room), set(r.open_claims.values()))
@@ -197,7 +196,7 @@ class RoomTable:
         before = r.ready_upto
         r.ready_upto = max(r.ready_upto, min(upto, self.layers.stop))
         if r.ready_upto == self.layers.stop:
-            r.pinned_until = time.monotonic() + self.pin_seconds
+            r.pinned_until = Deadline.after(self.pin_seconds)
         self._notify()
         if r.ready_upto > before and r.open_claims:
             self._on_change(self.state(room), set(r.open_claims.values()))
@@ -371,7 +370,8 @@ class RoomTable:
 
     # ---- housekeeping ---------------------------------------------------------------------
     def expire(self, now: float) -> list[int]:
-        gone = [room for room, r in self._live.items() if r.pinned_until <= now]
+        """Free the rooms whose pin deadline is not after `now` (a monotonic clock reading)."""
+        gone = [room for room, r in self._live.items() if r.pinned_until.at <= now]
         for room in gone:
             why = "room %d: pin deadline passed before release; freeing its pages"
             logger.warning(why, room, extra=failure_fields(room=room))

@@ -41,9 +41,11 @@ def assemble(engine_id: str, ranks: list[RankDescriptor]) -> EngineDescriptor:
     return EngineDescriptor(engine_id, size, [by_rank[r] for r in range(size)])
 
 
-async def register_until(registry: RegistryClient, descriptor: RankDescriptor, deadline: float, pause: float) -> None:
-    """Register, retrying with backoff while the registry is not reachable, until `deadline`
-    (a `time.monotonic()` instant); `pause` (`Timeouts.retry_pause`): the longest between attempts."""
+async def register_until(
+    registry: RegistryClient, descriptor: RankDescriptor, deadline: Deadline, pause: float
+) -> None:
+    """Register, retrying with backoff while the registry is not reachable, until `deadline`;
+    `pause` (`Timeouts.retry_pause`): the longest between attempts."""
 
     async def attempt() -> None:
         try:
@@ -52,4 +54,4 @@ async def register_until(registry: RegistryClient, descriptor: RankDescriptor, d
             observe_register_failure(exc)
             raise
 
-    await retry_until(attempt, Deadline(deadline), PdkvError, "registering", cap=pause)
+    await retry_until(attempt, deadline, PdkvError, "registering", cap=pause)

@@ -34,7 +34,6 @@ import os
 import secrets
 import socket
 import struct
-import time
 import uuid
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdkv.errors import AuthError, DeadlineExceeded, PdkvError, PeerLostError, TransferError
+from transfer.deadline import Deadline
 
 __all__ = [
     "FdServer",
@@ -120,21 +120,18 @@ def _peer_uid(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise DeadlineExceeded("fd exchange past its deadline")
-    return left
+def _left(deadline: Deadline) -> float:
+    return deadline.left(what="fd exchange past its deadline")
 
 
-async def _bounded(aw: Awaitable[bytes], deadline: float) -> bytes:
+async def _bounded(aw: Awaitable[bytes], deadline: Deadline) -> bytes:
     try:
         return await asyncio.wait_for(aw, _left(deadline))
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded("fd exchange past its deadline") from exc
 
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, deadline: float) -> bytes:
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, deadline: Deadline) -> bytes:
     """Exactly `n` bytes, never more: a byte past the frame may carry descriptors, and a
     plain recv() of it would make the kernel drop (close) them."""
     buf = bytearray()
@@ -146,21 +143,21 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
     return bytes(buf)
 
 
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float) -> bytes:
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: Deadline) -> bytes:
     (n,) = _LEN.unpack(await _recv_exact(loop, sock, _LEN.size, deadline))
     if n > _MAX_FRAME:
         raise FdPassError(f"fd peer sent a {n}-byte frame (at most {_MAX_FRAME})")
     return await _recv_exact(loop, sock, n, deadline)
 
 
-async def _send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, body: bytes, deadline: float) -> None:
+async def _send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, body: bytes, deadline: Deadline) -> None:
     try:
         await asyncio.wait_for(loop.sock_sendall(sock, _LEN.pack(len(body)) + body), _left(deadline))
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded("fd exchange past its deadline") from exc
 
 
-async def _wait_io(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool, deadline: float) -> None:
+async def _wait_io(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool, deadline: Deadline) -> None:
     """Wait until `sock` is readable (or writable), bounded by `deadline`."""
     ready: asyncio.Future[None] = loop.create_future()
 
@@ -178,7 +175,7 @@ async def _wait_io(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: 
         (loop.remove_writer if write else loop.remove_reader)(fd)
 
 
-async def _send_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, fds: list[int], deadline: float) -> None:
+async def _send_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, fds: list[int], deadline: Deadline) -> None:
     """Send `fds` in batches, each on one marker byte (the loop has no sendmsg of its own)."""
     for start in range(0, len(fds), FD_BATCH):
         batch = fds[start : start + FD_BATCH]
@@ -193,7 +190,7 @@ async def _send_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, fds: l
             break
 
 
-async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, count: int, deadline: float) -> list[int]:
+async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, count: int, deadline: Deadline) -> list[int]:
     """Receive `count` descriptors, batch by batch; on any failure close what came."""
     got: list[int] = []
     try:
@@ -350,7 +347,7 @@ class FdServer:
 
     async def _handle(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline.after(self.timeout)
         entry: _Entry | None = None
         try:
             conn.setblocking(False)
@@ -397,7 +394,7 @@ class FdServer:
             conn.close()
 
     async def _refuse(
-        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, code: str, error: str, deadline: float
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, code: str, error: str, deadline: Deadline
     ) -> None:
         with contextlib.suppress(OSError, DeadlineExceeded):
             await _send_frame(loop, conn, _enc.encode(_FdReply(ok=False, code=code, error=error)), deadline)
@@ -413,7 +410,7 @@ async def fetch_fds(
     another user, `UnknownKeyError`, `PeerLostError` when nothing listens, `FdPassError`
     for anything malformed (or more than `max_fds` descriptors)."""
     loop = asyncio.get_running_loop()
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.after(timeout)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.setblocking(False)

@@ -274,7 +274,7 @@ class UcxTransport:
         deadline.left(what=f"READ from {peer}: deadline passed before it was posted")
         loop, kind, stop = asyncio.get_running_loop(), mem or self.mem_type, threading.Event()
         futs = [
-            loop.run_in_executor(worker.executor, worker.read_blocking, peer, local, remote, kind, deadline.at, stop)
+            loop.run_in_executor(worker.executor, worker.read_blocking, peer, local, remote, kind, deadline, stop)
             for worker, (local, remote) in zip(self._pick_workers(), split(plan, min(pieces, len(self._workers))))
         ]
         try:

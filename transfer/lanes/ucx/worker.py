@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
+from transfer.deadline import Deadline
 from transfer.lanes.ucx.nixl import ucx_backend_params
 from transfer.lanes.ucx.plan import ReadPlan
 from transfer.timeouts import Timeouts
@@ -42,7 +43,7 @@ class Worker:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     def read_blocking(
-        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: float, stop: threading.Event
+        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: Deadline, stop: threading.Event
     ) -> float:
         """Run a READ on this worker's thread in parts of at most `_PART_BYTES`, `_PARTS_IN_FLIGHT`
         posted at a time; returns its duration. Once `stop` is set no further part is posted:
@@ -78,18 +79,17 @@ class Worker:
             raise
         return handle
 
-    def _finish(self, peer: str, handle: Any, deadline: float) -> None:
+    def _finish(self, peer: str, handle: Any, deadline: Deadline) -> None:
         """Wait for a posted part to end (a stall of `read_stall` from now counts the peer
         lost), then release it."""
         agent, state = self.agent, "PROC"
-        stalled = time.monotonic() + self.read_stall
+        stalled = Deadline.after(self.read_stall)
         try:
             sleep = _POLL_SLEEP_S[0]
             while (state := agent.check_xfer_state(handle)) == "PROC":
-                now = time.monotonic()
-                if now > deadline:
+                if deadline.passed:
                     raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
-                if now > stalled:
+                if stalled.passed:
                     raise PeerLostError(f"READ from {peer}: a part of it made no end in {self.read_stall:g}s", peer)
                 time.sleep(sleep)
                 sleep = _POLL_SLEEP_S[1]
@@ -109,8 +109,8 @@ class Worker:
             return
         except Exception as exc:  # an in-flight handle may refuse
             logger.warning("transfer to %s still in flight (%s): waiting for it before release", peer, exc)
-        end = time.monotonic() + self.late_read
-        while state == "PROC" and time.monotonic() < end:
+        late = Deadline.after(self.late_read)
+        while state == "PROC" and not late.passed:
             time.sleep(_POLL_SLEEP_S[1])
             try:
                 state = agent.check_xfer_state(handle)
