@@ -285,7 +285,7 @@ def test_a_landings_proof_is_made_once_whichever_threads_come_at_once():
     for t in threads:
         t.start()
     start.wait()
-    landing.decide(prove)  # the loop, as its kernel's end reaches it
+    landing.check(prove)  # the loop, as its kernel's end reaches it
     for t in threads:
         t.join(10)
     assert len(proofs) == 1 and told == [True] * 8 and landing.told() is result
@@ -307,11 +307,11 @@ def test_what_fails_on_the_lanes_thread_is_left_to_the_loop():
     landing.arm(buggy, lambda: FetchResult("e0", 1, 10, 0.1, ()))
     assert not landing.landed() and landing.told() is None
     with pytest.raises(AssertionError):
-        landing.decide(buggy)  # the loop's read raises it
+        landing.check(buggy)  # the loop's read raises it
     landing = Landing()
     landing.arm(lambda: None, no_result)
     assert not landing.landed() and landing.told() is None
-    landing.decide(lambda: None)  # proved: the loop builds its own result
+    landing.check(lambda: None)  # proved: the loop builds its own result
 
 
 def test_a_fetch_handle_cancelled_before_its_read_landed_reports_the_tasks_end():

@@ -68,7 +68,7 @@ class Landing:
         (any thread)."""
         return self._told
 
-    def decide(self, prove: Callable[[], None]) -> None:
+    def check(self, prove: Callable[[], None]) -> None:
         """On the loop, once the bytes are in place: prove them with `prove` unless the lane's
         thread did already; raises the proof's failure, whichever thread made it."""
         verdict = self._proved(prove)

@@ -192,7 +192,7 @@ class TicketProtocol:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
             seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages, landing)
             if landing is not None:
-                landing.decide(prove)
+                landing.check(prove)
             elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
                 await self._prove_read_pins(unmapped, room, job.deadline)
         except PeerLostError as exc:
