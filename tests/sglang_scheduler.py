@@ -164,6 +164,13 @@ class Role:
     env: dict[str, str] = field(default_factory=dict)
     timeouts: dict[str, str] = field(default_factory=dict)  # SGLANG_DISAGGREGATION_* settings
     netns: str | None = None  # the network namespace (tests/netns.py's host) it runs in
+    drafts: int = 0  # a draft model's (MTP) layers: a DSA draft pool on each rank, as SGLang's MTP keeps
+    bootstrap: str | None = None  # SGLang's bootstrap server, where `registry` is elsewhere (etcd)
+
+    @property
+    def bootstrap_port(self) -> int:
+        """SGLang's --disaggregation-bootstrap-port: the registry's where it is the bootstrap server."""
+        return int((self.bootstrap or self.registry).rsplit(":", 1)[1])
 
 
 def _set_env(role: Role) -> None:
@@ -183,7 +190,7 @@ def _publish(role: Role) -> Any:
     from sglang.srt import runtime_context as rc
     from sglang.srt.server_args import ServerArgs
 
-    port = int(role.registry.rsplit(":", 1)[1])
+    port = role.bootstrap_port
     cp = role.mode == "prefill" and role.size > 1
     server_args = ServerArgs(
         model_path=_model_dir(),
@@ -297,6 +304,8 @@ def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> An
         pool = LayerSplitDSATokenToKVPool(**pool_kwargs, layer_shard_rank=role.rank, layer_shard_size=role.size)
     else:
         pool = DSATokenToKVPool(**pool_kwargs)
+    # the draft shares the target's token ids; under the layer split SGLang sends it from the last CP rank only
+    draft = DSATokenToKVPool(**{**pool_kwargs, "layer_num": role.drafts}) if role.drafts else None
     allocator = PagedTokenToKVPoolAllocator(tokens, PAGE, torch.int64, "cpu", pool, need_sort=False)
     if prefill:
         req_to_token = ReqToTokenPool(MAX_REQS, CONTEXT, "cpu", False)
@@ -353,11 +362,11 @@ def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> An
     if prefill:
         s.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
             token_to_kv_pool=pool,
-            draft_token_to_kv_pool=None,
+            draft_token_to_kv_pool=draft,
             req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
             metadata_buffers=s.disagg_metadata_buffers,
             gpu_id=0,
-            bootstrap_port=int(role.registry.rsplit(":", 1)[1]),
+            bootstrap_port=role.bootstrap_port,
             max_total_num_tokens=tokens,
             scheduler=s,
             scheduler_stage_metrics=None,
@@ -375,19 +384,19 @@ def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> An
         s.disagg_decode_prealloc_queue = DecodePreallocQueue(
             req_to_token_pool=req_to_token,
             token_to_kv_pool_allocator=allocator,
-            draft_token_to_kv_pool=None,
+            draft_token_to_kv_pool=draft,
             req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
             metadata_buffers=s.disagg_metadata_buffers,
             scheduler=s,
             transfer_queue=s.disagg_decode_transfer_queue,
             tree_cache=tree,
             gpu_id=0,
-            bootstrap_port=int(role.registry.rsplit(":", 1)[1]),
+            bootstrap_port=role.bootstrap_port,
             max_total_num_tokens=tokens,
             num_reserved_decode_tokens=0,
             transfer_backend=TransferBackend.MOONCAKE,
         )
-    s.harness_pool = pool
+    s.harness_pool, s.harness_draft = pool, draft
     return s
 
 
@@ -435,6 +444,11 @@ def _prefill_forward(s: Any, req: Any) -> None:
     for layer in _owned_layers(pool):
         pool.kv_buffer[layer].view(torch.uint8).view(-1, KV_DIM * 2)[locs[:n]] = kv_bytes(req.bootstrap_room, layer, n)
         pool.index_k_with_scale_buffer[layer][pages] = index_bytes(req.bootstrap_room, layer, len(pages))
+    for d in range(s.harness_draft.layer_num if s.harness_draft is not None else 0):  # draft layer d: LAYERS + d
+        s.harness_draft.kv_buffer[d].view(torch.uint8).view(-1, KV_DIM * 2)[locs[:n]] = kv_bytes(
+            req.bootstrap_room, LAYERS + d, n
+        )
+        s.harness_draft.index_k_with_scale_buffer[d][pages] = index_bytes(req.bootstrap_room, LAYERS + d, len(pages))
     req.output_ids.append(first_token(req.bootstrap_room))
     s.checkpoint_disagg_prefill(req)
     s.disagg_prefill_inflight_queue.append(req)
@@ -458,6 +472,13 @@ def _decode_check(s: Any, req: Any) -> dict[str, Any]:
             pool.index_k_with_scale_buffer[layer][pages], index_bytes(req.bootstrap_room, layer, len(pages))
         ):
             bad.append(("index", layer))
+    for d in range(s.harness_draft.layer_num if s.harness_draft is not None else 0):
+        got = s.harness_draft.kv_buffer[d].view(torch.uint8).view(-1, KV_DIM * 2)[locs]
+        if not torch.equal(got, kv_bytes(req.bootstrap_room, LAYERS + d, n)):
+            bad.append(("draft kv", d))
+        want = index_bytes(req.bootstrap_room, LAYERS + d, len(pages))
+        if not torch.equal(s.harness_draft.index_k_with_scale_buffer[d][pages], want):
+            bad.append(("draft index", d))
     return {"bad": bad, "first_token": list(req.output_ids)[:1], "pages": pages.tolist()}
 
 
@@ -498,9 +519,19 @@ def _abort_decode(s: Any, rid: str) -> None:
 
 
 def _prefill_stats(s: Any) -> dict[str, Any]:
+    """The target exporter's rooms and pins; `parts`: every part's (the draft's too), by suffix."""
     mgr = s.disagg_prefill_bootstrap_queue.kv_manager
     rooms = mgr.exporter.exporter.rooms
-    return {"live_rooms": rooms.live_rooms, "pinned_pages": rooms.pinned_pages, "rooms": sorted(rooms._live)}
+    parts = {
+        part: {"pinned_pages": e.exporter.rooms.pinned_pages, "rooms": sorted(e.exporter.rooms._live)}
+        for part, e in mgr.exporters.items()
+    }
+    return {
+        "live_rooms": rooms.live_rooms,
+        "pinned_pages": rooms.pinned_pages,
+        "rooms": sorted(rooms._live),
+        "parts": parts,
+    }
 
 
 def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
@@ -695,6 +726,11 @@ class Side:
             if left <= 0:
                 raise TimeoutError(f"{self.mode}: no {kind} event for {rid} in {timeout} s; seen {self.events}")
             self._pump(min(left, 0.5))
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL rank `rank`'s process (a crash: no close, no word to any peer)."""
+        self.procs[rank].kill()
+        self.procs[rank].join(10)
 
     def close(self) -> None:
         self.send("stop")
