@@ -42,7 +42,7 @@ class Stamps:
 
     def wrap(self, obj, name: str, label: str = "") -> None:  # type: ignore[no-untyped-def]
         """Stamp `name`'s entry, and its exit once what it returns is awaited where it is an
-        awaitable (a coroutine, or the lane's launch handed back by `read_route`)."""
+        awaitable (a coroutine, or the lane's launch handed back by `GatherBatch.read`)."""
         fn = getattr(obj, name)
         at, name = self.at, label or name
 
@@ -68,11 +68,11 @@ class Stamps:
 STEPS = (
     "fetch in",
     "tickets.fetch in",
-    "read_route in",
+    "batch.read in",
     "launch in",
     "launch out",
     "run out",
-    "read_route out",
+    "batch.read out",
     "fetch out",
 )
 
@@ -85,6 +85,8 @@ async def main() -> None:
     ap.add_argument("--time-kernels", action="store_true", help="time the kernels on the GPU")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = ap.parse_args()
+    from transfer.lanes.cuda_ipc.lane import GatherBatch  # needs CUDA: imported once a GPU run is asked
+
     size = max((args.runs + 2) * args.tokens if args.b2b else 3 * args.tokens, 16384)
     spec = DeploymentSpec(engines=(4,), decoders=0, device="cuda", prefill_pool_tokens=size, decode_pool_tokens=size)
     async with Deployment(spec) as d:
@@ -93,7 +95,7 @@ async def main() -> None:
         async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
             stamps = Stamps()
             stamps.wrap(fetcher._tickets, "fetch", "tickets.fetch")
-            stamps.wrap(fetcher._owners.lanes[0], "read_route")
+            stamps.wrap(GatherBatch, "read", "batch.read")  # the class: batches are made per owner set
             stamps.wrap(fetcher._owners.lanes[0]._gather, "launch")
             stamps.wrap(fetcher._owners.lanes[0]._gather, "run")
             rows = []

@@ -1,5 +1,3 @@
-import asyncio
-
 import numpy as np
 import pytest
 import torch
@@ -195,42 +193,6 @@ def test_the_kernels_task_table_covers_every_word_of_every_item_once():
         covered = np.concatenate([np.arange(f, min(f + 256, words)) for f in firsts])
         assert sorted(covered.tolist()) == list(range(words))  # no word twice, none missed
     assert n_tasks == 11 + 3  # no task without a word to copy
-
-
-async def test_a_launch_group_waits_for_every_owner_then_launches_once():
-    from transfer.lanes.cuda_ipc.lane import IpcPeer, LaunchGroup
-
-    class Lane:  # stands in for the GPU: records what would be launched
-        launched = []
-
-        plan = staticmethod(
-            lambda peer, layers, src, dst: build_gather_plan(
-                [p for layer in layers for p in peer.pairs[layer]], src, dst
-            )
-        )
-
-        merge = staticmethod(merge_gather_plans)
-
-        async def run(self, plan, peers):
-            self.launched.append((plan.buffers, len(peers)))
-            return 0.004
-
-    lane = Lane()
-    peers = [
-        IpcPeer(
-            f"p{i}", i, range(i, i + 1), {}, {i: (_pair(i * 4096, i * 8192), _pair(i * 4096 + 640, i * 8192 + 640))}
-        )
-        for i in range(3)
-    ]
-    group = LaunchGroup(lane, 3)
-    slots = [group.slot() for _ in range(3)]
-    src, dst = np.array([1, 2]), np.array([3, 4])
-    reads = [asyncio.create_task(slots[i].read(peers[i], range(i, i + 1), src, dst)) for i in range(2)]
-    await asyncio.sleep(0.01)
-    assert lane.launched == [] and not any(r.done() for r in reads)  # the third owner is still out
-    slots[2].close()  # it reads alone (its layers came in batches): the two go out together
-    stats = await asyncio.gather(*reads)
-    assert lane.launched == [(4, 2)] and sum(s.seconds for s in stats) == pytest.approx(0.004)
 
 
 # ---- owners of an engine: checked and paired without processes -------------------------------

@@ -238,3 +238,31 @@ async def test_claims_cancel_all_raises_closed(phase: str) -> None:
         assert [r.cp for r in w.client.requests if r.op == "give_up"] == [0]
     else:
         assert all(not f.tokens for f in w.fake.values())
+
+
+# ---- owners on a lane that reads several as one --------------------------------------------------
+
+
+@pytest.mark.parametrize("pages", ["shared", "own"])
+async def test_claims_read_owners_ready_at_once_as_one_batch(pages: str) -> None:
+    """Owners on a lane that batches, every layer ready when claimed, go out as one read once
+    each has joined or withdrawn: rank 1, whose layers come in steps, withdraws and reads its
+    own. Owners whose source pages differ are read one by one."""
+    own = {0: [1, 2, 3, 4, 5], 1: [9, 8, 7, 6, 5], 2: [5, 4, 3, 2, 1] if pages == "own" else [1, 2, 3, 4, 5]}
+    w = await world(merged=(0, 1, 2), src_pages=own, ready={1: 4})
+    merging = w.merging
+    fetch = asyncio.create_task(reported(w, w.claims().fetch(w.owners, Claim(ROOM), w.job())))
+    await until(lambda: len(w.client.of(1, "poll")) == 1 and w.timeline.where("landed", 2, 5))
+    w.fake[1].advance(5)
+    result = await fetch
+
+    assert merging.batch_calls == ([(0, 2)] if pages == "shared" else [])
+    alone = [(1, range(3, 4)), (1, range(4, 5))]
+    assert sorted(merging.reads, key=lambda r: (r[0], r[1].start)) == (
+        alone if pages == "shared" else [(0, SPANS[0]), *alone, (2, SPANS[2])]
+    )
+    np.testing.assert_array_equal(w.mem, expected(w.dst, {cp: np.asarray(p) for cp, p in own.items()}))
+    assert result.nbytes == LAYERS * len(w.dst) * PAGE
+    assert [(s.cp_rank, s.nbytes) for s in result.owners] == [
+        (cp, len(span) * len(w.dst) * PAGE) for cp, span in SPANS.items()
+    ]

@@ -10,7 +10,7 @@ import pytest
 
 from pdkv.errors import ClaimLostError, PeerLostError
 from tests.fakes.memory import FP, ROOM, SPANS, expected
-from tests.fakes.pins import FakePins, FakeUcx
+from tests.fakes.pins import FakePins, FakeSignals
 from tests.fakes.world import SLOT, World, nonce, world
 from transfer.decode.claims import Claim
 from transfer.decode.lease import RoomLease
@@ -19,16 +19,16 @@ from transfer.decode.tickets import TicketProtocol
 from transfer.metadata import ClaimRelease, OwnerPin, decode
 
 
-def pinned_lease(w: World, claim: Claim) -> tuple[RoomLease, FakeUcx]:
+def pinned_lease(w: World, claim: Claim) -> tuple[RoomLease, FakeSignals]:
     """A lease on `w`'s room under `claim`, each owner pinning it (its pin table mapped here)."""
     activity = Activity("decode-test")
     activity.open = True
-    ucx = FakeUcx(w.timeline)
+    ucx = FakeSignals(w.timeline)
     for cp, o in w.owners.items():
         ucx.cp_of[o.rank.agent_name] = cp
         w.fake[cp].pin = OwnerPin(cp_rank=cp, incarnation="abc", slot=SLOT, nonce=nonce(cp))
         o.pins = FakePins(w.timeline, cp, {SLOT: nonce(cp)})  # type: ignore[assignment]
-    lease = RoomLease(w.ctx, activity, w.claims(), TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)  # type: ignore[arg-type]
+    lease = RoomLease(w.ctx, activity, w.claims(), TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)
     return lease, ucx
 
 
@@ -120,8 +120,8 @@ async def test_lease_whose_owner_names_another_ranks_pin_reads_by_claims() -> No
         claim.states[cp] = msgspec.structs.replace(state, pin=pin)
     activity = Activity("decode-test")
     activity.open = True
-    ucx = FakeUcx(w.timeline)
-    lease = RoomLease(w.ctx, activity, claims, TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)  # type: ignore[arg-type]
+    ucx = FakeSignals(w.timeline)
+    lease = RoomLease(w.ctx, activity, claims, TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)
     assert lease._prepared_read() is None
     result = await lease.read_once(w.dst)
     assert result.freed and not ucx.notified  # released by claims, not by notifications

@@ -63,7 +63,7 @@ async def test_ticket_reads_every_owner_at_once_then_proves_each_pin() -> None:
 
 async def test_ticket_releases_wait_out_their_delay_unless_flushed() -> None:
     w, ucx, _, ticket = await ticket_world()
-    tickets = TicketProtocol(w.ctx, ucx, release_delay=0.2)  # type: ignore[arg-type]
+    tickets = TicketProtocol(w.ctx, ucx, release_delay=0.2)
     await tickets.fetch(w.owners, ticket, w.job())
     await settle(20)
     assert not ucx.notified  # a caller on another thread sees the outcome first
@@ -72,7 +72,7 @@ async def test_ticket_releases_wait_out_their_delay_unless_flushed() -> None:
     tickets.releases.close()  # no owner here clears a word: its releases would be sent again
 
     ucx.notified.clear()
-    tickets = TicketProtocol(w.ctx, ucx, release_delay=60)  # type: ignore[arg-type]
+    tickets = TicketProtocol(w.ctx, ucx, release_delay=60)
     await tickets.fetch(w.owners, ticket, w.job())
     tickets.flush()  # the fetcher closes: nothing may be left to the pins' expiry
     assert set(ucx.releases()) == set(SPANS)
@@ -107,7 +107,7 @@ async def test_ticket_merged_lane_reads_its_owners_in_one_call() -> None:
     outcome = w.timeline.first("outcome")
     await settle(5)
 
-    assert merging.merged_calls == [(0, 1, 2)] and not merging.reads and not w.lane.reads
+    assert merging.batch_calls == [(0, 1, 2)] and not merging.reads and not w.lane.reads
     t = w.timeline
     for cp in SPANS:
         assert t.last("landed", cp) < t.first("pin_word", cp) < outcome < t.first("notify")
@@ -126,7 +126,7 @@ async def landed_read(
     bytes have landed and the lane has told the landing, but its task has not heard yet (a
     GPU kernel that has passed). `before_the_data` runs while the read is in flight."""
     w, ucx, _, ticket = await ticket_world(merged=(0, 1, 2), mapped=(0, 1, 2))
-    tickets = TicketProtocol(w.ctx, ucx, release_delay=60)  # type: ignore[arg-type]  # a synchronous caller's
+    tickets = TicketProtocol(w.ctx, ucx, release_delay=60)  # a synchronous caller's
     merging, landing = w.merging, Landing()
     merging.gates[0], merging.heard = asyncio.Event(), asyncio.Event()
     job = Fetch("e0", ROOM, w.dst, Deadline.after(300), time.perf_counter(), landing)
@@ -201,7 +201,7 @@ async def test_ticket_merged_and_plain_lanes_read_at_once() -> None:
         gate.set()
     result = await fetch
 
-    assert merging.merged_calls == [(0, 2)] and w.lane.reads == [(1, SPANS[1])]
+    assert merging.batch_calls == [(0, 2)] and w.lane.reads == [(1, SPANS[1])]
     assert [s.cp_rank for s in result.owners] == [0, 1, 2]
     assert [s.path for s in result.owners] == ["merging", "fake", "merging"]
     np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))

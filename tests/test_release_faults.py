@@ -223,16 +223,14 @@ class _Words:
 
 
 class _Lane:
-    """In place of `UcxLane` for `Releases` alone: notifications recorded, peers by name."""
+    """In place of `Signals` for `Releases` alone: notifications recorded, peers by name."""
 
     def __init__(self, peers: set[str]) -> None:
         self.peers, self.sent, self.closed = peers, list[tuple[str, bytes]](), False
 
-    def connected(self, agent: str) -> bool:
-        return agent in self.peers
-
-    def notify(self, messages: list[tuple[str, bytes]]) -> None:
-        self.sent += messages
+    def notify(self, messages: list[tuple[str, bytes]]) -> list[str]:
+        self.sent += [(agent, m) for agent, m in messages if agent in self.peers]
+        return [agent for agent, _ in messages if agent not in self.peers]
 
 
 async def test_a_release_is_sent_again_only_while_its_pin_word_holds_and_not_past_the_pin():

@@ -71,7 +71,7 @@ def test_decode_workers_and_path(env, workers, path):
     try:
         fetcher = mgr.fetcher("127.0.0.1:9").result(timeout=60).fetcher  # nothing listens: not asked yet
         want = int(workers) if workers is not None else nixl.default_workers("DRAM")
-        assert len(fetcher._ucx.transport._workers) == want  # UCX workers made, each an agent
+        assert len(fetcher.transport._workers) == want  # UCX workers made, each an agent
         assert fetcher.path == (path or "auto")
     finally:
         mgr.close()

@@ -4,7 +4,7 @@ As vLLM's `FakeNixlWrapper` and httpx's `MockTransport` do, the protocols run ag
 stand-ins for what they drive: a `FakeLane` copying numpy "memory" (each read can be held
 on a gate, made to fail, and finishes its in-flight copy when cancelled), a `FakeClient`
 routing control requests to `FakeOwner`s, a `FakeFeed` (no pushed states: every wait
-falls back to a poll; its `aborted` raises when the test says), and a `FakeUcx` for pin
+falls back to a poll; its `aborted` raises when the test says), and a `FakeSignals` for pin
 words and notifications. Everything records into one `Timeline`, whose order is the clock:
 tests assert what happened before what, never how long anything took.
 

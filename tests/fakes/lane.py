@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,10 @@ class FakePeer:
 
 
 @dataclass
-class FakeMerged:
+class FakeBatch:
+    """A `Batch`: its peers' every layer read by one `FakeLane` read."""
+
+    lane: FakeLane
     peers: tuple[FakePeer, ...]
 
     @property
@@ -35,6 +39,9 @@ class FakeMerged:
     def page_bytes(self) -> int:
         return sum(b for _, b in self.shares)
 
+    def read(self, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None) -> Awaitable[float]:
+        return self.lane.read_batch(self, src, dst, dst_below, watch)
+
 
 class FakeLane:
     """A lane over numpy memory. A read of cp rank r waits on `gates[r]` (if any), then
@@ -42,8 +49,8 @@ class FakeLane:
     before raising, which takes `cancel_turns` turns of the loop (`drain`: it first waits
     for its gate, as a real READ runs to its end). No byte lands once a read has ended."""
 
-    def __init__(self, timeline: Timeline, mem: np.ndarray, *, merges: bool = False, name: str = "fake") -> None:
-        self.name, self.merges = name, merges
+    def __init__(self, timeline: Timeline, mem: np.ndarray, *, batches: bool = False, name: str = "fake") -> None:
+        self.name, self.batches = name, batches
         self.timeline, self.mem = timeline, mem
         self.gates: dict[int, asyncio.Event] = {}
         self.errors: dict[int, BaseException] = {}
@@ -52,7 +59,7 @@ class FakeLane:
         self.points: Awaits | None = None
         self.in_flight = 0
         self.reads: list[tuple[int, range]] = []  # (cp rank, layers) of each plain read
-        self.merged_calls: list[tuple[int, ...]] = []
+        self.batch_calls: list[tuple[int, ...]] = []  # cp ranks of each batch read
         self.heard: asyncio.Event | None = None  # set: a read's end reaches its task only then
 
     def reach(self, rank: RankDescriptor) -> str | None:
@@ -64,11 +71,8 @@ class FakeLane:
     async def close(self, peer: FakePeer) -> None:
         peer.closed = True
 
-    def group(self, expected: int) -> None:
-        return None
-
-    def merged(self, peers: tuple[FakePeer, ...]) -> FakeMerged | None:
-        return FakeMerged(peers) if self.merges else None
+    def batch(self, peers: tuple[FakePeer, ...]) -> FakeBatch | None:
+        return FakeBatch(self, peers) if self.batches else None
 
     def prime(self) -> None:
         pass
@@ -84,12 +88,13 @@ class FakeLane:
         self.reads.append((peer.cp_rank, layers))
         return await self._move([(peer.cp_rank, layers)], src, dst)
 
-    async def read_merged(
-        self, merged: FakeMerged, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
+    async def read_batch(
+        self, batch: FakeBatch, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
     ) -> float:
         assert int(dst.max()) < dst_below
-        self.merged_calls.append(tuple(p.cp_rank for p in merged.peers))
-        return (await self._move([(p.cp_rank, p.layers) for p in merged.peers], src, dst, watch)).seconds
+        assert not any(p.closed for p in batch.peers)
+        self.batch_calls.append(tuple(p.cp_rank for p in batch.peers))
+        return (await self._move([(p.cp_rank, p.layers) for p in batch.peers], src, dst, watch)).seconds
 
     async def _move(
         self, parts: list[tuple[int, range]], src: np.ndarray, dst: np.ndarray, watch: Watch | None = None

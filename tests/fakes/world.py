@@ -14,7 +14,7 @@ import numpy as np
 from tests.fakes.control import FakeClient, FakeFeed, FakeOwner
 from tests.fakes.lane import FakeLane
 from tests.fakes.memory import LAYERS, NUM_PAGES, PAGE, ROOM, SPANS
-from tests.fakes.pins import FakePins, FakeUcx
+from tests.fakes.pins import FakePins, FakeSignals
 from tests.fakes.timeline import Awaits, Timeline
 from tests.wire_helpers import LAYOUT, rank_descriptor
 from transfer.deadline import Deadline
@@ -73,7 +73,7 @@ async def world(
     `merged` ranks, which one that reads several together (`World.merging`) reads."""
     timeline = Timeline()
     mem = np.zeros((LAYERS, NUM_PAGES, PAGE), np.uint8)
-    lane, merging = FakeLane(timeline, mem), FakeLane(timeline, mem, merges=True, name="merging")
+    lane, merging = FakeLane(timeline, mem), FakeLane(timeline, mem, batches=True, name="merging")
     dst_ids = np.asarray(dst if dst is not None else [7, 3, 60, 11, 0], np.int64)
     fakes, owners = {}, {}
     for cp, span in SPANS.items():
@@ -141,11 +141,11 @@ def assert_given_up_once(w: World, released: set[int] = frozenset()) -> None:  #
 
 async def ticket_world(
     *, merged: tuple[int, ...] = (), mapped: tuple[int, ...] = (0, 1)
-) -> tuple[World, FakeUcx, TicketProtocol, RoomTicket]:
+) -> tuple[World, FakeSignals, TicketProtocol, RoomTicket]:
     """Three pinned owners: `mapped` ranks' pin tables mapped here (the rest READ over
     UCX); `merged` ranks on a lane that reads them together, the rest on a plain one."""
     w = await world(pins=True, merged=merged)
-    ucx = FakeUcx(w.timeline)
+    ucx = FakeSignals(w.timeline)
     for cp, o in w.owners.items():
         ucx.cp_of[o.rank.agent_name] = cp
         if cp in mapped:
@@ -156,7 +156,7 @@ async def ticket_world(
     src = w.fake[0].src_pages
     pins = [OwnerPin(cp_rank=cp, incarnation="abc", slot=SLOT, nonce=nonce(cp)) for cp in SPANS]
     ticket = RoomTicket(engine_id="e0", room=ROOM, src_pages=src, pins=pins)
-    return w, ucx, TicketProtocol(w.ctx, ucx), ticket  # type: ignore[arg-type]
+    return w, ucx, TicketProtocol(w.ctx, ucx), ticket
 
 
 def pin_checks(t: Timeline, cp: int) -> list[int]:

@@ -24,9 +24,10 @@ import numpy as np
 
 from pdkv.errors import PeerLostError, UnknownRoomError
 from transfer.deadline import Deadline
-from transfer.decode.owners import Owner, lost_peer
+from transfer.decode.batches import BatchSlot, ReadBatch
+from transfer.decode.owners import Owner, lost_peer, peers_of
 from transfer.decode.tasks import DecodeContext, Fetch
-from transfer.lanes.base import ReadGroup, ReadSlot, ReadStats
+from transfer.lanes.base import Lane, ReadStats
 from transfer.metadata import ClaimRequest, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
 from transfer.metrics import observe_read  # re-exported: the tickets' reads use it too
 from transfer.readiness import ReadinessFeed
@@ -78,7 +79,7 @@ class ClaimProtocol:
         try:
             first = await self.ctx.tasks.run(self.claim_arbiter(owners, claim, job.deadline))
             known = {r: first.get(r) or claim.states.pop(r, None) for r in owners}
-            slots = _slots(owners)
+            slots = _slots(owners, self.ctx.pool.layout.num_pages)
             tasks = [
                 asyncio.create_task(self._fetch_owner(o, claim, job, release, known[r], slots.get(r)))
                 for r, o in owners.items()
@@ -166,7 +167,7 @@ class ClaimProtocol:
         return answer
 
     async def _fetch_owner(
-        self, owner: Owner, claim: Claim, job: Fetch, release: bool, state: RoomState | None, slot: ReadSlot | None
+        self, owner: Owner, claim: Claim, job: Fetch, release: bool, state: RoomState | None, slot: BatchSlot | None
     ) -> OwnerStats:
         """Read one owner's layers, then release them there (while other owners still read)."""
         try:
@@ -181,7 +182,7 @@ class ClaimProtocol:
                 slot.close()  # others must not wait for an owner that read alone or failed
 
     async def _read_owner(
-        self, owner: Owner, claim: Claim, job: Fetch, state: RoomState | None, slot: ReadSlot | None
+        self, owner: Owner, claim: Claim, job: Fetch, state: RoomState | None, slot: BatchSlot | None
     ) -> OwnerStats:
         r = owner.rank
         t0 = time.perf_counter()
@@ -199,8 +200,8 @@ class ClaimProtocol:
         while True:
             if state.ready_upto > cursor:
                 layers = range(cursor, state.ready_upto)
-                if slot is not None and layers == whole:
-                    xfer = await slot.read(owner.peer, layers, src, job.dst)  # every layer ready: read as one
+                if slot is not None and layers == whole and owner.peer is not None:
+                    xfer = await slot.read(owner.peer, src, job.dst, job.deadline)  # every layer ready: read as one
                 else:
                     if slot is not None:
                         slot.close()
@@ -330,16 +331,18 @@ async def read_layers(owner: Owner, layers: range, src: np.ndarray, dst: np.ndar
     return xfer
 
 
-def _slots(owners: dict[int, Owner]) -> dict[int, ReadSlot]:
-    """A slot in a read group of its lane for each owner whose lane reads several as one."""
-    by_lane: dict[Any, list[int]] = {}
-    for r, o in owners.items():
-        by_lane.setdefault(o.lane, []).append(r)
-    slots: dict[int, ReadSlot] = {}
-    for lane, ranks in by_lane.items():
-        group: ReadGroup | None = lane.group(len(ranks)) if lane is not None else None
-        if group is not None:
-            slots.update((r, group.slot()) for r in ranks)
+def _slots(owners: dict[int, Owner], dst_below: int) -> dict[int, BatchSlot]:
+    """A slot in a read batch of its lane for each owner whose lane reads several as one
+    (`dst_below`: the destination page ids lie below it, checked against the pool)."""
+    by_lane: dict[Lane[Any], list[Owner]] = {}
+    for o in owners.values():
+        if o.lane is not None:
+            by_lane.setdefault(o.lane, []).append(o)
+    slots: dict[int, BatchSlot] = {}
+    for lane, group in by_lane.items():
+        if len(group) >= 2 and lane.batch(peers_of(group)) is not None:
+            batch = ReadBatch(lane, len(group), dst_below)
+            slots.update((o.rank.cp_rank, batch.slot()) for o in group)
     return slots
 
 

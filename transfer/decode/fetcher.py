@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 
-from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError, TransferError
+from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError
 from pdkv.pages import PageIds, page_ids
 from transfer.control import ControlClient
 from transfer.deadline import Deadline
@@ -42,11 +42,8 @@ from transfer.decode.owners import Owner, Owners, ticket_readable
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
 from transfer.decode.tickets import TicketProtocol
 from transfer.engine_kv import KVBuffers
-from transfer.lanes.base import Lane
-from transfer.lanes.runs import mem_type
-from transfer.lanes.ucx.lane import UcxLane
-from transfer.lanes.ucx.nixl import default_workers
-from transfer.lanes.ucx.transport import UcxTransport
+from transfer.lanes.base import Signals, Transport
+from transfer.lanes.choice import PATHS, check_path, lanes_for
 from transfer.logctx import failure_fields, request_context
 from transfer.metadata import RankDescriptor, RoomTicket
 from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
@@ -63,24 +60,20 @@ logger = logging.getLogger(__name__)
 class DecodeFetcher:
     """Fetches KV of prefill rooms into `pool`. Many fetches may run at once.
 
-    `ucx_workers` is how many threads post UCX READs (None: `default_workers`, one a core
-    up to 8, 4 for a GPU pool); an owner's READ is cut into pieces when workers outnumber
-    owners. `path` picks the lanes an owner may be read by, in order: "auto" reads owners
-    on this host's GPUs through the same-host GPU lane (CUDA IPC and one gather kernel) and
-    the rest over UCX; "ucx" and "cuda_ipc" force one (the latter fails the lookup of an
-    engine it cannot reach so). `time_kernels`: the GPU lane times each gather kernel on
-    the GPU, in `OwnerStats.read_seconds` (else from its launch to the bytes in place); it
-    costs each fetch host time. `release_delay`: seconds a room read as a ticket's
-    waits after the fetch returned before its releases go (`TicketProtocol`; for callers
-    polling from another thread).
+    `path` picks the lanes an owner may be read by, in order (one of `PATHS`: "auto"
+    prefers a lane of this host where one reaches the owner, the others force one lane);
+    `ucx_workers`, `merge_runs` and `time_kernels` tune them (`transfer.lanes.choice`;
+    timed kernels, in `OwnerStats.read_seconds`, cost each fetch host time).
+    `release_delay`: seconds a room read as a ticket's waits after the fetch returned
+    before its releases go (`TicketProtocol`; for callers polling from another thread).
     """
 
-    PATHS = ("auto", "ucx", "cuda_ipc")
+    PATHS = PATHS
 
     # Made by start(); the activity check keeps every call out until then.
     _owners: Owners
     _tickets: TicketProtocol
-    _ucx: UcxLane
+    _signals: Signals
 
     def __init__(
         self,
@@ -96,10 +89,7 @@ class DecodeFetcher:
         time_kernels: bool = False,
         release_delay: float = 0.0,
     ) -> None:
-        if path not in self.PATHS:
-            raise ValueError(f"path must be one of {self.PATHS}, not {path!r}")
-        if path == "cuda_ipc" and pool.device.type != "cuda":
-            raise ValueError("the cuda_ipc path needs a decode pool on a GPU")
+        check_path(path, pool)
         if len(pool.owned) != pool.layout.layer_num:
             raise IncompatibleLayoutError("a decode pool must hold every layer")
         self.path, self.time_kernels, self.merge_runs = path, time_kernels, merge_runs
@@ -115,45 +105,25 @@ class DecodeFetcher:
         self._claims = ClaimProtocol(self._ctx)
 
     async def start(self) -> None:
-        mem = mem_type(self.pool.device)
-        transport = UcxTransport(
-            f"{self.consumer_id}.{uuid.uuid4().hex[:8]}",
-            workers=self._workers or default_workers(mem),
-            mem_type=mem,
+        lanes, self._signals, strict = lanes_for(
+            self.pool,
+            self.path,
+            self.consumer_id,
             timeouts=self.timeouts,
-            notifies=True,  # ticket releases
+            workers=self._workers,
+            merge_runs=self.merge_runs,
+            time_kernels=self.time_kernels,
+            secret=self._secret,
         )
-        self._ucx = UcxLane(transport, merge_runs=self.merge_runs)
-        self._tickets = TicketProtocol(self._ctx, self._ucx, self._release_delay)
-        transport.register([*self.pool.registered_buffers(), self._tickets.pin_windows])
-        lanes: list[Lane] = []
-        if self.pool.device.type == "cuda" and self.path != "ucx":
-            from transfer.lanes.cuda_ipc.lane import CudaIpcLane  # needs CUDA: only where a GPU is
-
-            try:
-                gpu = CudaIpcLane(
-                    self.pool.device,
-                    time_kernels=self.time_kernels,
-                    secret=self._secret,
-                    fd_timeout=self.timeouts.connect,
-                )
-            except TransferError as exc:  # no driver bindings (the `gpu` extra), say
-                if self.path == "cuda_ipc":
-                    raise
-                logger.warning("no same-host GPU lane, every owner over UCX: %s", exc)
-            else:
-                lanes.append(gpu)
-        if self.path != "cuda_ipc":
-            lanes.append(self._ucx)
-        self._owners = Owners(
-            self.pool, self._registry, self.timeouts, lanes, self._ucx, strict=self.path == "cuda_ipc"
-        )
+        self._tickets = TicketProtocol(self._ctx, self._signals, self._release_delay)
+        self._signals.register(self._tickets.pin_windows)
+        self._owners = Owners(self.pool, self._registry, self.timeouts, lanes, self._signals, strict=strict)
         self._activity.open = True
 
     async def aclose(self) -> None:
         """Refuse new fetches, end those in flight with `ClosedError` (their claims given
-        up), then drop connections and registrations. A read that cannot be stopped (one
-        launch over every owner on the GPU lane, well under a millisecond) ends first."""
+        up), then drop connections and registrations. A read that cannot be stopped (a batch
+        of every owner on a lane of this host, well under a millisecond) ends first."""
         activity = self._activity
         started, activity.closing = activity.open, True
         if started:
@@ -168,12 +138,11 @@ class DecodeFetcher:
         await self._ctx.client.aclose()
         if started:
             self._tickets.flush()  # before the connections go, and driven out before they do
-            await self._ucx.transport.drain_notifications()
+            await self._signals.drain()
             await self._owners.aclose()
             for lane in self._owners.lanes:
-                if lane is not self._ucx:
-                    await lane.aclose()
-            await self._ucx.aclose()
+                await lane.aclose()
+            await self._signals.aclose()
             activity.open = False
 
     async def __aenter__(self) -> DecodeFetcher:
@@ -184,9 +153,10 @@ class DecodeFetcher:
         await self.aclose()
 
     @property
-    def transport(self) -> UcxTransport | None:
-        """The UCX transport (READ workers, registrations), once started and until closed."""
-        return self._ucx.transport if self._activity.open else None
+    def transport(self) -> Transport | None:
+        """The transport of the signals and the UCX lane (READ workers, connections), once
+        started and until closed."""
+        return self._signals.transport if self._activity.open else None
 
     async def forget(self, engine_id: str) -> None:
         """Drop a cached engine and its peers' connections and keys."""
@@ -207,7 +177,7 @@ class DecodeFetcher:
     ) -> FetchResult:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
-        `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or CUDA
+        `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or GPU
         tensor), one per source page, checked before anything is asked. `deadline` (a
         request's end-to-end budget, passed through unchanged) or `timeout` (seconds from
         now): give at most one; with neither, `Timeouts.fetch` applies. `ticket`: the
@@ -219,7 +189,7 @@ class DecodeFetcher:
         one of that many reads of the room by one group (a decode's attention-TP ranks,
         each reading it whole by claims): the room grants at least that many claims.
         `landing`: for a caller polling from another thread (`transfer.sync`), where a
-        ticket's read is one launch on the GPU lane, that thread may see it land.
+        ticket's read is one batch on a lane that hears it land, that thread may see it land.
         """
         started = time.perf_counter()
         self._activity.check()
@@ -242,8 +212,8 @@ class DecodeFetcher:
             fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
             logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
             raise
-        # Recorded once the caller has its result: a fetch of a finished room through the GPU
-        # lane takes well under a millisecond, and on a CPU just woken each step costs more.
+        # Recorded once the caller has its result: a fetch of a finished room through a lane
+        # of this host takes well under a millisecond, and on a CPU just woken each step costs more.
         asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
 

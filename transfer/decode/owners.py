@@ -3,7 +3,7 @@
 A lookup asks the registry for the engine's ranks (waiting until all are in), checks that
 they cover every layer once and match the local layout, then opens each owner on the first
 lane of the fetcher's ordered list that can reach it. Owners that publish a pin table are
-also connected over UCX, whatever lane reads them: their releases are UCX notifications.
+also connected for signals, whatever lane reads them: their pin words and releases go there.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,16 +27,15 @@ from pdkv.errors import (
 from pdkv.layout import BufferKind
 from transfer.deadline import Deadline
 from transfer.engine_kv import KVBuffers
-from transfer.lanes.base import Lane, Pairs
+from transfer.lanes.base import Lane, Pairs, Peer, Signals
 from transfer.lanes.runs import BufferPair, device_id
-from transfer.lanes.ucx.lane import UcxLane
 from transfer.metadata import EngineDescriptor, RankDescriptor, RoomTicket
 from transfer.metrics import observe_lookup
 from transfer.prefill.pins import MappedPins, map_pins
 from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
 
-__all__ = ["Owner", "Owners", "buffer_pairs", "check_owners", "lost_peer", "pinned"]
+__all__ = ["Owner", "Owners", "buffer_pairs", "check_owners", "lost_peer", "peers_of", "pinned"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,10 @@ class Owner:
 
     rank: RankDescriptor
     pairs: Pairs  # layer -> (latent, index)
-    lane: Lane | None = None
-    peer: Any = None  # what `lane` opened for it
+    lane: Lane[Any] | None = None
+    peer: Peer | None = None  # what `lane` opened for it
     pins: MappedPins | None = None  # its pin table, mapped when it runs on this host
-    signalled: bool = False  # also connected over UCX (for notifications and pin words) beside its lane
+    signalled: bool = False  # connected for signals (pin words, notifications) beside its lane
 
     @property
     def path(self) -> str:
@@ -62,8 +62,8 @@ class Owners:
     """The engines a fetcher has looked up, cached; concurrent fetches share one lookup.
 
     `lanes`: tried in order for each owner; `strict`: an owner none of them reaches fails
-    the lookup (else the last lane is taken, which must reach every owner). `ucx` carries
-    notifications and remote pin words.
+    the lookup (else the last lane is taken, which must reach every owner). `signals`
+    carries notifications and remote pin words (`transfer.lanes.choice.lanes_for`).
     """
 
     def __init__(
@@ -71,13 +71,13 @@ class Owners:
         pool: KVBuffers,
         registry: RegistryClient,
         timeouts: Timeouts,
-        lanes: list[Lane],
-        ucx: UcxLane,
+        lanes: list[Lane[Any]],
+        signals: Signals,
         *,
         strict: bool = False,
     ) -> None:
         self.pool, self._registry, self.timeouts = pool, registry, timeouts
-        self.lanes, self.ucx, self.strict = lanes, ucx, strict
+        self.lanes, self.signals, self.strict = lanes, signals, strict
         self.cached: dict[str, dict[int, Owner]] = {}
         self._lookups: dict[str, asyncio.Task[dict[int, Owner]]] = {}
         self.closing = False
@@ -142,8 +142,8 @@ class Owners:
                 if o.rank.pins is not None:
                     o.pins = map_pins(o.rank.pins)
                 await self._open_lane(o)
-                if o.rank.pins is not None and o.lane is not self.ucx:
-                    await self.ucx.open(o.rank, o.pairs)  # its releases are notifications
+                if o.rank.pins is not None:  # its releases are notifications
+                    await self.signals.connect(o.rank)
                     o.signalled = True
         except BaseException:
             await self._close(owners)
@@ -185,7 +185,7 @@ class Owners:
                 await lane.close(o.peer)  # a dead owner's memory is freed only then
             if o.signalled:
                 o.signalled = False
-                await self.ucx.transport.remove_peer(o.rank.agent_name)
+                await self.signals.disconnect(o.rank)
 
     async def reregistered(
         self, engine_id: str, owners: dict[int, Owner], was_cached: bool, budget: Deadline
@@ -284,6 +284,16 @@ def lost_peer(rank: RankDescriptor, exc: PeerLostError) -> PeerLostError:
     return PeerLostError(
         f"engine {rank.engine_id} cp rank {rank.cp_rank} ({rank.control_url}) lost: {exc}", rank.agent_name, owner
     )
+
+
+def peers_of(owners: Iterable[Owner]) -> tuple[Peer, ...]:
+    """What the lanes opened for `owners`, by CP rank (a batch of them is made once for these)."""
+    peers = []
+    for o in sorted(owners, key=lambda o: o.rank.cp_rank):
+        if o.peer is None or o.lane is None:  # forgotten meanwhile (its engine re-registered or a peer was lost)
+            raise PeerLostError(f"cp rank {o.rank.cp_rank}: its connection was dropped", o.rank.agent_name)
+        peers.append(o.peer)
+    return tuple(peers)
 
 
 def pinned(owners: dict[int, Owner]) -> bool:

@@ -1,12 +1,13 @@
 """Releases by notification that reach their owner whatever the network drops.
 
-A room read by its ticket, or by a claim proved by the pin words, is released by a UCX
-notification (`TicketRelease`, `ClaimRelease`): no answer, no round trip after the read.
-A notification can be lost, and one lost held the room's pages until its pin expired. The
-owner clears the room's pin word before it frees the pages, so the decode can see, without
-asking, whether its release took: while the word still holds the room's nonce, the release
-is sent again (`Timeouts.release_resend`, for `release_resend_slow` seconds, then every
-`release_resend_slow` seconds), until the word changes or the pin would have expired.
+A room read by its ticket, or by a claim proved by the pin words, is released by a
+notification (`TicketRelease`, `ClaimRelease`, through `Signals.notify`): no answer, no
+round trip after the read. A notification can be lost, and one lost held the room's pages
+until its pin expired. The owner clears the room's pin word before it frees the pages, so
+the decode can see, without asking, whether its release took: while the word still holds
+the room's nonce, the release is sent again (`Timeouts.release_resend`, for
+`release_resend_slow` seconds, then every `release_resend_slow` seconds), until the word
+changes or the pin would have expired.
 
 Sending again is safe: an owner acts on a release only while it names the live room's pin
 (slot and nonce) or an open claim's random token, so a copy that comes late, after the room
@@ -27,7 +28,7 @@ import torch
 from pdkv.errors import PdkvError, PeerLostError
 from transfer.deadline import Deadline
 from transfer.decode.owners import Owner
-from transfer.lanes.ucx.lane import UcxLane
+from transfer.lanes.base import Signals
 from transfer.metadata import OwnerPin
 from transfer.metrics import observe_notification_failure, observe_retransmission
 from transfer.timeouts import Timeouts
@@ -57,8 +58,8 @@ class Releases:
     `window`: a registered host tensor of at least one pin window, this object's own, that
     the words of owners whose tables are not mapped here are READ into."""
 
-    def __init__(self, ucx: UcxLane, timeouts: Timeouts, window: torch.Tensor) -> None:
-        self.ucx, self.timeouts, self._window = ucx, timeouts, window
+    def __init__(self, signals: Signals, timeouts: Timeouts, window: torch.Tensor) -> None:
+        self.signals, self.timeouts, self._window = signals, timeouts, window
         self._pending: list[_Pending] = []
         self._watcher: asyncio.Task[None] | None = None
         self.resent = 0  # notifications sent again (each a release its owner had not acted on yet)
@@ -73,23 +74,20 @@ class Releases:
         """Send each (owner, pin, message) now, and watch each pin until it shows the release
         took. An owner with no connection left (forgotten, lost) is skipped: its room
         table went with it, or its pin expires there. `kind`: release, or give_up."""
-        if self.ucx.closed:  # closed meanwhile
+        if self.signals.closed:  # closed meanwhile
             logger.info("release of room %d: the fetcher is closed (its pins expire instead)", room)
             return
-        reachable = [(o, pin, m) for o, pin, m in releases if self.ucx.connected(o.rank.agent_name)]
-        for o, _, _ in releases:
-            if not self.ucx.connected(o.rank.agent_name):
-                logger.info("release of room %d: no connection to %s (its pin expires there)", room, o.rank.agent_name)
-                observe_notification_failure(kind)
-        if not reachable:
-            return
         try:
-            self.ucx.notify([(o.rank.agent_name, m) for o, _, m in reachable])
+            unsent = set(self.signals.notify([(o.rank.agent_name, m) for o, _, m in releases]))
         except PdkvError as exc:
             logger.info("release of room %d: %s (its pins expire instead)", room, exc)
-            for _ in reachable:
+            for _ in releases:
                 observe_notification_failure(kind)
             return
+        reachable = [(o, pin, m) for o, pin, m in releases if o.rank.agent_name not in unsent]
+        for agent in unsent:
+            logger.info("release of room %d: no connection to %s (its pin expires there)", room, agent)
+            observe_notification_failure(kind)
         now = time.monotonic()
         due = now + self.timeouts.release_resend
         self._pending += [_Pending(o, pin, room, m, now, due, kind) for o, pin, m in reachable]
@@ -107,7 +105,7 @@ class Releases:
 
     async def _watch(self) -> None:
         try:
-            while self._pending and not self.ucx.closed:
+            while self._pending and not self.signals.closed:
                 # At least every `release_resend`: a release sent meanwhile is looked at in time.
                 wake = min(p.due for p in self._pending) - time.monotonic()
                 await asyncio.sleep(min(max(0.0, wake), self.timeouts.release_resend))
@@ -146,20 +144,20 @@ class Releases:
 
     async def _word(self, p: _Pending, read: dict[tuple[str, int], torch.Tensor]) -> int:
         """`p`'s pin word: a load where the owner's table is mapped here, else from a window of
-        words READ over UCX (one READ a round for every release to that owner in the window:
-        one each, one after another, took seconds a round on a loaded host)."""
+        words READ through the signals (one READ a round for every release to that owner in the
+        window: one each, one after another, took seconds a round on a loaded host)."""
         mapped, agent = p.owner.pins, p.owner.rank.agent_name
         if mapped is not None:
             return mapped.word(p.pin.slot)
         table = p.owner.rank.pins
-        if table is None or not self.ucx.connected(agent):
-            raise PeerLostError("no connection left to read its pin word", agent)
+        if table is None:
+            raise PeerLostError("no pin table to read its word from", agent)
         first = p.pin.slot - p.pin.slot % len(self._window)
         words = read.get((agent, first))
         if words is None:
             window = self._window[: min(len(self._window), table.slots - first)]
             deadline = Deadline.after(self.timeouts.request)
-            await self.ucx.read_word(agent, table.addr + 8 * first, window, deadline)
+            await self.signals.read_word(agent, table.addr + 8 * first, window, deadline)
             words = read[(agent, first)] = window.clone()
         return int(words[p.pin.slot - first])
 
@@ -169,11 +167,12 @@ class Releases:
         if not again:
             return []
         t = self.timeouts
-        sendable = [p for p in again if self.ucx.connected(p.owner.rank.agent_name)]
+        unsent: set[str] = set()
         try:
-            self.ucx.notify([(p.owner.rank.agent_name, p.message) for p in sendable])
+            unsent.update(self.signals.notify([(p.owner.rank.agent_name, p.message) for p in again]))
         except PdkvError as exc:
             logger.info("resending releases: %s", exc)
+        sendable = [p for p in again if p.owner.rank.agent_name not in unsent]
         for p in sendable:
             p.sends += 1
             observe_retransmission(p.kind)

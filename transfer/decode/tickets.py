@@ -2,10 +2,10 @@
 
 With a `RoomTicket` (a finished room, handed over by its prefill through the router) a
 fetch makes no control request at all: every owner is read at once (owners on a lane that
-reads several together, in one operation), then each owner's pin word is checked; the
+reads several together, as one batch), then each owner's pin word is checked; the
 nonce still being there proves that no page was freed while it was read. Words of owners
-on this host are loads from their mapped tables; others are READ over UCX. The room is
-then released by a UCX notification to each owner, `release_delay` seconds after the fetch
+on this host are loads from their mapped tables; others are READ through the signals. The
+room is then released by a notification to each owner, `release_delay` seconds after the fetch
 returned (see `TicketProtocol`), sent again while the owner's pin word shows it has not
 taken (`transfer.decode.releases`).
 """
@@ -28,11 +28,10 @@ from pdkv.errors import ClaimLostError, MetadataError, PeerLostError
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, observe_read, owner_urls, read_layers
 from transfer.decode.landing import Landing
-from transfer.decode.owners import Owner, lost_peer
+from transfer.decode.owners import Owner, lost_peer, peers_of
 from transfer.decode.releases import Releases
 from transfer.decode.tasks import DecodeContext, Fetch
-from transfer.lanes.base import Lane
-from transfer.lanes.ucx.lane import UcxLane
+from transfer.lanes.base import Batch, Lane, Peer, Signals
 from transfer.metadata import ClaimRelease, OwnerPin, RoomTicket, TicketRelease, encode
 from transfer.results import FetchResult, OwnerStats
 
@@ -50,20 +49,20 @@ PinRelease = Callable[[list[tuple[Owner, OwnerPin]], int], None]  # how a proved
 class PreparedTicket:
     """A ticket's read laid out before its destination pages are known: its source pages
     as an array, each owner with its pin, and the owners each lane reads together with
-    their route (looked up once). A room claimed ahead is prepared as its claim is granted
+    their batch (made once). A room claimed ahead is prepared as its claim is granted
     (`RoomLease`), so that once its pages are named only their check and the launch remain."""
 
     room: int
     urls: dict[str, int]  # each owner's control URL and CP rank (its pushed aborts)
     src: np.ndarray
     every: list[tuple[Owner, OwnerPin]]
-    together: list[tuple[Lane, list[tuple[Owner, OwnerPin]], Any]]  # a merging lane, its owners, their route
+    together: list[tuple[Lane[Any], list[tuple[Owner, OwnerPin]], Batch[Peer]]]  # a lane, its owners, their batch
     alone: list[tuple[Owner, OwnerPin]]  # owners read one at a time
     aux: bytes | None = None  # the request's auxiliary bytes, where the owners' states carried them
 
 
 class TicketProtocol:
-    """Reads rooms by their tickets. `ucx` READs remote pin words and sends the releases.
+    """Reads rooms by their tickets. `signals` READs remote pin words and sends the releases.
 
     `release_delay`: seconds a proved room's releases wait after the fetch returned. 0 (an
     async caller): at the loop's next turn, after the caller's own continuation. A caller
@@ -72,11 +71,11 @@ class TicketProtocol:
     seeing its read done, however often it polled. `flush`
     sends those still waiting (at close)."""
 
-    def __init__(self, ctx: DecodeContext, ucx: UcxLane, release_delay: float = 0.0) -> None:
-        self.ctx, self.ucx, self.release_delay = ctx, ucx, release_delay
+    def __init__(self, ctx: DecodeContext, signals: Signals, release_delay: float = 0.0) -> None:
+        self.ctx, self.signals, self.release_delay = ctx, signals, release_delay
         # Owners' pin words land here; the last window is the releases' own (their checks).
         self.pin_windows = torch.zeros((PIN_WINDOWS + 1, PIN_WINDOW), dtype=torch.int64)
-        self.releases = Releases(ucx, ctx.timeouts, self.pin_windows[PIN_WINDOWS])
+        self.releases = Releases(signals, ctx.timeouts, self.pin_windows[PIN_WINDOWS])
         self._next_window = 0
         self._deferred: dict[asyncio.TimerHandle, Callable[[], None]] = {}  # releases waiting out the delay
 
@@ -84,12 +83,9 @@ class TicketProtocol:
         """`ticket`'s read over `owners`, laid out before its destination pages are known
         (`aux`: the request's auxiliary bytes, which the result then carries)."""
         pins = {p.cp_rank: p for p in ticket.pins}
-        merges = _merged_lanes(owners)
-        together = [
-            (lane, [(o, pins[r]) for r, o in group.items()], lane.merged(tuple(o.peer for o in group.values())))
-            for lane, group in merges.items()
-        ]
-        alone = [(o, pins[r]) for r, o in owners.items() if o.lane not in merges]
+        batches = _batches(owners)
+        together = [(lane, [(o, pins[r]) for r, o in group.items()], batch) for lane, (group, batch) in batches.items()]
+        alone = [(o, pins[r]) for r, o in owners.items() if o.lane not in batches]
         every = [(o, pins[r]) for r, o in owners.items()]
         src = np.asarray(ticket.src_pages, dtype=np.int64)
         return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone, aux)
@@ -110,12 +106,12 @@ class TicketProtocol:
         reads = [self._read_with_pin(o, pin, room, src, job) for o, pin in prepared.alone]
         try:
             if not reads and len(prepared.together) == 1:  # every owner on one lane: one read, awaited in this task
-                lane, pinned, merged = prepared.together[0]
+                lane, pinned, batch = prepared.together[0]
                 landing = job.landing if all(o.pins is not None for o, _ in pinned) else None
-                merged_read = self._read_merged_with_pins(lane, pinned, merged, room, src, job, landing, prepared.aux)
-                per_task = [await merged_read]
+                batch_read = self._read_batch_with_pins(lane, pinned, batch, room, src, job, landing, prepared.aux)
+                per_task = [await batch_read]
             else:
-                reads += [self._read_merged_with_pins(*together, room, src, job) for together in prepared.together]
+                reads += [self._read_batch_with_pins(*together, room, src, job) for together in prepared.together]
                 aborted = self.ctx.feed.aborted(prepared.urls, room) if release is not None else None
                 per_task = await self.ctx.tasks.each(reads, aborted)
         except BaseException:  # every read has ended: release at once
@@ -163,18 +159,18 @@ class TicketProtocol:
         span, elapsed = (layers.start, layers.stop), time.perf_counter() - t0
         return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.path)]
 
-    async def _read_merged_with_pins(
+    async def _read_batch_with_pins(
         self,
-        lane: Lane,
+        lane: Lane[Any],
         pinned: list[tuple[Owner, OwnerPin]],
-        merged: Any,
+        batch: Batch[Peer],
         room: int,
         src: np.ndarray,
         job: Fetch,
         landing: Landing | None = None,
         aux: bytes | None = None,
     ) -> list[OwnerStats]:
-        """Read every layer of these owners (one lane's, `merged` its route over them) as one
+        """Read every layer of these owners (one lane's, `batch` over them) as one
         operation, then prove each one's pin; each owner's share of the time is its share of
         the bytes. With a `landing` (every pin table mapped: the proof is loads), the lane's
         own thread may prove the bytes as they land and leave the result for a polling caller
@@ -185,12 +181,12 @@ class TicketProtocol:
 
             def proved_result() -> FetchResult:  # the result as the lane's thread reports it
                 elapsed = time.perf_counter() - t0  # the read's seconds too: the GPU's own are read on the loop
-                return _result(job, room, _merged_stats(lane, merged, src.size, elapsed, elapsed), aux)
+                return _result(job, room, _batch_stats(lane, batch, src.size, elapsed, elapsed), aux)
 
             landing.arm(prove, proved_result)
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
-            seconds = await lane.read_merged(merged, src, job.dst, self.ctx.pool.layout.num_pages, landing)
+            seconds = await batch.read(src, job.dst, self.ctx.pool.layout.num_pages, landing)
             if landing is not None:
                 landing.check(prove)
             elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
@@ -198,7 +194,7 @@ class TicketProtocol:
         except PeerLostError as exc:
             raise _lost_among(pinned, exc) from exc
         asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
-        return _merged_stats(lane, merged, src.size, time.perf_counter() - t0, seconds)
+        return _batch_stats(lane, batch, src.size, time.perf_counter() - t0, seconds)
 
     async def _prove_pins(self, pinned: list[tuple[Owner, OwnerPin]], room: int, deadline: Deadline) -> None:
         """Check each owner's pin word for `room` after its data: still the nonce, or raise.
@@ -211,17 +207,17 @@ class TicketProtocol:
             _check_pin_word(pin, room, await self._read_pin(owner, pin, deadline))
 
     async def _read_pin(self, owner: Owner, pin: OwnerPin, deadline: Deadline) -> int:
-        """The pin word READ over UCX (an owner on another host)."""
+        """The pin word READ through the signals (an owner on another host)."""
         assert owner.rank.pins is not None
-        # A window of words around the slot, not the word alone: on loopback an 8-byte READ
-        # is emulated with messages the owner must progress, while 16 KiB go by cma's zero
-        # copy like the data.
+        # A window of words around the slot, not the word alone: a transport may emulate an
+        # 8-byte READ with messages the owner must progress (UCX on loopback), while 16 KiB
+        # go by zero copy like the data.
         self._next_window = (self._next_window + 1) % PIN_WINDOWS
         local = self.pin_windows[self._next_window]
         first = pin.slot - pin.slot % len(local)
         window = local[: min(len(local), owner.rank.pins.slots - first)]
         addr = owner.rank.pins.addr + 8 * first
-        await self.ucx.read_word(owner.rank.agent_name, addr, window, deadline.within(self.ctx.timeouts.request))
+        await self.signals.read_word(owner.rank.agent_name, addr, window, deadline.within(self.ctx.timeouts.request))
         return int(window[pin.slot - first])
 
     def _release_later(self, send: Callable[[], None], delay: float | None = None) -> None:
@@ -269,23 +265,28 @@ def _lost_among(pinned: list[tuple[Owner, OwnerPin]], exc: PeerLostError) -> Pee
     return lost_peer(lost, exc) if lost is not None else exc
 
 
-def _merged_lanes(owners: dict[int, Owner]) -> dict[Lane, dict[int, Owner]]:
-    """Owners whose lane reads several together, by lane."""
-    by_lane: dict[Lane, dict[int, Owner]] = {}
+def _batches(owners: dict[int, Owner]) -> dict[Lane[Any], tuple[dict[int, Owner], Batch[Peer]]]:
+    """Owners whose lane reads several as one batch, by lane, with their batch."""
+    by_lane: dict[Lane[Any], dict[int, Owner]] = {}
     for r, o in owners.items():
         if o.lane is None:  # forgotten meanwhile (its engine re-registered or a peer was lost)
             raise PeerLostError(f"cp rank {r}: its connection was dropped", o.rank.agent_name)
         by_lane.setdefault(o.lane, {})[r] = o
-    return {lane: group for lane, group in by_lane.items() if lane.merges}
+    batches = {}
+    for lane, group in by_lane.items():
+        batch = lane.batch(peers_of(group.values()))
+        if batch is not None:
+            batches[lane] = (group, batch)
+    return batches
 
 
-def _merged_stats(lane: Lane, merged: Any, pages: int, elapsed: float, seconds: float) -> list[OwnerStats]:
-    """Each owner of a merged read of `pages` pages (by CP rank), its share of the time its
+def _batch_stats(lane: Lane[Any], batch: Batch[Peer], pages: int, elapsed: float, seconds: float) -> list[OwnerStats]:
+    """Each owner of a batch read of `pages` pages (by CP rank), its share of the time its
     share of the bytes."""
-    per_byte = seconds / max(1, merged.page_bytes)
+    per_byte = seconds / max(1, batch.page_bytes)
     return [
         OwnerStats(p.cp_rank, (p.layers.start, p.layers.stop), b * pages, 0, 1, elapsed, b * per_byte, lane.name)
-        for p, b in merged.shares
+        for p, b in batch.shares
     ]
 
 

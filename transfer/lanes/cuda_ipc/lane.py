@@ -36,20 +36,18 @@ from transfer.lanes.cuda_ipc.plan import (
     GatherTable,
     gather_plan,
     gather_table,
-    merge_gather_plans,
     merge_gather_tables,
     route_pages,
-    shares_source_pages,
 )
 from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
 from transfer.lanes.runs import BufferPair
 from transfer.metadata import RankDescriptor
 
-__all__ = ["CudaIpcLane", "IpcPeer", "LaneRoute", "LaunchGroup", "LaunchSlot", "ipc_unreachable"]
+__all__ = ["CudaIpcLane", "GatherBatch", "IpcPeer", "ipc_unreachable"]
 
 logger = logging.getLogger(__name__)
 
-_MERGED_KEPT = 64  # merged tables and routes kept, each
+_MERGED_KEPT = 64  # merged tables and batches kept, each
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -99,17 +97,33 @@ class IpcPeer:
 
 
 @dataclass(frozen=True, eq=False)
-class LaneRoute:
-    """Owners of a room on this host's GPUs, read with one launch over one source page list
-    (a ticket's room): their tables merged once, so a fetch only checks and sends its pages."""
+class GatherBatch:
+    """Owners of a room on this host's GPUs, every layer of each read with one launch over
+    one source page list: their tables merged once, so a read only checks and sends its pages."""
 
     peers: tuple[IpcPeer, ...]
     table: GatherTable
     shares: tuple[tuple[IpcPeer, int], ...]  # each owner and its bytes a page, by CP rank
+    gather: Gatherer = field(repr=False)
 
     @property
     def page_bytes(self) -> int:
         return self.table.page_bytes
+
+    # The launch's awaitable is returned rather than wrapped in a coroutine of its own: each
+    # layer of coroutines costs a fetch microseconds on a host just woken. Everything is
+    # checked before it returns, and the launch goes as the awaitable starts.
+    def read(self, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None) -> Awaitable[float]:
+        """Gather `src` pages of every layer of the owners into `dst` pages (ids known to lie
+        below `dst_below`) with one launch; await it for its seconds (`Gatherer.run`) once
+        the bytes are in place. `watch`: as `Gatherer.run`. The ids are checked here,
+        vectorised, and go to the kernel as they are: no plan is built."""
+        table = self.table
+        src, dst = route_pages(table, src, dst, dst_below)
+        _check_open(self.peers)
+        if src.size == 0 or table.buffers == 0:  # nothing to launch
+            return self.gather.run(gather_plan(table, [src], dst), watch)
+        return self.gather.run_pages(table, src, dst, watch)
 
 
 def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
@@ -146,7 +160,7 @@ class CudaIpcLane:
         self._peers: set[IpcPeer] = set()
         # Tables of several owners merged, by their parts: a room's owners go out as one launch.
         self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
-        self._routes: dict[tuple[IpcPeer, ...], LaneRoute] = {}
+        self._batches: dict[tuple[IpcPeer, ...], GatherBatch] = {}
 
     def reach(self, rank: RankDescriptor) -> str | None:
         return ipc_unreachable(rank, self.device)
@@ -218,11 +232,6 @@ class CudaIpcLane:
     def plan(peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> GatherPlan:
         return gather_plan(peer.table(layers), [src], dst)
 
-    def merge(self, plans: list[GatherPlan]) -> GatherPlan:
-        """One launch for `plans` into the same destination pages, its table merged once."""
-        plans = [p for p in plans if p.buffers]
-        return merge_gather_plans(plans, self._merged_table([p.table for p in plans], shares_source_pages(plans)))
-
     def _merged_table(self, tables: list[GatherTable], shared_pages: bool) -> GatherTable:
         return _cached(self._merged, (tuple(tables), shared_pages), lambda: merge_gather_tables(tables, shared_pages))
 
@@ -230,44 +239,15 @@ class CudaIpcLane:
         """Ready the GPU for a launch that is about to come (see `Gatherer.prime`)."""
         self._gather.prime()
 
-    def route(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
-        """The route that reads every layer of `peers` (one room's owners) in one launch."""
+    def batch(self, peers: tuple[IpcPeer, ...]) -> GatherBatch:
+        """Every layer of `peers` (a room's owners) read with one launch."""
 
-        def make() -> LaneRoute:
+        def make() -> GatherBatch:
             table = self._merged_table([peer.table(peer.layers) for peer in peers], True)
             shares = tuple((p, p.table(p.layers).page_bytes) for p in sorted(peers, key=lambda p: p.cp_rank))
-            return LaneRoute(peers, table, shares)
+            return GatherBatch(peers, table, shares, self._gather)
 
-        return _cached(self._routes, peers, make)
-
-    # `read_route` and `run` return the launch's awaitable rather than wrapping it in a
-    # coroutine of their own: each layer of coroutines costs a fetch microseconds on a host
-    # just woken. Both check everything before they return, and launch as the awaitable starts.
-
-    def read_route(
-        self, route: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
-    ) -> Awaitable[float]:
-        """Gather `src` pages of every layer of `route`'s owners into `dst` pages (ids known
-        to lie below `dst_below`) with one launch; await it for its seconds
-        (`Gatherer.run`) once the bytes are in place. `watch`: as `Gatherer.run`. The ids
-        are checked here, vectorised, and go to the kernel as they are: no plan is built."""
-        table = route.table
-        src, dst = route_pages(table, src, dst, dst_below)
-        if src.size == 0 or table.buffers == 0:
-            return self.run(gather_plan(table, [src], dst), route.peers, watch)  # nothing to launch
-        self._check_open(route.peers)
-        return self._gather.run_pages(table, src, dst, watch)
-
-    def run(self, plan: GatherPlan, peers: Sequence[IpcPeer], watch: Watch | None = None) -> Awaitable[float]:
-        """Launch `plan`, which reads `peers`; await it for its seconds once the bytes are in place."""
-        self._check_open(peers)
-        return self._gather.run(plan, watch)
-
-    @staticmethod
-    def _check_open(peers: Sequence[IpcPeer]) -> None:
-        for peer in peers:  # checked on the loop's thread, then awaited at once: no race with close()
-            if peer.closed:
-                raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)
+        return _cached(self._batches, peers, make)
 
     async def read(
         self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline | None = None
@@ -275,19 +255,8 @@ class CudaIpcLane:
         """Gather `src` pages of `layers` from `peer` into `dst` pages; returns once in place.
         (A launch cannot be stopped, nor can it hang: its bytes are on this host.)"""
         plan = self.plan(peer, layers, src, dst)
-        return ReadStats(plan.nbytes, 0, await self.run(plan, [peer]))
-
-    def group(self, expected: int) -> LaunchGroup | None:
-        """Owners of one fetch whose layers were all ready at once go out as one launch."""
-        return LaunchGroup(self, expected) if expected >= 2 else None
-
-    def merged(self, peers: tuple[IpcPeer, ...]) -> LaneRoute:
-        return self.route(peers)
-
-    def read_merged(
-        self, merged: LaneRoute, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None
-    ) -> Awaitable[float]:
-        return self.read_route(merged, src, dst, dst_below, watch)
+        _check_open((peer,))  # checked on the loop's thread, then awaited at once: no race with close()
+        return ReadStats(plan.nbytes, 0, await self._gather.run(plan))
 
     async def close(self, peer: IpcPeer) -> None:
         """Drop `peer`'s mappings once no kernel can still read them (frees a dead owner's memory)."""
@@ -297,7 +266,7 @@ class CudaIpcLane:
         self._peers.discard(peer)
         dropped = set(peer.tables.values())
         self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
-        self._routes = {k: v for k, v in self._routes.items() if peer not in k}
+        self._batches = {k: v for k, v in self._batches.items() if peer not in k}
         await asyncio.to_thread(self._gather.stream.synchronize)
         self._unmap(peer.mappings)
 
@@ -317,77 +286,7 @@ class CudaIpcLane:
         self._gather.close()
 
 
-class LaunchGroup:
-    """The owners of one fetch whose layers were all ready at once go out as ONE launch.
-
-    Each owner task either reads through the group (its whole range was ready when it was
-    claimed) or withdraws (it reads batch by batch as layers come). The launch goes out
-    once every expected owner has done one or the other: a kernel over every layer of a
-    room runs near the copy limit where four smaller ones did not.
-    """
-
-    def __init__(self, lane: CudaIpcLane, expected: int) -> None:
-        self._lane, self._expected = lane, expected
-        self._pending: list[tuple[GatherPlan, IpcPeer, asyncio.Future[float]]] = []
-        self._launches: set[asyncio.Task[None]] = set()
-
-    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> ReadStats:
-        plan = self._lane.plan(peer, layers, src, dst)  # validated here, before joining
-        done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._pending.append((plan, peer, done))
-        self._flush_if_complete()
-        try:
-            seconds = await asyncio.shield(done)
-        except asyncio.CancelledError:  # the launch may be out: wait for it to end
-            await asyncio.wait([done])
-            raise
-        return ReadStats(plan.nbytes, 0, seconds)
-
-    def slot(self) -> LaunchSlot:
-        """One owner's place in the group: read through it once, or close it to withdraw."""
-        return LaunchSlot(self)
-
-    def _withdraw(self) -> None:
-        self._expected -= 1
-        self._flush_if_complete()
-
-    def _flush_if_complete(self) -> None:
-        if self._pending and len(self._pending) >= self._expected:
-            batch, self._pending = self._pending, []
-            task = asyncio.ensure_future(self._launch(batch))
-            self._launches.add(task)
-            task.add_done_callback(self._launches.discard)
-
-    async def _launch(self, batch: list[tuple[GatherPlan, IpcPeer, asyncio.Future[float]]]) -> None:
-        try:
-            merged = self._lane.merge([plan for plan, _, _ in batch])
-            seconds = await self._lane.run(merged, [peer for _, peer, _ in batch])
-        except BaseException as exc:
-            for _, _, done in batch:
-                if not done.done():
-                    done.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for plan, _, done in batch:  # each owner's share, so that the shares add up
-            if not done.done():
-                done.set_result(seconds * plan.nbytes / max(1, merged.nbytes))
-
-
-class LaunchSlot:
-    """One owner's share of a `LaunchGroup`: used once by `read`, or given up by `close`."""
-
-    def __init__(self, group: LaunchGroup) -> None:
-        self._group: LaunchGroup | None = group
-
-    async def read(self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> ReadStats:
-        group, self._group = self._group, None
-        if group is None:
-            raise RuntimeError("a launch slot reads once")
-        return await group.read(peer, layers, src, dst)
-
-    def close(self) -> None:
-        """Withdraw from the group if not read through (idempotent)."""
-        group, self._group = self._group, None
-        if group is not None:
-            group._withdraw()
+def _check_open(peers: Sequence[IpcPeer]) -> None:
+    for peer in peers:  # checked on the loop's thread, then awaited at once: no race with close()
+        if peer.closed:
+            raise PeerLostError(f"{peer.agent_name}: its mappings were dropped", peer.agent_name)

@@ -178,9 +178,6 @@ class UcxTransport:
         return worker.executor.submit(worker.agent.get_agent_metadata).result()
 
     # ---- peers -------------------------------------------------------------------------------
-    def has_peer(self, agent_name: str) -> bool:
-        return agent_name in self._peers
-
     async def add_peer(self, agent_name: str, metadata: bytes, regions: list[tuple[int, int]]) -> None:
         """Load a peer's connection blob on every worker and wire up; remember what it exported.
 
@@ -308,14 +305,14 @@ class UcxTransport:
         remote = np.array([[remote_addr, local.nbytes, 0]], dtype=np.int64)
         await self.read(peer, ReadPlan(here, remote, local.nbytes), deadline, mem="DRAM")
 
-    def notify(self, messages: list[tuple[str, bytes]]) -> None:
-        """Send each (peer, message) as a NIXL notification: no reply, best effort.
+    def notify(self, messages: list[tuple[str, bytes]]) -> list[str]:
+        """Send each (peer, message) as a NIXL notification: no reply, best effort; returns
+        the peers without a connection, whose messages are dropped (the others are sent).
 
         Queued on the notifier's thread (the first worker's, for a transport made without
         one), which sends them and logs what fails; nothing wakes the event loop when they
         are out. They leave only as that agent's worker progresses, so it is driven for a
-        short while after (one left behind was seen to be cancelled at close). A peer
-        without a connection raises `PeerLostError`; the others are sent.
+        short while after (one left behind was seen to be cancelled at close).
         """
         worker = self._sender
         missing = [peer for peer, _ in messages if peer not in self._peers]
@@ -331,8 +328,7 @@ class UcxTransport:
         if sendable:
             worker.executor.submit(send)
             self._drive_notifications()
-        if missing:
-            raise PeerLostError(f"no connection to {missing[0]}", missing[0])
+        return missing
 
     def _drive_notifications(self) -> None:
         """Progress the worker for `Timeouts.notify` from now, 1 ms after the send and then
