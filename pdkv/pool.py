@@ -289,6 +289,3 @@ class DSAKVPool:
         if self.device.type != "cuda" or self.slab.numel() == 0:
             return None
         return {BufferKind.LATENT: self.slab, BufferKind.INDEX: self.slab}
-
-    def get_kv_size_bytes(self) -> int:
-        return self.slab.nbytes
