@@ -1,5 +1,6 @@
-"""What the owner heap guard (`protect_owner_heap`: glibc's mmap threshold at 32 KiB) costs
-the process it is set in, measured in an SGLang-scheduler-like loop of host allocations.
+"""What the owner heap guard (`protect_owner_heap`) costs the process it is set in, measured
+in an SGLang-scheduler-like loop of host allocations: pdkv's guard (UCX's own allocations
+zeroed) against the whole-process one it replaced (glibc's mmap threshold at 32 KiB).
 
 Each iteration does what SGLang's scheduler does on the host for one batch: new requests'
 token ids decoded from their messages into lists, a prefill chunk's input ids, positions
@@ -10,8 +11,10 @@ SGLang's default `--chunked-prefill-size` 8192.
 
 Every round runs in a fresh process, each setting in turn (the order rotating), so that all
 see the same machine load: no guard; pdkv's guard, set by `protect_owner_heap` once torch
-is imported (as an owner sets it as it starts, PDKV_HEAP_GUARD=1); and the same threshold
-from the process's start (MALLOC_MMAP_THRESHOLD_=32768, which glibc reads as it loads). glibc
+is imported (as an owner sets it as it starts, PDKV_HEAP_GUARD=1: libucs's malloc zeroed);
+the whole-process threshold set there (PDKV_HEAP_GUARD=process, pdkv's guard before
+2026-12-02, and its fallback off x86-64); and the same threshold from the process's start
+(MALLOC_MMAP_THRESHOLD_=32768, which glibc reads as it loads). glibc
 serves a request from a free heap chunk before it considers mmap, so a threshold set late
 routes to mmap only what the heap's free chunks cannot serve. Prints a table: microseconds
 an iteration (median, p99), the round's wall time and CPU time (user and system: less moved by
@@ -50,7 +53,7 @@ def one_round(iterations: int, seed: int) -> dict[str, float]:
 
     from transfer.lanes.ucx.nixl import protect_owner_heap
 
-    guarded = protect_owner_heap("cpu", "0.0.0.0") or "MALLOC_MMAP_THRESHOLD_" in os.environ
+    guarded = protect_owner_heap("cpu", "0.0.0.0") or ("process" if "MALLOC_MMAP_THRESHOLD_" in os.environ else None)
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     page_table = np.arange(1 << 20, dtype=np.int64)  # the pool's slots, as SGLang's req_to_token
@@ -111,7 +114,8 @@ def main() -> None:
         return
     settings = {
         "off": ("off (glibc's default)", {"PDKV_HEAP_GUARD": "0"}),
-        "pdkv": ("pdkv's guard (`mallopt` after torch's import)", {"PDKV_HEAP_GUARD": "1"}),
+        "pdkv": ("pdkv's guard (UCX's allocations zeroed)", {"PDKV_HEAP_GUARD": "1"}),
+        "process": ("the whole process's (`mallopt` after torch's import)", {"PDKV_HEAP_GUARD": "process"}),
         "env": (
             "`MALLOC_MMAP_THRESHOLD_=32768` (from the start)",
             {"PDKV_HEAP_GUARD": "0", "MALLOC_MMAP_THRESHOLD_": "32768"},
@@ -125,12 +129,12 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", str(r), "--iterations", str(args.iterations)]
             out = subprocess.run(cmd, env={**env, **settings[name][1]}, capture_output=True, text=True, check=True)
             got = json.loads(out.stdout.strip().splitlines()[-1])
-            assert got["guarded"] == (name != "off"), got
+            assert got["guarded"] == {"off": None, "pdkv": "ucx"}.get(name, "process"), got
             rows[name].append(got)
             print(f"round {r} {name}: {got}", file=sys.stderr)
     print(f"{args.rounds} rounds of {args.iterations} iterations each, the settings in turn; medians over rounds")
     print(
-        "| mmap threshold | us an iteration, p50 | p99 | s a round (min-max) | CPU s a round (of it system) "
+        "| guard | us an iteration, p50 | p99 | s a round (min-max) | CPU s a round (of it system) "
         "| minor faults an iteration |"
     )
     print("|---|---:|---:|---:|---:|---:|")

@@ -18,6 +18,8 @@ pool's 41 KB chunks came from the reused glibc heap, and a stale value with IOV'
 sent it through a garbage `dt_reg`. With `--owner-env MALLOC_MMAP_THRESHOLD_=32768` the
 chunks are fresh zeroed mmaps (the field reads CONTIG, the memh the handler cleared, so the
 purge has nothing to release): 0 of 10 kills against 2 of 10 without (2026-12-01).
+`--owner-env PDKV_HEAP_GUARD=1` has the owner set pdkv's guard (`protect_owner_heap`: UCX's
+own allocations zeroed, nothing else; `=process` the threshold for the whole process).
 
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py [--trials 8] [--mode kill|cut]
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py --owner-env MALLOC_MMAP_THRESHOLD_=32768 --gdb /tmp/g
@@ -50,6 +52,10 @@ def _agent(name: str):  # type: ignore[no-untyped-def]
 def owner(workdir: Path, seconds: float) -> None:
     import torch
 
+    if "PDKV_HEAP_GUARD" in os.environ:  # pdkv's guard, asked for with --owner-env
+        from transfer.lanes.ucx.nixl import protect_owner_heap
+
+        print("heap guard:", protect_owner_heap("cpu"), flush=True)
     agent, buf = _agent("owner"), torch.ones(SIZE, dtype=torch.uint8)
     agent.register_memory([buf])
     (workdir / "meta.tmp").write_bytes(agent.get_agent_metadata())

@@ -4,7 +4,7 @@ What this module changes in the process that hosts pdkv (docs/sglang.md, "What p
 changes in SGLang's processes"), each with its switch:
 
     UCX_* variables   set (where unset) before NIXL loads UCX      PDKV_UCX_ENV=0: none set
-    mallopt(M_MMAP_THRESHOLD, 32 KiB) in an owner read over TCP    PDKV_HEAP_GUARD=0|1|auto
+    UCX's allocations zeroed in an owner read over TCP             PDKV_HEAP_GUARD=0|1|auto|process
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import importlib.metadata
 import importlib.util
 import ipaddress
 import logging
+import mmap
 import os
 import platform
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -147,32 +149,163 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def protect_owner_heap(device: str = "cpu", bind_host: str | None = None) -> bool:
+def protect_owner_heap(device: str = "cpu", bind_host: str | None = None) -> str | None:
     """In an owner (a process whose memory decodes READ) that UCX may serve over TCP, have
-    glibc serve every allocation of 32 KiB or more by a fresh mmap; True if it was set.
+    UCX's request pool come from zeroed memory; which guard was set ("ucx" or "process"), or
+    None.
 
     UCX 1.23's TCP transport answers a decode's GET with a request whose datatype field it
     never sets; when the decode dies or its link is cut, purging the queued replies reads
     that field, and heap garbage left in the request pool's chunks (41 KB) segfaulted the
-    owner. Chunks that come zeroed from mmap read as a plain buffer with nothing to release.
-    It costs the whole process a syscall and fresh pages per large allocation, so it is set
-    only where `heap_guard_reason` finds TCP in the path: PDKV_HEAP_GUARD=1 sets it always,
-    0 never; a `MALLOC_MMAP_THRESHOLD_` in the environment wins (glibc then has it already).
-    Call it before the process's first UCX worker exists."""
+    owner. A chunk that comes zeroed reads as a plain buffer with nothing to release.
+
+    "ucx": the pool's chunks come from libucs's `malloc` (ucs_malloc), so that one GOT slot of
+    libucs is pointed at `calloc(1, size)`: every allocation UCX makes through libucs is
+    zeroed, and nothing else in the process changes (x86-64, libucs found beside NIXL).
+    "process", where that cannot be done or PDKV_HEAP_GUARD=process asks for it: glibc's
+    `M_MMAP_THRESHOLD` at 32 KiB for the whole process, so every allocation of 32 KiB or more
+    is a fresh mmap; it costs every tensor and array of the engine a syscall and fresh pages
+    (a `MALLOC_MMAP_THRESHOLD_` in the environment wins: glibc then has it already).
+    Either is set only where `heap_guard_reason` finds TCP in the path: PDKV_HEAP_GUARD=1
+    sets it always, 0 never. Call it before the process's first UCX worker exists."""
     setting = os.environ.get("PDKV_HEAP_GUARD", "auto").lower()
-    if setting not in ("auto", "1", "0", *_OFF, "on", "true", "yes"):
-        raise TransferError(f"PDKV_HEAP_GUARD={setting!r}: auto, 1 or 0")
-    if setting in _OFF or "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
-        return False
-    reason = "PDKV_HEAP_GUARD=1" if setting != "auto" else heap_guard_reason(device, bind_host)
+    if setting not in ("auto", "1", "process", *_OFF, "on", "true", "yes"):
+        raise TransferError(f"PDKV_HEAP_GUARD={setting!r}: auto, 1, process or 0")
+    if setting in _OFF:
+        return None
+    reason = f"PDKV_HEAP_GUARD={setting}" if setting != "auto" else heap_guard_reason(device, bind_host)
     if reason is None:
         logger.debug("no owner heap guard: no READ of this owner goes over UCX's tcp")
-        return False
+        return None
+    if setting != "process":
+        if (why := _zero_ucx_allocations()) is None:
+            logger.info("owner heap guard set (UCX's allocations zeroed): %s; PDKV_HEAP_GUARD=0 turns it off", reason)
+            return "ucx"
+        logger.info("owner heap guard: %s; glibc's mmap threshold instead, for the whole process", why)
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return None
     if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _OWNER_MMAP_THRESHOLD) != 1:
         logger.warning("mallopt(M_MMAP_THRESHOLD) refused: an owner may crash if a reader dies mid-READ")
-        return False
+        return None
     logger.info("owner heap guard set (mallopt M_MMAP_THRESHOLD=32 KiB): %s; PDKV_HEAP_GUARD=0 turns it off", reason)
-    return True
+    return "process"
+
+
+_PROT_READ, _PROT_WRITE, _PROT_EXEC = 1, 2, 4
+_MAP_PRIVATE, _MAP_ANONYMOUS = 0x02, 0x20
+_RTLD_DI_LINKMAP = 2
+_zeroed: dict[str, int] = {}  # a libucs's path: the trampoline its malloc slot now holds
+
+
+def _zero_ucx_allocations() -> str | None:
+    """Point libucs's GOT slot for `malloc` at a trampoline that calls `calloc(1, size)`;
+    None once done, else why not.
+
+    libucs is loaded here, by its path beside NIXL, before NIXL's UCX plugin asks for it:
+    the dynamic loader then hands the plugin this same object (the same file), so the
+    request pools of every worker made later take their chunks through the patched slot.
+    The trampoline is six instructions written to a page of its own, made executable
+    after it is written, never freed."""
+    if platform.machine() not in ("x86_64", "AMD64") or platform.libc_ver()[0] != "glibc":
+        return f"no UCX allocation guard on {platform.machine()} (x86-64 with glibc only)"
+    path = _libucs_path()
+    if path is None:
+        return "libucs not found beside NIXL"
+    if str(path) in _zeroed:
+        return None
+    slots = _got_offsets(path, "malloc")
+    if not slots:
+        return f"{path.name} imports no malloc"
+    configure_ucx_environment()  # libucs reads its global settings (UCX_MODULES) as it loads
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib = ctypes.CDLL(str(path))
+    link_map = ctypes.c_void_p()
+    if libc.dlinfo(ctypes.c_void_p(lib._handle), _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0:
+        return f"dlinfo({path.name}) failed"
+    base = ctypes.c_size_t.from_address(link_map.value or 0).value  # link_map's first field: l_addr
+    calloc = ctypes.cast(libc.calloc, ctypes.c_void_p).value or 0
+    code = (
+        b"\xf3\x0f\x1e\xfa"  # endbr64 (a GOT call is an indirect branch)
+        b"\x48\x89\xfe"  # mov rsi, rdi: the size, calloc's second argument
+        b"\xbf\x01\x00\x00\x00"  # mov edi, 1
+        b"\x48\xb8" + struct.pack("<Q", calloc) + b"\xff\xe0"  # movabs rax, calloc; jmp rax
+    )
+    page = mmap.PAGESIZE
+    trampoline = libc.mmap(None, page, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+    if trampoline in (None, ctypes.c_void_p(-1).value):
+        return f"mmap: {os.strerror(ctypes.get_errno())}"
+    ctypes.memmove(trampoline, code, len(code))
+    if libc.mprotect(trampoline, page, _PROT_READ | _PROT_EXEC) != 0:
+        return f"mprotect(PROT_EXEC): {os.strerror(ctypes.get_errno())}"
+    for offset in slots:
+        slot = base + offset
+        start, protection = _mapping(slot)
+        if protection is None:
+            return f"{path.name}'s GOT is not mapped where its headers say"
+        if not protection & _PROT_WRITE and libc.mprotect(start, page, protection | _PROT_WRITE) != 0:
+            return f"mprotect({path.name}'s GOT): {os.strerror(ctypes.get_errno())}"
+        ctypes.c_void_p.from_address(slot).value = trampoline
+        if not protection & _PROT_WRITE:
+            libc.mprotect(start, page, protection)  # its RELRO back
+    _zeroed[str(path)] = trampoline
+    return None
+
+
+def _libucs_path() -> Path | None:
+    """The libucs this process has loaded, else the one in the NIXL wheel's libraries."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.split(maxsplit=5)[-1].strip()
+            if Path(name).name.startswith("libucs") and ".so" in name:
+                return Path(name)
+    try:
+        spec = importlib.util.find_spec(_nixl_module().split(".")[0])
+    except (BuildMismatchError, ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    package = Path(spec.origin).parent
+    found = sorted((package.parent / f"{package.name}.libs").glob("libucs*.so*"))
+    return found[0].resolve() if found else None
+
+
+def _mapping(address: int) -> tuple[int, int | None]:
+    """The page holding `address` and its protection in this process; None where unmapped."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                protection = (_PROT_READ if perms[0] == "r" else 0) | (_PROT_WRITE if perms[1] == "w" else 0)
+                return address & ~(mmap.PAGESIZE - 1), protection | (_PROT_EXEC if perms[2] == "x" else 0)
+    return address & ~(mmap.PAGESIZE - 1), None
+
+
+def _got_offsets(path: Path, symbol: str) -> list[int]:
+    """Where, from its load address, `path`'s GOT slots bound to `symbol` are: its x86-64
+    JUMP_SLOT and GLOB_DAT relocations, read from the file's section headers."""
+    data = path.read_bytes()
+    if data[:6] != b"\x7fELF\x02\x01":  # 64-bit, little-endian
+        return []
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    found = []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 4 or not entsize:  # SHT_RELA
+            continue
+        symtab, strtab = sections[link], sections[sections[link][6]]
+        for at in range(offset, offset + size, entsize):
+            r_offset, r_info = struct.unpack_from("<QQ", data, at)
+            if r_info & 0xFFFFFFFF not in (6, 7):  # R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT
+                continue
+            name_at = strtab[4] + struct.unpack_from("<I", data, symtab[4] + (r_info >> 32) * symtab[9])[0]
+            if data[name_at : data.index(b"\0", name_at)] == symbol.encode():
+                found.append(r_offset)
+    return found
 
 
 def default_workers(mem_type: str = "DRAM") -> int:

@@ -1,0 +1,119 @@
+"""The owner heap guard (`protect_owner_heap`, docs/between-hosts.md): UCX's own allocations
+come zeroed and the rest of the process keeps glibc's heap as it was; a UCX READ through the
+guarded libucs still moves its bytes. Each case in a fresh interpreter (what it changes is
+process-wide)."""
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from transfer.lanes.ucx import nixl
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc", reason="the UCX guard is x86-64 glibc only"
+)
+
+# A block freed to the heap, dirty, is what a next allocation of its size gets back unless
+# that allocation comes zeroed. glibc marks a chunk it served by mmap (IS_MMAPPED, 0x2) in
+# the size word before it.
+_PROBE = """
+    import ctypes, os
+    from transfer.lanes.ucx import nixl
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    def mmapped(n=100_000, times=50):
+        ptrs = [libc.malloc(n) for _ in range(times)]
+        flags = [ctypes.c_size_t.from_address(p - 8).value & 2 for p in ptrs]
+        for p in ptrs:
+            libc.free(ctypes.c_void_p(p))
+        return sum(1 for f in flags if f)
+    def ucx_dirty(n=41_044, times=50):
+        ucs = ctypes.CDLL(str(nixl._libucs_path()))
+        ucs.ucs_malloc.restype = ctypes.c_void_p
+        ucs.ucs_malloc.argtypes = [ctypes.c_size_t, ctypes.c_char_p]
+        dirty = 0
+        for _ in range(times):
+            p = libc.malloc(n)
+            ctypes.memset(p, 0xFF, n)
+            libc.free(ctypes.c_void_p(p))
+            q = ucs.ucs_malloc(n, b"probe")
+            dirty += any(ctypes.string_at(q, n))
+            ucs.ucs_free(ctypes.c_void_p(q))
+        return dirty
+    guard = nixl.protect_owner_heap("cpu", "0.0.0.0")
+"""
+
+
+def _run(code: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "PDKV_HEAP", "PDKV_UCX", "MALLOC_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_PROBE) + textwrap.dedent(code)],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "guard", "heap_mmapped", "ucx_zeroed"),
+    [
+        ("auto", "ucx", False, True),  # other hosts read it over tcp: UCX's allocations zeroed, and only those
+        ("1", "ucx", False, True),
+        ("process", "process", True, False),  # the whole process's threshold; a freed heap block still serves UCX
+        ("0", "None", False, False),
+    ],
+)
+def test_the_guard_zeroes_ucx_allocations_and_leaves_the_heap_alone(setting, guard, heap_mmapped, ucx_zeroed):
+    out = _run('print("guard", guard, "mmapped", mmapped(), "dirty", ucx_dirty())', PDKV_HEAP_GUARD=setting)
+    words = out.split()
+    got = words[words.index("guard") + 1], int(words[words.index("mmapped") + 1]), int(words[words.index("dirty") + 1])
+    assert got[0] == guard, out
+    assert (got[1] > 25) == heap_mmapped, out  # glibc's default threshold is 128 KiB
+    assert (got[2] == 0) == ucx_zeroed, out  # 50 blocks dirtied, freed, then asked for by UCX
+
+
+def test_a_ucx_read_through_the_guarded_libucs_moves_its_bytes():
+    out = _run(
+        """
+    import torch
+    assert guard == "ucx"
+    m = nixl.load_nixl()
+    owner, reader = (m.nixl_agent(n, m.nixl_agent_config(backends=["UCX"])) for n in ("owner", "reader"))
+    src = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    owner.register_memory([src])
+    reader.register_memory([dst])
+    peer = reader.add_remote_agent(owner.get_agent_metadata())
+    item = 41_984
+    n = src.numel() // item
+    local = reader.get_xfer_descs([(dst.data_ptr() + i * item, item, 0) for i in range(n)], "DRAM")
+    remote = reader.get_xfer_descs([(src.data_ptr() + i * item, item, 0) for i in range(n)], "DRAM")
+    handle = reader.initialize_xfer("READ", local, remote, peer)
+    reader.transfer(handle)
+    while reader.check_xfer_state(handle) == "PROC":
+        owner.get_new_notifs()
+    maps = {line.split()[-1] for line in open("/proc/self/maps") if "/libucs" in line}
+    same = torch.equal(src[: n * item], dst[: n * item])
+    print("same", same, "libucs", len(maps), maps == {str(nixl._libucs_path())})
+    """,
+        PDKV_HEAP_GUARD="1",
+        UCX_TLS="tcp",  # the emulated GET the guard is for
+    )
+    assert "same True libucs 1 True" in out, out
+
+
+def test_got_slots_are_read_from_the_elf_file(tmp_path):
+    libucs = nixl._libucs_path()
+    assert libucs is not None and nixl._got_offsets(libucs, "malloc")
+    assert nixl._got_offsets(libucs, "no_such_symbol") == []
+    (tmp_path / "x.so").write_bytes(b"not an ELF file")
+    assert nixl._got_offsets(tmp_path / "x.so", "malloc") == []
