@@ -99,6 +99,25 @@ def test_the_summary_counts_failures_by_cause_and_engine_restarts():
     assert "engine died: prefill0: prefill0-cp1 (exit -9); serving again 6.5 s later (after restart)" in text
 
 
+def test_the_scale_is_the_device_own_copy_where_the_pools_are_on_a_gpu(monkeypatch):
+    from transfer.app import cli
+    from transfer.app.router import DeploymentSpec
+
+    copies = []
+    monkeypatch.setattr(cli, "device_copy_gbps", lambda nbytes, device: copies.append((nbytes, device)) or 2000.0)
+    monkeypatch.setattr(cli, "copy_bandwidth", lambda: 9.0)
+    label, gbps = cli.copy_scale("cuda:1", 394_000_000)
+    assert (label, gbps, copies) == (
+        "device copy GB/s (cuda:1 to itself, 394 MB, for scale)",
+        2000.0,
+        [(394_000_000, "cuda:1")],
+    )
+    assert cli.copy_scale("cpu", 394_000_000) == (cli.HOST_COPY, 9.0) and len(copies) == 1  # the host: one thread
+    text = cli.render(cli.summarise([], 1.0, gbps, copy_label=label), DeploymentSpec(engines=(2,)))
+    assert "device copy GB/s (cuda:1 to itself, 394 MB, for scale)  2000.00" in text
+    assert cli.device_copy_gbps(1 << 20, "cpu") > 0  # the same torch copy, on the host's memory
+
+
 def _pid_of(ready_file) -> int:
     """The service started with this ready file (each has its own)."""
     import os
