@@ -476,6 +476,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._aux_index: int | None = None
         self._nbytes: int | None = None
         self._aborted: BaseException | None = None  # the room is given up: Failed with this once its reads ended
+        self._failed: BaseException | None = None  # the first part's failure (the others' is their cancel)
 
     def init(self, prefill_dp_rank: int) -> None:
         self._engine = f"dp{int(prefill_dp_rank or 0)}"
@@ -553,11 +554,12 @@ class PdkvKVReceiver(BaseKVReceiver):
             return self._bootstrapped()
         failed = next((f for f in fetches if f.poll() is FetchStatus.FAILED), None)
         if failed is not None:  # one part failed: the others stop, and Failed waits for them
+            self._failed = self._failed or failed.exception() or TransferError("fetch failed")
             for f in fetches:
                 f.cancel()
             if any(f.poll() is FetchStatus.PENDING for f in fetches):
                 return KVPoll.Transferring
-            return self._outcome.fail(failed.exception() or TransferError("fetch failed"))
+            return self._outcome.fail(self._failed)
         if any(f.poll() is FetchStatus.PENDING for f in fetches):
             return KVPoll.Transferring
         return self._finish([f.result() for f in fetches])
