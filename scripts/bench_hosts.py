@@ -18,11 +18,13 @@ it, `--loss` is that link's) and prints what packets were actually held. `--cuts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,22 +33,22 @@ from tests.netns import HostNet, delay_unavailable, loss_unavailable, unavailabl
 from transfer.app.options import HelpFormatter  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1024,8192,32768")
-    ap.add_argument("--runs", type=int, default=3)
+def add_link_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the link between the stand-in hosts (`stand_in_hosts`, `run_on_decode`)."""
     ap.add_argument("--tls", default="tcp", help="UCX_TLS for every process (tcp: what a host pair without RDMA has)")
     ap.add_argument("--mbit", type=float, default=None, help="cap each host's sending rate (megabits a second)")
     ap.add_argument("--loss", type=float, default=None, help="drop this percent of each host's packets, at random")
     ap.add_argument("--delay", type=float, default=None, help="hold every packet this many ms each way")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
-    ap.add_argument("--owner-progress-ms", type=float, default=None, help="owners drive UCX this often (ticket out)")
-    ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
-    ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
-    args = ap.parse_args()
+
+
+@contextlib.contextmanager
+def stand_in_hosts(args: argparse.Namespace, script: str) -> Iterator[HostNet]:
+    """Hosts "prefill" and "decode" with the link `add_link_options` set (exits saying why
+    where they cannot be made); removed at the end."""
     why = delay_unavailable() if args.delay is not None else unavailable() if args.loss is None else loss_unavailable()
     if why:
-        sys.exit(f"bench_hosts: {why}")
+        sys.exit(f"{script}: {why}")
     with HostNet(["prefill", "decode"]) as net:
         if args.delay is not None:  # the link drops packets itself
             net.delay(args.delay, loss=args.loss or 0.0)
@@ -54,29 +56,51 @@ def main() -> None:
             net.limit(host, args.mbit)
             if args.delay is None:
                 net.lose(host, args.loss)
-        prefill = net.where("prefill")
-        cmd = [*net.exec_prefix("decode"), sys.executable, str(ROOT / "scripts/bench_fetch.py")]
-        cmd += ["--sizes", args.sizes, "--runs", str(args.runs), "--prefill-host", prefill]
+        yield net
+
+
+def run_on_decode(net: HostNet, args: argparse.Namespace, cmd: list[str], note: str = "") -> int:
+    """Run `cmd` (a script that puts its prefill on `net.where("prefill")`) on the decode host
+    with UCX held to `--tls`; print a line of the link, its output, and what the delayed
+    link held; its exit status."""
+    cap = f"{args.mbit:g} Mbit/s a host" if args.mbit else "no rate cap"
+    cap += f", {args.loss:g}% of packets lost each way" if args.loss else ""
+    cap += f", {args.delay:g} ms added each way" if args.delay else ""
+    cap += note
+    print(f"prefill host {net.address('prefill')}, decode host {net.address('decode')}, UCX_TLS={args.tls}, {cap}")
+    sys.stdout.flush()
+    env = {**os.environ, "UCX_TLS": args.tls}
+    cmd = [*net.exec_prefix("decode"), sys.executable, *cmd]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout, stdout=subprocess.PIPE, text=True)
+    print("\n".join(line for line in run.stdout.splitlines() if "NIXL INFO" not in line))
+    if (held := net.delay(None)) is not None:
+        print(
+            f"delayed link: {held['packets']} packets ({held['lost']} lost), {held['bytes'] / 1e9:.2f} GB, "
+            f"held ms: "
+            f"min {held['held_min_ms']:.3f}, p50 {held['held_p50_ms']:.3f}, p99 {held['held_p99_ms']:.3f}"
+        )
+    return run.returncode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1024,8192,32768")
+    ap.add_argument("--runs", type=int, default=3)
+    add_link_options(ap)
+    ap.add_argument("--owner-progress-ms", type=float, default=None, help="owners drive UCX this often (ticket out)")
+    ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
+    ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
+    args = ap.parse_args()
+    with stand_in_hosts(args, "bench_hosts") as net:
+        cmd = [str(ROOT / "scripts/bench_fetch.py"), "--sizes", args.sizes, "--runs", str(args.runs)]
+        cmd += ["--prefill-host", net.where("prefill")]
         if args.owner_progress_ms is not None:
             cmd += ["--owner-progress-ms", str(args.owner_progress_ms)]
-        env = {**os.environ, "UCX_TLS": args.tls}
-        cap = f"{args.mbit:g} Mbit/s a host" if args.mbit else "no rate cap"
-        cap += f", {args.loss:g}% of packets lost each way" if args.loss else ""
-        cap += f", {args.delay:g} ms added each way" if args.delay else ""
-        cap += f", owners progress every {args.owner_progress_ms:g} ms" if args.owner_progress_ms else ""
-        print(f"prefill host {net.address('prefill')}, decode host {net.address('decode')}, UCX_TLS={args.tls}, {cap}")
-        sys.stdout.flush()
-        run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.timeout, stdout=subprocess.PIPE, text=True)
-        print("\n".join(line for line in run.stdout.splitlines() if "NIXL INFO" not in line))
-        if (held := net.delay(None)) is not None:
-            print(
-                f"delayed link: {held['packets']} packets ({held['lost']} lost), {held['bytes'] / 1e9:.2f} GB, "
-                f"held ms: "
-                f"min {held['held_min_ms']:.3f}, p50 {held['held_p50_ms']:.3f}, p99 {held['held_p99_ms']:.3f}"
-            )
-        if run.returncode or not args.cuts:
-            sys.exit(run.returncode)
-        sys.exit(_cuts(net, env, args))
+        note = f", owners progress every {args.owner_progress_ms:g} ms" if args.owner_progress_ms else ""
+        returncode = run_on_decode(net, args, cmd, note)
+        if returncode or not args.cuts:
+            sys.exit(returncode)
+        sys.exit(_cuts(net, {**os.environ, "UCX_TLS": args.tls}, args))
 
 
 def _cuts(net: HostNet, env: dict[str, str], args: argparse.Namespace) -> int:
