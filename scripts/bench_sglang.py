@@ -19,11 +19,20 @@ Success). Needs sglang (scripts/sglang-cpu.txt).
 
 With `--device cuda` every KV buffer is a CUDA tensor (one per layer and kind, as SGLang's
 pools): the decode reads the prefill's through the same-host GPU lane.
+
+`--hosts`: the bootstrap server and the prefill ranks on one stand-in host, the decode on
+another (network namespaces, UCX held to `--tls`, default tcp; `scripts/bench_hosts.py`'s
+link options), each prefill rank advertising its host's address (`PDKV_SGLANG_HOST`). Needs
+root. `--owner-progress-ms` sets the prefill ranks' `PDKV_SGLANG_OWNER_PROGRESS_MS` (which
+docs/sglang.md advises at 1 over TCP).
+
+    sudo .venv/bin/python scripts/bench_sglang.py --hosts --sizes 1024,8192,32768 --runs 10
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import statistics
@@ -34,9 +43,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pdkv.sharding import ShardPlan  # noqa: E402
+from scripts.bench_hosts import add_link_options, run_on_decode, stand_in_hosts  # noqa: E402
+from tests.netns import enter_netns  # noqa: E402
+from transfer.app.launcher import Host  # noqa: E402
 from transfer.app.options import HelpFormatter  # noqa: E402
 
 LAYERS, PAGE, CP = 61, 64, 4
@@ -80,7 +93,16 @@ def _timed(holds: list[float], fn, *args):  # type: ignore[no-untyped-def]
     return out
 
 
-def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replies: mp.Queue) -> None:
+def _on_host(host: Host) -> None:
+    """This fresh process moved onto the stand-in host `host` (its first call), advertising
+    its address there; nothing where `host` is this one."""
+    if host.netns is not None:
+        enter_netns(host.netns)
+        os.environ["PDKV_SGLANG_HOST"] = host.address
+
+
+def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replies: mp.Queue, host: Host) -> None:
+    _on_host(host)
     from sglang.srt.disaggregation.base import conn
 
     from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
@@ -89,6 +111,7 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
     owned = ShardPlan(rank, CP, LAYERS).owned  # SGLang's layer split, which pdkv's plan reproduces
     args, _keep = _kv_args(range(owned.start, owned.stop), pages, conn)
     mgr = PdkvKVManager(args, "prefill", None, True)
+    replies.put(("ready", rank))
     holds: list[float] = []
     while (order := orders.get()) is not None:
         room, src, ticket, forward_s = order
@@ -176,7 +199,53 @@ def _receive_early(mgr, conn, room: int, dst: np.ndarray, poll_s: float):  # typ
     return named, time.perf_counter(), receiver._parts[0].fetch.result()
 
 
+def _by_ticket(orders, replies, mgr, room: int, src: np.ndarray, dst: np.ndarray):  # type: ignore[no-untyped-def]
+    """`room` published, sent and read with its ticket; its `FetchResult`."""
+    _publish(orders, replies, room, src, ticket=True)
+    pins, _ = _sent(replies)
+    result = _ticket_fetch(mgr, room, src, dst, pins)
+    assert result.control_messages == 0, "a ticket fetch asked an owner"
+    _await_senders(replies)
+    return result
+
+
+def _by_receiver(orders, replies, mgr, conn, room: int, src: np.ndarray, dst: np.ndarray, poll_s: float):  # type: ignore[no-untyped-def]
+    """`room` published, sent and read through SGLang's receiver: (seconds from `send_metadata`
+    to Success, its `FetchResult`, how long each of its calls held the scheduler's thread)."""
+    _publish(orders, replies, room, src, ticket=False)
+    _sent(replies)
+    holds: list[float] = []
+    seen, result = _receive(mgr, conn, room, dst, poll_s, holds)
+    _await_senders(replies)
+    if result.control_messages:  # not read as a ticket's: the comparison would not hold
+        raise SystemExit(f"room {room}: the receiver's read asked the owners ({result.control_messages})")
+    return seen, result, holds
+
+
 SERVER_URL = ""
+
+
+def _bootstrap(host: Host, ports: mp.Queue, stop) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's bootstrap server on `host` (a process of its own there), until `stop`."""
+    _on_host(host)
+    from transfer.sglang.conn import PdkvKVBootstrapServer
+
+    server = PdkvKVBootstrapServer(host.address, 0)
+    ports.put(int(server.url.rsplit(":", 1)[1]))
+    stop.wait()
+    server.close()
+
+
+def _on_hosts(args: argparse.Namespace) -> None:
+    """This script again on the decode's stand-in host, its prefill on another (`--hosts`)."""
+    with stand_in_hosts(args, "bench_sglang") as net:
+        cmd = [str(Path(__file__).resolve()), "--prefill-host", net.where("prefill"), "--runs", str(args.runs)]
+        cmd += ["--sizes", ",".join(map(str, args.sizes)), "--poll-us", str(args.poll_us)]
+        cmd += ["--early-ms", str(args.early_ms), "--prefix", str(args.prefix)]
+        if args.owner_progress_ms is not None:
+            cmd += ["--owner-progress-ms", str(args.owner_progress_ms)]
+        note = f", owners progress every {args.owner_progress_ms:g} ms" if args.owner_progress_ms else ""
+        sys.exit(run_on_decode(net, args, cmd, note))
 
 
 def main() -> None:
@@ -191,7 +260,17 @@ def main() -> None:
     ap.add_argument(
         "--prefix", type=float, default=0.0, help="also: the decode's radix cache holds this share of each room"
     )
+    ap.add_argument("--owner-progress-ms", type=float, default=None, help="the prefill's PDKV_SGLANG_OWNER_PROGRESS_MS")
+    ap.add_argument("--hosts", action="store_true", help="the prefill and the decode on two stand-in hosts (root)")
+    ap.add_argument("--prefill-host", type=Host.parse, default="127.0.0.1", help="the prefill's host: NETNS@ADDR")
+    add_link_options(ap.add_argument_group("the link between the hosts (with --hosts)"))
     args = ap.parse_args()
+    if args.hosts and args.device != "cpu":
+        ap.error("--hosts reads CPU pools over the network (on one GPU the same-host lane would serve)")
+    if args.hosts:
+        _on_hosts(args)
+    if args.owner_progress_ms is not None:
+        os.environ["PDKV_SGLANG_OWNER_PROGRESS_MS"] = str(args.owner_progress_ms)  # the prefill ranks inherit it
     global DEVICE, SERVER_URL
     DEVICE = os.environ["PDKV_BENCH_DEVICE"] = args.device
     from sglang.srt.disaggregation.base import conn
@@ -199,16 +278,27 @@ def main() -> None:
     from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager
 
     pages = 2 * max(args.sizes) // PAGE + 2
-    server = PdkvKVBootstrapServer("127.0.0.1", 0)
-    SERVER_URL = server.url
     ctx = mp.get_context("spawn")
+    host, server, stop = args.prefill_host, None, ctx.Event()
+    if host.netns is None:
+        server = PdkvKVBootstrapServer(host.address, 0)
+        SERVER_URL = server.url
+    else:  # on the prefill's host, as SGLang's launcher starts it there
+        ports: mp.Queue = ctx.Queue()
+        bootstrap = ctx.Process(target=_bootstrap, args=(host, ports, stop), daemon=True)
+        bootstrap.start()
+        SERVER_URL = f"http://{host.address}:{ports.get(timeout=120)}"
     orders, replies = [ctx.Queue() for _ in range(CP)], ctx.Queue()
-    ranks = [ctx.Process(target=_prefill_rank, args=(server.url, r, pages, orders[r], replies)) for r in range(CP)]
+    ranks = [
+        ctx.Process(target=_prefill_rank, args=(SERVER_URL, r, pages, orders[r], replies, host)) for r in range(CP)
+    ]
     for p in ranks:
         p.start()
     _env("", 0, 1)
     kv_args, _keep = _kv_args(range(LAYERS), pages, conn)
     mgr = PdkvKVManager(kv_args, "decode", None, True)
+    for _ in range(CP):  # started (SGLang's import and NIXL's registration: minutes on a loaded host)
+        assert replies.get(timeout=900)[0] == "ready"
     rows, decode_holds = [], []
     rng = np.random.default_rng(0)
     room = 1
@@ -217,20 +307,17 @@ def main() -> None:
         for i in range(args.runs + 1):
             k = n // PAGE
             src, dst = rng.permutation(np.arange(1, pages))[:k], rng.permutation(np.arange(1, pages))[:k]
-            _publish(orders, replies, room, src, ticket=True)
-            pins, _ = _sent(replies)
-            by_ticket = _ticket_fetch(mgr, room, src, dst, pins)
-            assert by_ticket.control_messages == 0, "a ticket fetch asked an owner"
-            _await_senders(replies)
-            room += 1
-            _publish(orders, replies, room, src, ticket=False)
-            _sent(replies)
-            seen, result = _receive(mgr, conn, room, dst, args.poll_us / 1e6, decode_holds if i else [])
-            _await_senders(replies)
-            room += 1
-            if result.control_messages:  # not read as a ticket's: the comparison would not hold
-                raise SystemExit(f"room {room - 1}: the receiver's read asked the owners ({result.control_messages})")
+            ticket = functools.partial(_by_ticket, orders, replies, mgr, room, src, dst)
+            receiver = functools.partial(
+                _by_receiver, orders, replies, mgr, conn, room + 1, src, dst, args.poll_us / 1e6
+            )
+            if i % 2 == 0:  # which path reads first alternates: neither gains from the order
+                by_ticket, (seen, result, holds) = ticket(), receiver()
+            else:
+                (seen, result, holds), by_ticket = receiver(), ticket()
+            room += 2
             if i:  # the first is a warm-up
+                decode_holds += holds
                 ticket_s.append(by_ticket.seconds)
                 fetch_s.append(result.seconds)
                 seen_s.append(seen)
@@ -277,10 +364,27 @@ def main() -> None:
     for p in ranks:
         p.join(30)
     mgr.close()
-    server.close()
+    if server is not None:
+        server.close()
+    stop.set()
     _print(rows, args, decode_holds, prefill_holds)
+    if host.netns is not None:  # across hosts: the table of issue 40 (gpu_check.sh reads the tail above)
+        _print_paths(rows)
     _print_early(early_rows, args)
     _print_prefix(prefix_rows, args)
+
+
+def _print_paths(rows) -> None:  # type: ignore[no-untyped-def]
+    """Each size's two paths side by side: sglang (send_metadata to the poll that says Success)
+    and ticket (its FetchResult.seconds); ratio: the ticket's p50 ms over the path's."""
+    print("| tokens | path | GB/s p50 | ms p50 | ms p99 | x ticket |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for n, nbytes, ticket_s, _, seen_s in rows:
+        base = np.percentile(ticket_s, 50)
+        for path, times in (("sglang", seen_s), ("ticket", ticket_s)):
+            p50, p99 = np.percentile(times, 50), np.percentile(times, 99)
+            cells = f"{nbytes / p50 / 1e9:.2f} | {1e3 * p50:.1f} | {1e3 * p99:.1f} | {base / p50:.2f}"
+            print(f"| {n} | {path} | {cells} |")
 
 
 def _print_prefix(rows, args) -> None:  # type: ignore[no-untyped-def]
