@@ -64,6 +64,7 @@ from transfer.sglang.runtime import check_runtime
 from transfer.sglang.topology import (
     Settings,
     Topology,
+    prefill_registry,
     secret,
     settings,
     sglang_timeouts,
@@ -223,7 +224,7 @@ class PdkvKVManager(BaseKVManager):
         with self._lock:
             started = self._fetchers.get((bootstrap_addr, part))
             if started is None:
-                url = bootstrap_addr if "://" in bootstrap_addr else f"http://{bootstrap_addr}"
+                url = prefill_registry(self.topology.registry_url, bootstrap_addr)
                 kv = self.parts[part]
                 started = self._starter.submit(
                     SyncFetcher,

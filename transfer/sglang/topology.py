@@ -5,7 +5,11 @@ when SGLang has set it, and environment variables override it (they are how a te
 a deployment SGLang does not describe, says it):
 
     PDKV_SGLANG_REGISTRY   a prefill's bootstrap server URL (default: SGLang's host and
-                           disaggregation bootstrap port)
+                           disaggregation bootstrap port); or an etcd cluster's URL
+                           (etcd://HOST:PORT[,...]/PREFIX), set on prefills and decodes alike:
+                           a prefill registers under PREFIX/<its advertised address>:<its
+                           bootstrap port>, which is how SGLang's router names it to a decode
+                           (bootstrap host and port), and a decode looks it up there
     PDKV_SGLANG_CP_RANK, PDKV_SGLANG_CP_SIZE
                            a layer-split prefill's CP rank and size (default: SGLang's
                            attention CP rank and size)
@@ -46,6 +50,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -59,10 +64,20 @@ from transfer.addresses import (
     is_wildcard,
     registry_is_local,
     route_source,
+    url_host,
 )
 from transfer.timeouts import Timeouts
 
-__all__ = ["Settings", "Topology", "topology", "environment", "secret", "settings", "sglang_timeouts"]
+__all__ = [
+    "Settings",
+    "Topology",
+    "topology",
+    "environment",
+    "prefill_registry",
+    "secret",
+    "settings",
+    "sglang_timeouts",
+]
 
 
 def _pipeline(kv_args: Any, ctx: dict[str, Any], prefill: bool) -> tuple[int, int]:
@@ -244,7 +259,23 @@ def topology(kv_args: Any, prefill: bool, server_args: Any = None) -> Topology:
     if prefill:
         advertise = _advertised(registry, shared)
         bind = (os.environ.get("PDKV_SGLANG_BIND") or "").strip("[]") or bind_for(advertise)
+        if urlsplit(registry).scheme == "etcd":  # one etcd, many prefills: each under its router's name
+            if "port" not in ctx:
+                raise LayoutError(
+                    "a pdkv prefill on an etcd registry is named by its bootstrap port: SGLang's is unset"
+                )
+            registry = prefill_registry(registry, f"{url_host(advertise)}:{ctx['port']}")
     return Topology(registry.rstrip("/"), cp_rank, cp_size, layers, device, tp_rank, tp_size, advertise, bind)
+
+
+def prefill_registry(registry: str, bootstrap_addr: str) -> str:
+    """Where the prefill that SGLang's router names `bootstrap_addr` (HOST:PORT) is registered:
+    its bootstrap server, or its name under the etcd cluster `registry` (PDKV_SGLANG_REGISTRY)."""
+    if "://" in bootstrap_addr:
+        return bootstrap_addr
+    if urlsplit(registry).scheme == "etcd":
+        return f"{registry.rstrip('/')}/{bootstrap_addr}"
+    return f"http://{bootstrap_addr}"
 
 
 def _bootstrap_url(ctx: dict[str, Any]) -> tuple[str, bool]:
