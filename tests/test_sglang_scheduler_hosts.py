@@ -38,8 +38,8 @@ from tests.test_sglang_scheduler import (  # noqa: E402
     test_a_prefill_abort_fails_the_decode as _prefill_abort,
 )
 
-if (_WHY_NOT := unavailable()) is not None:
-    pytest.skip(f"no stand-in hosts: {_WHY_NOT}", allow_module_level=True)
+_WHY_NOT = unavailable()
+ON_HOSTS = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no stand-in hosts: {_WHY_NOT}")
 
 from tests.etcd_server import etcd_binary  # noqa: E402
 from tests.sglang_scheduler import PAGE, Registry, Side, first_token  # noqa: E402
@@ -172,6 +172,7 @@ def cluster():
             os.environ["PDKV_SECRET"] = before
 
 
+@ON_HOSTS
 def test_mtp_draft_kv_to_decodes_of_attention_tp_1_and_2_on_another_host(cluster):
     """CP=2 layer-split prefill with an MTP draft layer -> decodes of attention TP 1 and 2 on
     another host: every decode rank holds the whole room, the target's KV and indexer pages
@@ -184,6 +185,7 @@ def test_mtp_draft_kv_to_decodes_of_attention_tp_1_and_2_on_another_host(cluster
     assert all(p["pinned_pages"] == 0 for e in ranks for p in e[2]["parts"].values()), ranks
 
 
+@ON_HOSTS
 def test_a_decode_abort_across_hosts(cluster):
     """The loopback module's decode abort, across the hosts: each CP rank's sender Failed
     within 1 s of the decode's abort, and no pin left (the draft's neither)."""
@@ -191,12 +193,14 @@ def test_a_decode_abort_across_hosts(cluster):
     assert all(p["pinned_pages"] == 0 for e in cluster.stats() for p in e[2]["parts"].values())
 
 
+@ON_HOSTS
 def test_a_prefill_abort_across_hosts(cluster):
     """The loopback module's prefill abort, across the hosts: the decode's request aborted
     within 1 s of the prefill's abort."""
     _prefill_abort(cluster)
 
 
+@ON_HOSTS
 def test_a_killed_prefill_rank_fails_the_decode_and_a_restarted_prefill_serves(cluster):
     """SIGKILL of the last CP rank (target layers and the draft) while the decode waits for
     a room: the decode's request is aborted within KILLED_BOUND_S; the surviving rank's
@@ -229,6 +233,7 @@ def test_a_killed_prefill_rank_fails_the_decode_and_a_restarted_prefill_serves(c
             assert (reason, state, error) == ("FINISH_LENGTH", SUCCESS, None), (rid, rank)
 
 
+@ON_HOSTS
 def test_etcd_as_the_registry_across_hosts(cluster):
     """The CP case with etcd as the registry (PDKV_SGLANG_REGISTRY on both sides), no
     bootstrap server: the prefill's ranks register under the name SGLang's router gives it,
@@ -241,3 +246,30 @@ def test_etcd_as_the_registry_across_hosts(cluster):
     keys = pair.ctl("get", "--prefix", "/pdkv-sglang/", "--keys-only").split()
     name = f"/pdkv-sglang/{pair.address}:{pair.port}/engines/dp0/ranks/"
     assert sorted(keys) == [name + "0", name + "1"], keys
+
+
+def test_an_etcd_registry_names_each_prefill_as_sglangs_router_does(monkeypatch):
+    """No hosts needed: on etcd a prefill registers under PREFIX/<advertised address>:<its
+    bootstrap port>, and a decode looks a request's bootstrap address up there; without
+    etcd a decode asks the bootstrap server, as before."""
+    from pdkv.errors import LayoutError
+    from tests.test_sglang import LAYERS as HAND_LAYERS
+    from tests.test_sglang import _kv_args
+    from transfer.sglang import topology as topo
+
+    assert topo.prefill_registry("", "10.0.0.2:8998") == "http://10.0.0.2:8998"
+    assert topo.prefill_registry("http://10.0.0.9:8998", "10.0.0.2:8998") == "http://10.0.0.2:8998"
+    etcd = "etcd://198.51.100.7:2379,198.51.100.8:2379/pdkv/"
+    assert (
+        topo.prefill_registry(etcd, "[fd00::2]:8998")
+        == "etcd://198.51.100.7:2379,198.51.100.8:2379/pdkv/[fd00::2]:8998"
+    )
+    for name, value in topo.environment(etcd, 0, 1, HAND_LAYERS, "cpu").items():
+        monkeypatch.setenv(name, value)
+    args, _ = _kv_args(range(HAND_LAYERS), fill=False)
+    monkeypatch.setenv("PDKV_SGLANG_HOST", "fd00::2")
+    monkeypatch.setattr(topo, "_sglang_context", lambda: {"port": 8998})
+    assert topo.topology(args, True).registry_url == "etcd://198.51.100.7:2379,198.51.100.8:2379/pdkv/[fd00::2]:8998"
+    monkeypatch.setattr(topo, "_sglang_context", dict)  # SGLang's bootstrap port unknown: no name
+    with pytest.raises(LayoutError, match="bootstrap port"):
+        topo.topology(args, True)
