@@ -57,6 +57,7 @@ KV_DIM = 576  # 512 lora + 64 rope, bf16
 INDEX_ITEM = PAGE * 132  # 64 x 128 fp8 keys + 64 fp32 scales a page
 MAX_REQS = 8
 CONTEXT = PAGE * 8
+SENTINEL = 0x5A  # what a decode's radix cache holds in the pages it kept (Role.decode_radix)
 
 logger = logging.getLogger("sglang_scheduler")
 
@@ -161,6 +162,12 @@ class Role:
     size: int
     registry: str  # pdkv's bootstrap server URL (SGLang's bootstrap server)
     dist_init: str  # the gloo group's rendezvous (file://)
+    # A prefill's pipeline stage of `pp_size`: its ranks own the stage's layers, split between them.
+    pp_rank: int = 0
+    pp_size: int = 1
+    # A decode's radix cache (--disaggregation-decode-enable-radix-cache): what it received is
+    # inserted into its tree, the pages then set to SENTINEL (a later read of them would show).
+    decode_radix: bool = False
     env: dict[str, str] = field(default_factory=dict)
     timeouts: dict[str, str] = field(default_factory=dict)  # SGLANG_DISAGGREGATION_* settings
     netns: str | None = None  # the network namespace (tests/netns.py's host) it runs in
@@ -177,7 +184,8 @@ def _set_env(role: Role) -> None:
     from transfer.sglang.topology import environment
 
     if role.mode == "prefill":
-        os.environ.update(environment(role.registry, role.rank, role.size, LAYERS, "cpu"))
+        stage = {"pp_rank": role.pp_rank, "pp_size": role.pp_size}
+        os.environ.update(environment(role.registry, role.rank, role.size, LAYERS, "cpu", **stage))
         os.environ.setdefault("PDKV_SGLANG_HOST", "127.0.0.1")  # loopback unless the test says a host
     else:
         os.environ.update(environment("", 0, 1, LAYERS, "cpu", role.rank, role.size))
@@ -202,6 +210,7 @@ def _publish(role: Role) -> Any:
         skip_tokenizer_init=True,
         tp_size=role.size,
         **({"attn_cp_size": role.size, "enable_prefill_cp": True, "cp_strategy": "interleave"} if cp else {}),
+        **({"disaggregation_decode_enable_radix_cache": True} if role.decode_radix else {}),
     )
     rc.publish(server_args, role="scheduler")
     if cp:
@@ -209,6 +218,31 @@ def _publish(role: Role) -> Any:
         # hooks ask for a GPU: the flag is set on the published context instead
         rc.get_parallel().override_permanently(enable_dsa_cache_layer_split=True)
     return server_args
+
+
+def _stage_layers(role: Role) -> dict[str, int]:
+    """A prefill stage's pool arguments: the layers SGLang's `get_pp_indices` gives its PP rank
+    ({} without stages)."""
+    if role.pp_size == 1:
+        return {}
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(LAYERS, role.pp_rank, role.pp_size)
+    return {"layer_num": end - start, "start_layer": start, "end_layer": end}
+
+
+class _ByModelLayer:
+    """A stage's pool as the stub forward and the checks index it: by the model's layer number
+    (a layer outside the stage is an empty buffer, as one outside a CP rank's share is)."""
+
+    def __init__(self, pool: Any) -> None:
+        import torch
+
+        empty = torch.empty(0)
+        before, after = pool.start_layer, LAYERS - pool.start_layer - pool.layer_num
+        self.kv_buffer = [empty] * before + list(pool.kv_buffer) + [empty] * after
+        index = pool.index_k_with_scale_buffer
+        self.index_k_with_scale_buffer = [empty] * before + list(index) + [empty] * after
 
 
 @dataclass
@@ -302,6 +336,7 @@ def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> An
         enable_memory_saver=False,
         kv_cache_dim=KV_DIM,
     )
+    pool_kwargs.update(_stage_layers(role))  # a pipeline stage's pool holds its own layers only, as SGLang's
     if prefill and role.size > 1:
         pool = LayerSplitDSATokenToKVPool(**pool_kwargs, layer_shard_rank=role.rank, layer_shard_size=role.size)
     else:
@@ -315,7 +350,10 @@ def _scheduler(role: Role, server_args: Any, tp_group: Any, cp_group: Any) -> An
         req_to_token = DecodeReqToTokenPool(MAX_REQS, CONTEXT, "cpu", False, pre_alloc_size=MAX_REQS)
     tree = RadixCache(
         CacheInitParams(
-            disable=True, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator, page_size=PAGE
+            disable=not role.decode_radix,
+            req_to_token_pool=req_to_token,
+            token_to_kv_pool_allocator=allocator,
+            page_size=PAGE,
         )
     )
 
@@ -412,7 +450,7 @@ def _new_req(rid: str, room: int, tokens: int, host: str, port: int, mode: str) 
     req = Req(
         rid,
         "",
-        array("q", [(room + i) % 2000 + 1 for i in range(tokens)]),
+        array("q", tokens if isinstance(tokens, list) else [(room + i) % 2000 + 1 for i in range(tokens)]),
         params,
         bootstrap_host=host,
         bootstrap_port=port,
@@ -458,20 +496,57 @@ def _prefill_forward(s: Any, req: Any) -> None:
         s.send_kv_chunk(req, last_chunk=True)
 
 
+def _past(rows: Any, held: int) -> Any:
+    """`rows` with the first `held` set to SENTINEL: what a decode holding them as its prefix has."""
+    rows[:held] = SENTINEL
+    return rows
+
+
+def _keep_as_prefix(s: Any, req: Any) -> None:
+    """A finished request on a decode with its radix cache: its pages set to SENTINEL (a later
+    read of the ones the tree keeps would show), then SGLang's release inserts it into the tree."""
+    import torch
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    pool, n = s.harness_pool, len(req.origin_input_ids)
+    locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
+    for layer in range(LAYERS):
+        pool.kv_buffer[layer].view(torch.uint8).view(-1, KV_DIM * 2)[locs] = SENTINEL
+        pool.index_k_with_scale_buffer[layer][locs[::PAGE] // PAGE] = SENTINEL
+    release_kv_cache(req, s.tree_cache, checkpoint=True)
+
+
+def _record_frees(mgr: Any) -> dict[int, list[int]]:
+    """The pages each room's pin held on this rank's exporter, recorded as its `RoomTable`
+    frees them (on pdkv's thread), by room."""
+    freed: dict[int, list[int]] = {}
+    rooms = mgr.exporter.exporter.rooms
+    inner = rooms._on_free
+
+    def on_free(room: int, pages: Any) -> None:
+        freed[room] = sorted(int(p) for p in pages)
+        inner(room, pages)
+
+    rooms._on_free = on_free
+    return freed
+
+
 def _decode_check(s: Any, req: Any) -> dict[str, Any]:
     """What the decode's first forward would read: the room's KV and aux, byte for byte."""
     import torch
 
     pool, n = s.harness_pool, len(req.origin_input_ids)
+    held = int(req.kv.cache_protected_len)  # its radix-cache prefix: kept as it was (SENTINEL), not read
     locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
     pages = locs[::PAGE] // PAGE
     bad = []
     for layer in range(LAYERS):
         got = pool.kv_buffer[layer].view(torch.uint8).view(-1, KV_DIM * 2)[locs]
-        if not torch.equal(got, kv_bytes(req.bootstrap_room, layer, n)):
+        if not torch.equal(got, _past(kv_bytes(req.bootstrap_room, layer, n), held)):
             bad.append(("kv", layer))
         if not torch.equal(
-            pool.index_k_with_scale_buffer[layer][pages], index_bytes(req.bootstrap_room, layer, len(pages))
+            pool.index_k_with_scale_buffer[layer][pages],
+            _past(index_bytes(req.bootstrap_room, layer, len(pages)), held // PAGE),
         ):
             bad.append(("index", layer))
     for d in range(s.harness_draft.layer_num if s.harness_draft is not None else 0):
@@ -561,15 +636,20 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
         server_args = _publish(role)
         tp_group, cp_group = _groups(role)
         s = _scheduler(role, server_args, tp_group, cp_group)
+        if role.pp_size > 1:
+            s.harness_pool = _ByModelLayer(s.harness_pool)
         group = cp_group if role.mode == "prefill" else tp_group
         prefill = role.mode == "prefill"
         mgr = s.disagg_prefill_bootstrap_queue.kv_manager if prefill else s.disagg_decode_prealloc_queue.kv_manager
+        freed = _record_frees(mgr) if prefill else {}
         outbox.put(("ready", role.rank, type(mgr).__module__ + "." + type(mgr).__qualname__))
     except BaseException:
         outbox.put(("error", role.rank, traceback.format_exc()))
         raise
     streamed = 0
     held: set[str] = set()  # prefill: requests whose forward waits for a "go"
+    sent: dict[int, list[int]] = {}  # prefill: the pages SGLang sends of each room
+    receivers: dict[str, Any] = {}  # decode: each request's receiver, for what it moved
     try:
         while True:
             cmds: list[Any] = []
@@ -601,6 +681,9 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                     held.discard(cmd[1])
                 elif cmd[0] == "stats" and prefill:
                     outbox.put(("stats", role.rank, _prefill_stats(s)))
+                elif cmd[0] == "pins" and prefill:
+                    counters = vars(mgr.exporter.exporter.rooms.counters)
+                    outbox.put(("pins", role.rank, {"sent": dict(sent), "freed": dict(freed), "counters": counters}))
             if prefill:
                 s.waiting_queue.extend(s.disagg_prefill_bootstrap_queue.pop_bootstrapped())
                 s.resolve_waiting_queue_bootstrap()
@@ -608,6 +691,8 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                 s.waiting_queue = [r for r in s.waiting_queue if r not in batch]
                 for req in batch:
                     _prefill_forward(s, req)
+                    row = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids) : PAGE]
+                    sent[req.bootstrap_room] = sorted(int(p) // PAGE for p in row)
                 for req in s.process_disagg_prefill_inflight_queue():
                     state = int(req.disagg_kv_sender.poll())
                     error = None
@@ -619,13 +704,23 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                         ("done", role.rank, req.rid, type(req.finished_reason).__name__, state, error, time.time())
                     )
             else:
+                for d in (*s.disagg_decode_prealloc_queue.queue, *s.disagg_decode_transfer_queue.queue):
+                    if d.kv_receiver is not None:
+                        receivers[d.req.rid] = d.kv_receiver
                 s.process_decode_queue()
                 for req in s.waiting_queue:
-                    outbox.put(("received", role.rank, req.rid, _decode_check(s, req), time.time()))
+                    got, receiver = _decode_check(s, req), receivers.pop(req.rid, None)
+                    got["held"] = int(req.kv.cache_protected_len)  # the decode's prefix, in tokens
+                    got["moved"] = None if receiver is None else receiver.get_transfer_metric().transfer_total_bytes
+                    outbox.put(("received", role.rank, req.rid, got, time.time()))
                     req.finished_reason = FINISH_LENGTH(length=0)
-                    release_kv_cache(req, s.tree_cache, checkpoint=False)
+                    if role.decode_radix:
+                        _keep_as_prefix(s, req)
+                    else:
+                        release_kv_cache(req, s.tree_cache, checkpoint=False)
                 s.waiting_queue = []
             for rid, reason in s.output_streamer.streamed[streamed:]:
+                receivers.pop(rid, None)
                 outbox.put(("streamed", role.rank, rid, reason, time.time()))
             for rid, message in s.output_streamer.why[streamed:]:
                 outbox.put(("why", role.rank, rid, message))
