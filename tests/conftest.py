@@ -1,4 +1,33 @@
 import os
 
+import pytest
+
 # Set before any NIXL import in the test process (see transfer.lanes.ucx.nixl).
 os.environ.setdefault("UCX_MODULES", "^ib")
+
+# The files whose cases start whole deployments, hosts or environments, longest first. Under
+# pytest-xdist (scripts/test.sh: a file whole on a worker, --no-loadscope-reorder) the next
+# free worker takes the next file in collection order: the long ones start first, so none
+# starts last while the other worker idles. The other files follow, in their usual order.
+LONG_FIRST = (
+    "test_soak.py",
+    "test_install.py",
+    "test_transfer_integration.py",
+    "test_cli.py",
+    "test_sglang.py",
+    "test_sglang_aborts.py",
+    "test_sglang_scheduler.py",
+    "test_sglang_scheduler_hosts.py",
+    "test_sglang_scheduler_parity.py",
+    "test_hosts.py",
+    "test_sglang_hosts.py",
+    "test_release_faults.py",
+    "test_fd_pass.py",
+    "test_sglang_settings.py",
+    "test_hostile_bodies.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: a file's cases keep their order
