@@ -35,6 +35,7 @@ import argparse
 import functools
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -101,6 +102,22 @@ def _on_host(host: Host) -> None:
         os.environ["PDKV_SGLANG_HOST"] = host.address
 
 
+def _orphaned() -> bool:
+    """Whether the process that started this one is gone (the decode, killed: by the OOM killer, say)."""
+    parent = mp.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
+def _next_order(orders: mp.Queue):  # type: ignore[no-untyped-def]
+    """The next order; None once there are no more, or no decode left to give them."""
+    while True:
+        try:
+            return orders.get(timeout=1)
+        except queue.Empty:
+            if _orphaned():
+                return None
+
+
 def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replies: mp.Queue, host: Host) -> None:
     _on_host(host)
     from sglang.srt.disaggregation.base import conn
@@ -113,7 +130,7 @@ def _prefill_rank(registry: str, rank: int, pages: int, orders: mp.Queue, replie
     mgr = PdkvKVManager(args, "prefill", None, True)
     replies.put(("ready", rank))
     holds: list[float] = []
-    while (order := orders.get()) is not None:
+    while (order := _next_order(orders)) is not None:
         room, src, ticket, forward_s = order
         sender = PdkvKVSender(mgr, registry, room)
         _timed(holds, sender.init, len(src), 0)
@@ -232,7 +249,8 @@ def _bootstrap(host: Host, ports: mp.Queue, stop) -> None:  # type: ignore[no-un
 
     server = PdkvKVBootstrapServer(host.address, 0)
     ports.put(int(server.url.rsplit(":", 1)[1]))
-    stop.wait()
+    while not stop.wait(1) and not _orphaned():
+        pass
     server.close()
 
 
