@@ -5,26 +5,30 @@ import pytest
 # Set before any NIXL import in the test process (see transfer.lanes.ucx.nixl).
 os.environ.setdefault("UCX_MODULES", "^ib")
 
-# The files whose cases start whole deployments, hosts or environments, longest first. Under
-# pytest-xdist (scripts/test.sh: a file whole on a worker, --no-loadscope-reorder) the next
-# free worker takes the next file in collection order: the long ones start first, so none
-# starts last while the other worker idles. The other files follow, in their usual order.
+# The files whose cases start whole deployments, hosts or environments, longest first (as a
+# run on two workers measured them). Under pytest-xdist (scripts/test.sh: a file whole on a
+# worker, --no-loadscope-reorder) the next free worker takes the next file in collection
+# order: the long ones start first, so none starts last while the other worker idles. The
+# other files follow, in their usual order.
 LONG_FIRST = (
-    "test_soak.py",
-    "test_install.py",
-    "test_transfer_integration.py",
-    "test_cli.py",
     "test_sglang.py",
-    "test_sglang_aborts.py",
-    "test_sglang_scheduler.py",
-    "test_sglang_scheduler_hosts.py",
-    "test_sglang_scheduler_parity.py",
-    "test_hosts.py",
-    "test_sglang_hosts.py",
-    "test_release_faults.py",
+    "test_cli.py",
+    "test_transfer_integration.py",
     "test_fd_pass.py",
     "test_sglang_settings.py",
     "test_hostile_bodies.py",
+    "test_hosts.py",
+    "test_sglang_hosts.py",
+    "test_sglang_scheduler_parity.py",
+    "test_soak.py",
+    "test_sglang_scheduler_hosts.py",
+    "test_sglang_layout_abort.py",
+    "test_engine_loss.py",
+    "test_sglang_parity.py",
+    "test_sglang_scheduler.py",
+    "test_release_faults.py",
+    "test_sglang_aborts.py",
+    "test_install.py",
 )
 
 
