@@ -22,16 +22,9 @@ Prints one row a mode and writes every trial as JSON, as it goes. Needs root.
 control: a huge one stands in for the unbounded READs of before commit 15765c2.
 `--owner-env KEY=VAL` (repeatable) sets an environment variable for the prefill host's
 processes (the owners, and the registry) and not for the decodes; `--decode-env` the reverse.
-With `--post-mib 1000000 --owner-env MALLOC_MMAP_THRESHOLD_=32768` (2026-12-01): 0 owner
-crashes in 50 kills and 50 cuts, every cut's error 3.06-3.10 s, 11 of 11 check fetches byte
-exact; without the threshold, the same day, 14 of 20 (`--kills 10 --cuts 10 --seed 5`). See
-`repro_ucx_tcp_crash.py` for why the threshold matters. pdkv's guard now zeroes UCX's own
+See `repro_ucx_tcp_crash.py` for the crash the owners' heap guard is for. pdkv's guard now zeroes UCX's own
 allocations instead (`protect_owner_heap`); `--owner-env PDKV_HEAP_GUARD=process` gives the
-threshold, `=0` no guard. With `--kills 10 --cuts 10 --post-mib 1000000 --seed 5` on
-2026-12-02, at load average 28-34 (most trials' READs never started): no guard, 2 owner
-segfaults in 4 faults that fell mid-READ; the new guard, no segfault in 7 (4 kills, 3 cuts),
-but one kill ended an owner in SIGABRT (`stubs.c:107 Assertion '0' failed`: the TCP endpoint's
-cleanup found its pending queue not empty).
+threshold, `=0` no guard. Figures: docs/benchmarks.md, "Owner crashes under faults".
 """
 
 from __future__ import annotations
