@@ -15,24 +15,6 @@ import torch
 from pdkv.errors import LayoutError, PageRangeError
 from pdkv.layout import INDEX_SCALE_BYTES, KVLayout
 
-__all__ = [
-    "LAYER_ALIGN",
-    "LayerRegions",
-    "alloc_layers",
-    "alloc_zeros",
-    "check_locations",
-    "index_key_view",
-    "index_scale_view",
-    "gather_index_k",
-    "gather_index_scale",
-    "scatter_index_k_and_scale",
-    "move_index_tokens",
-    "as_store_rows",
-    "byte_rows",
-    "take",
-    "put",
-]
-
 
 def alloc_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """A zeroed tensor; on the host, backed by numpy so large buffers get huge pages.

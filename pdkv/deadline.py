@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from pdkv.errors import DeadlineExceeded
 
-__all__ = ["Deadline"]
-
 
 @dataclass(frozen=True, order=True)
 class Deadline:

@@ -40,8 +40,6 @@ import torch
 from pdkv.deadline import Deadline
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
-__all__ = ["NcclComm", "NcclWork", "nccl_library", "unique_id"]
-
 logger = logging.getLogger(__name__)
 
 _SUCCESS = 0

@@ -18,19 +18,6 @@ from urllib.parse import urlsplit
 
 from pdkv.errors import PdkvError
 
-__all__ = [
-    "AddressError",
-    "advertised_for",
-    "bind_for",
-    "http_url",
-    "is_local_only",
-    "is_own_address",
-    "is_wildcard",
-    "registry_is_local",
-    "route_source",
-    "url_host",
-]
-
 logger = logging.getLogger(__name__)
 
 

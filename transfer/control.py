@@ -40,21 +40,6 @@ from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode, error_from, error_reply
 from transfer.timeouts import Timeouts
 
-__all__ = [
-    "SECRET_HEADER",
-    "BodyTooLargeError",
-    "ControlClient",
-    "HttpService",
-    "health",
-    "metrics",
-    "make_app",
-    "path_int",
-    "query_int",
-    "reply",
-    "read_body",
-    "status_of",
-]
-
 logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "X-Pdkv-Secret"

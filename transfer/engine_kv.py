@@ -24,8 +24,6 @@ from pdkv.errors import LayoutError
 from pdkv.layout import INDEX_SCALE_BYTES, BufferKind, KVLayout
 from pdkv.pool import BufferInfos
 
-__all__ = ["EngineKV", "KVBuffers", "buffer_infos", "view_memory"]
-
 
 class KVBuffers(Protocol):
     """What the transfer layer needs of a pool: a `DSAKVPool`, or an engine's `EngineKV`."""

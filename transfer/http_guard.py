@@ -19,8 +19,6 @@ from aiohttp import StreamReader, web
 
 from transfer.timeouts import Timeouts
 
-__all__ = ["ConnectionGuard", "FD_RESERVE", "MAX_CONNECTIONS"]
-
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 1024  # a site's; fewer if the process's open-files limit runs out first

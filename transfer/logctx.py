@@ -21,8 +21,6 @@ import contextvars
 import json
 import logging
 
-__all__ = ["FIELDS", "JsonFormatter", "RequestContext", "RequestFilter", "current", "failure_fields", "request_context"]
-
 # The record attributes every line gets (None where unknown); `rank` as bound is `cp_rank`.
 FIELDS = ("room", "engine", "cp_rank", "peer", "consumer")
 _ALIASES = {"rank": "cp_rank"}

@@ -25,8 +25,6 @@ from transfer.control import ControlClient
 from transfer.deadline import wait_until
 from transfer.metadata import RoomState, RoomStatus, decode, encode, error_from
 
-__all__ = ["ReadinessHub", "Subscription", "ReadinessFeed", "frame", "aborted_error", "HEARTBEAT"]
-
 logger = logging.getLogger(__name__)
 
 HEARTBEAT = struct.pack(">I", 0)

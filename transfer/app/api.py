@@ -8,8 +8,6 @@ from msgspec import Meta, Struct
 
 from transfer.metadata import RoomTicket
 
-__all__ = ["PrefillRequest", "PrefillReply", "DecodeRequest", "DecodeReply"]
-
 Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Tokens = Annotated[int, Meta(ge=1, le=1 << 24)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]

@@ -10,8 +10,6 @@ from transfer.app.service import add_service_flags, announce, secret_from_env, s
 from transfer.registry.server import RegistryServer
 from transfer.timeouts import Timeouts
 
-__all__ = ["main"]
-
 
 async def _serve(args: argparse.Namespace) -> None:
     server = RegistryServer(args.host, args.port, Timeouts(lease=args.lease), secret_from_env(args.secret_env))

@@ -32,8 +32,6 @@ from transfer.app.router import Deployment, DeploymentSpec, RequestOutcome
 from transfer.app.service import configure_logging
 from transfer.app.supervisor import EngineDeath, EngineState
 
-__all__ = ["main", "Summary"]
-
 
 @dataclass(frozen=True)
 class Summary:

@@ -27,8 +27,6 @@ import aiohttp
 
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
 
-__all__ = ["Launcher", "Child", "Host", "ServiceStartError", "ServiceExited", "ServiceNotReady", "ready_urls"]
-
 logger = logging.getLogger(__name__)
 
 _PROBE_S = 1.0  # the most one `GET /ready` may take before it is asked again

@@ -20,8 +20,6 @@ from transfer.app.launcher import Host
 from transfer.app.supervisor import BROADCAST_CTAS
 from transfer.timeouts import Timeouts
 
-__all__ = ["DEFAULT_MIX", "EXIT_CODES", "PROG", "HelpFormatter", "parse_mix", "parser"]
-
 # (tokens, weight): mostly short prompts, a long tail up to 32k.
 DEFAULT_MIX = "1024:35,2048:25,4096:20,8192:12,16384:5,32768:3"
 

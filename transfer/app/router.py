@@ -26,12 +26,11 @@ import msgspec
 
 from pdkv.errors import CapacityError, PdkvError, PeerLostError, UnknownEngineError
 from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRequest
-from transfer.app.supervisor import DecoderEndpoint, DeploymentSpec, EngineEndpoints, Supervisor
+from transfer.app.supervisor import DecoderEndpoint, EngineEndpoints, Supervisor
+from transfer.app.supervisor import DeploymentSpec as DeploymentSpec
 from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.timeouts import Timeouts
-
-__all__ = ["Deployment", "DeploymentSpec", "RequestOutcome", "Router", "TokenBudget"]
 
 logger = logging.getLogger(__name__)
 

@@ -24,19 +24,6 @@ import torch
 from pdkv.layout import PRESETS
 from transfer.logctx import RequestFilter
 
-__all__ = [
-    "add_pool_flags",
-    "add_service_flags",
-    "announce",
-    "configure_logging",
-    "LOG_CONFIG_ENV",
-    "run_service",
-    "setup_process",
-    "die_with_parent",
-    "secret_from_env",
-    "wait_for_signal",
-]
-
 
 def add_service_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdkv.errors import NotReadyError, PeerLostError
-from transfer.app.launcher import Child, Host, Launcher, ServiceStartError
+from transfer.app.launcher import Child, Launcher, ServiceStartError
+from transfer.app.launcher import Host as Host
 from transfer.deadline import Deadline, retry_until
 from transfer.registry import registry_client
 from transfer.timeouts import Timeouts
@@ -29,8 +30,6 @@ from transfer.timeouts import Timeouts
 # SMs a prefill's NCCL owner broadcast may take: 8 were as fast as NCCL's own 24 channels and
 # leave compute the rest, so a prefetch hides behind it (docs/benchmarks.md, "NCCL SM cap").
 BROADCAST_CTAS = 8
-
-__all__ = ["DeploymentSpec", "EngineDeath", "EngineEndpoints", "EngineState", "DecoderEndpoint", "Host", "Supervisor"]
 
 logger = logging.getLogger(__name__)
 

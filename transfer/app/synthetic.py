@@ -20,17 +20,6 @@ from pdkv.layout import KVLayout
 from pdkv.pages import PageAllocator
 from pdkv.pool import DSAKVPool
 
-__all__ = [
-    "token_bytes",
-    "SyntheticLayer",
-    "RequestContent",
-    "token_locations",
-    "request_seed",
-    "prefix_seed",
-    "fragmented_page_order",
-    "fragmented_allocator",
-]
-
 _M1, _M2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F  # odd 64-bit mixing constants
 _STEP = np.uint64(_M2 | 1)  # what a token's next 64-bit word adds
 

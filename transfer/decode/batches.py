@@ -16,8 +16,6 @@ import numpy as np
 from transfer.deadline import Deadline
 from transfer.lanes.base import Lane, Peer, ReadStats
 
-__all__ = ["BatchSlot", "ReadBatch"]
-
 _Joined = tuple[Peer, np.ndarray, np.ndarray, Deadline, "asyncio.Future[ReadStats]"]
 
 

@@ -29,11 +29,9 @@ from transfer.decode.owners import Owner, lost_peer, peers_of
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import Lane, ReadStats
 from transfer.metadata import ClaimRequest, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
-from transfer.metrics import observe_read  # re-exported: the tickets' reads use it too
+from transfer.metrics import observe_read
 from transfer.readiness import ReadinessFeed
 from transfer.results import FetchResult, OwnerStats
-
-__all__ = ["Claim", "ClaimProtocol", "observe_read", "owner_urls"]
 
 logger = logging.getLogger(__name__)
 

@@ -52,8 +52,6 @@ from transfer.registry import registry_client
 from transfer.results import FetchResult
 from transfer.timeouts import Timeouts
 
-__all__ = ["DecodeFetcher"]
-
 logger = logging.getLogger(__name__)
 
 

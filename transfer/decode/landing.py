@@ -27,8 +27,6 @@ from typing import NoReturn
 
 from transfer.results import FetchResult
 
-__all__ = ["Landing"]
-
 logger = logging.getLogger(__name__)
 
 

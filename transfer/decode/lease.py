@@ -26,8 +26,6 @@ from transfer.metadata import OwnerPin, RoomState, RoomStatus, RoomTicket
 from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
 from transfer.results import FetchResult
 
-__all__ = ["RoomLease"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -35,8 +35,6 @@ from transfer.prefill.pins import MappedPins, map_pins
 from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
 
-__all__ = ["Owner", "Owners", "buffer_pairs", "check_owners", "lost_peer", "peers_of", "pinned"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -33,8 +33,6 @@ from transfer.metadata import OwnerPin
 from transfer.metrics import observe_notification_failure, observe_retransmission
 from transfer.timeouts import Timeouts
 
-__all__ = ["Releases"]
-
 logger = logging.getLogger(__name__)
 
 

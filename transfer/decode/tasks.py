@@ -23,8 +23,6 @@ from transfer.engine_kv import KVBuffers
 from transfer.readiness import ReadinessFeed
 from transfer.timeouts import Timeouts
 
-__all__ = ["Activity", "DecodeContext", "Fetch", "TaskSet", "all_or_cancel", "budget"]
-
 T = TypeVar("T")
 
 

@@ -26,16 +26,15 @@ import torch
 
 from pdkv.errors import ClaimLostError, MetadataError, PeerLostError
 from transfer.deadline import Deadline
-from transfer.decode.claims import Claim, observe_read, owner_urls, read_layers
+from transfer.decode.claims import Claim, owner_urls, read_layers
 from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, lost_peer, peers_of
 from transfer.decode.releases import Releases
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import Batch, Lane, Peer, Signals
 from transfer.metadata import ClaimRelease, OwnerPin, RoomTicket, TicketRelease, encode
+from transfer.metrics import observe_read
 from transfer.results import FetchResult, OwnerStats
-
-__all__ = ["PinRelease", "PreparedTicket", "TicketProtocol"]
 
 logger = logging.getLogger(__name__)
 

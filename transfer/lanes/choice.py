@@ -22,8 +22,6 @@ from transfer.lanes.ucx.signals import UcxSignals
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.timeouts import Timeouts
 
-__all__ = ["PATHS", "LaneChoice", "check_path", "lanes_for"]
-
 logger = logging.getLogger(__name__)
 
 PATHS = ("auto", "ucx", "cuda_ipc")

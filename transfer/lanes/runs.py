@@ -15,8 +15,6 @@ import torch
 
 from pdkv.errors import PageRangeError
 
-__all__ = ["BufferPair", "PageRuns", "check_pages", "device_id", "mem_type", "page_runs"]
-
 
 def mem_type(device: torch.device) -> str:
     """NIXL's memory type for buffers on `device`."""

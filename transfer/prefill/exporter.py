@@ -46,8 +46,6 @@ from transfer.readiness import ReadinessHub
 from transfer.registry import register_until, registry_client
 from transfer.timeouts import Timeouts
 
-__all__ = ["PrefillExporter"]
-
 logger = logging.getLogger(__name__)
 
 INCARNATION_HEX = 12  # an incarnation is this many hex digits (it fits an int64)

@@ -27,8 +27,6 @@ from pdkv.errors import PeerLostError
 from transfer.lanes.base import host_id
 from transfer.metadata import PinTable
 
-__all__ = ["PinWords", "MappedPins", "map_pins"]
-
 logger = logging.getLogger(__name__)
 
 _HEADER_WORDS = 1  # the tag

@@ -53,8 +53,6 @@ from transfer.deadline import Deadline, wait_until
 from transfer.logctx import failure_fields
 from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_from, error_reply
 
-__all__ = ["RoomTable", "RoomCounters", "OnEnd"]
-
 OnEnd = Callable[[RoomStatus, ErrorReply | None], None]
 """How a publication ended (RELEASED or ABORTED) and, where its prefill failed it, why."""
 

@@ -46,8 +46,6 @@ from transfer.prefill.rooms import RoomTable
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
 from transfer.timeouts import Timeouts
 
-__all__ = ["PrefillService", "Readiness", "Stats"]
-
 logger = logging.getLogger(__name__)
 
 Readiness = Callable[[], tuple[bool, str]]

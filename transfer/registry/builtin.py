@@ -8,8 +8,6 @@ from transfer.deadline import Deadline, retry_until
 from transfer.metadata import EngineDescriptor, RankDescriptor
 from transfer.timeouts import Timeouts
 
-__all__ = ["HttpRegistry"]
-
 
 class HttpRegistry:
     """pdkv's built-in registry (`transfer.registry.server.RegistryServer`) over HTTP."""

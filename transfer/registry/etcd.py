@@ -47,8 +47,6 @@ from transfer.metadata import EngineDescriptor, RankDescriptor, decode, encode
 from transfer.registry.base import assemble
 from transfer.timeouts import Timeouts
 
-__all__ = ["EtcdRegistry"]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -19,8 +19,6 @@ from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 from pdkv.errors import LayoutError
 from transfer.engine_kv import EngineKV, buffer_infos
 
-__all__ = ["AuxRows", "DRAFT_SUFFIX", "draft_kv_from_args", "engine_kv_from_args"]
-
 DRAFT_SUFFIX = "-draft"
 
 

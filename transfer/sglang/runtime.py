@@ -11,8 +11,6 @@ import sys
 
 from pdkv.errors import PdkvError
 
-__all__ = ["SGLANG_TESTED", "UnsupportedSGLangError", "check_runtime"]
-
 # The SGLang releases whose interface pdkv's conformance tests ran against (tests/test_sglang*.py).
 SGLANG_TESTED = ("0.5.23",)
 

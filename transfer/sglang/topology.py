@@ -68,17 +68,6 @@ from transfer.addresses import (
 )
 from transfer.timeouts import Timeouts
 
-__all__ = [
-    "Settings",
-    "Topology",
-    "topology",
-    "environment",
-    "prefill_registry",
-    "secret",
-    "settings",
-    "sglang_timeouts",
-]
-
 
 def _pipeline(kv_args: Any, ctx: dict[str, Any], prefill: bool) -> tuple[int, int]:
     """This rank's PP stage and the PP size. A prefill's stages each own their layers (an

@@ -27,8 +27,6 @@ from typing import Any, TypeVar
 
 from pdkv.errors import TransferError
 
-__all__ = ["CudaDriver", "IpcMapping", "HANDLE_BYTES", "driver_bindings"]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

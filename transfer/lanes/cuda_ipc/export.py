@@ -25,8 +25,6 @@ from transfer.lanes.runs import device_id
 from transfer.metadata import IpcExport, IpcSlab, VmmSpan
 from transfer.timeouts import Timeouts
 
-__all__ = ["IpcExporter", "NO_SECRET"]
-
 NO_SECRET = "pdkv-no-secret"  # without one, a span's key (from the registry) and the uid guard it
 _SPAN_GAP = 1 << 30  # VMM buffers further apart than this go in separate spans
 

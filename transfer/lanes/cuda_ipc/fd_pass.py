@@ -43,16 +43,6 @@ import msgspec
 from pdkv.errors import AuthError, DeadlineExceeded, PdkvError, PeerLostError, TransferError
 from transfer.deadline import Deadline
 
-__all__ = [
-    "FdServer",
-    "fetch_fds",
-    "close_fds",
-    "FdPassError",
-    "UnknownKeyError",
-    "FD_BATCH",
-    "MAX_FDS",
-]
-
 logger = logging.getLogger(__name__)
 
 FD_BATCH = 200  # descriptors per SCM_RIGHTS message: Linux takes at most 253 (SCM_MAX_FD)

@@ -33,8 +33,6 @@ from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel, LaunchArgs
 from transfer.lanes.cuda_ipc.plan import GatherPlan, GatherTable
 from transfer.timeouts import CALLER_FIRST
 
-__all__ = ["Gatherer", "Launch", "launch_split"]
-
 logger = logging.getLogger(__name__)
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: pages per launch

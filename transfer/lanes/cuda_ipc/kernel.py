@@ -37,8 +37,6 @@ import numpy as np
 from pdkv.errors import TransferError
 from transfer.lanes.cuda_ipc.driver import CudaDriver
 
-__all__ = ["DriverEvent", "GatherKernel", "LaunchArgs", "IDS", "WORDS"]
-
 WORDS = (16, 8, 4, 2, 1)  # bytes a load may move; 16: a vector of four 32-bit words
 # Page ids a launch can carry in its parameters: six 8-byte scalars and the ids (int32) fill
 # the classic 4 KiB of parameters, or 8 or 32 KiB, which CUDA 12.1 drivers allow from Volta

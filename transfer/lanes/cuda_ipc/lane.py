@@ -43,8 +43,6 @@ from transfer.lanes.cuda_ipc.vmm import VmmMapping, import_span
 from transfer.lanes.runs import BufferPair
 from transfer.metadata import RankDescriptor
 
-__all__ = ["CudaIpcLane", "GatherBatch", "IpcPeer", "ipc_unreachable"]
-
 logger = logging.getLogger(__name__)
 
 _MERGED_KEPT = 64  # merged tables and batches kept, each

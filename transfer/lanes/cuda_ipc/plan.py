@@ -12,18 +12,6 @@ import numpy as np
 from pdkv.errors import PageRangeError
 from transfer.lanes.runs import BufferPair, check_pages
 
-__all__ = [
-    "GatherPlan",
-    "GatherTable",
-    "build_gather_plan",
-    "gather_plan",
-    "gather_table",
-    "merge_gather_plans",
-    "merge_gather_tables",
-    "route_pages",
-    "shares_source_pages",
-]
-
 
 @dataclass(eq=False)  # identity: a lane keys its caches by the table object
 class GatherTable:

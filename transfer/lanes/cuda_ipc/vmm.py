@@ -41,16 +41,6 @@ from typing import TypeVar
 from pdkv.errors import TransferError
 from transfer.lanes.cuda_ipc.driver import CudaDriver
 
-__all__ = [
-    "VmmError",
-    "VmmChunk",
-    "VmmExport",
-    "VmmMapping",
-    "is_vmm",
-    "export_span",
-    "import_span",
-]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -16,8 +16,6 @@ from transfer.lanes.ucx.plan import ReadTable, read_plan, read_table
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.metadata import RankDescriptor
 
-__all__ = ["UcxLane", "UcxPeer", "exported_regions"]
-
 
 @dataclass(eq=False)
 class UcxPeer:

@@ -29,17 +29,6 @@ import torch
 
 from pdkv.errors import PdkvError, PeerLostError, TransferError
 
-__all__ = [
-    "BuildMismatchError",
-    "check_cuda_builds",
-    "configure_ucx_environment",
-    "default_workers",
-    "heap_guard_reason",
-    "load_nixl",
-    "protect_owner_heap",
-    "translate",
-]
-
 logger = logging.getLogger(__name__)
 
 _OFF = ("0", "false", "no", "off")

@@ -8,8 +8,6 @@ import numpy as np
 
 from transfer.lanes.runs import BufferPair, check_pages, page_runs
 
-__all__ = ["ReadPlan", "ReadTable", "build_read_plan", "read_plan", "read_table"]
-
 
 @dataclass(frozen=True)
 class ReadPlan:

@@ -13,8 +13,6 @@ from transfer.lanes.ucx.lane import exported_regions
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.metadata import RankDescriptor
 
-__all__ = ["UcxSignals"]
-
 
 class UcxSignals:
     """Pin words and notifications over `transport` (one made with `notifies=True`)."""

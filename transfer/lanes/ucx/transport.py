@@ -39,8 +39,6 @@ from transfer.lanes.ucx.plan import ReadPlan
 from transfer.lanes.ucx.worker import Worker, split
 from transfer.timeouts import Timeouts
 
-__all__ = ["NotifyFaults", "Regions", "UcxTransport"]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -21,8 +21,6 @@ from transfer.lanes.ucx.nixl import ucx_backend_params
 from transfer.lanes.ucx.plan import ReadPlan
 from transfer.timeouts import Timeouts
 
-__all__ = ["Worker", "bounded", "split"]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
