@@ -9,7 +9,7 @@ import pytest
 
 from pdkv.errors import ClosedError
 from transfer.lanes.cuda_ipc.gather import _polled, _Waiter, launch_split
-from transfer.timeouts import CALLER_FIRST
+from transfer.timeouts import CALLER_YIELD_SECONDS
 
 
 def test_launch_split_takes_the_fewest_ids_that_hold_a_plan_else_several_launches():
@@ -120,7 +120,7 @@ class _Watch:
 
 async def test_a_watch_is_told_on_the_waiting_thread_and_a_told_caller_goes_first():
     """The waiting thread tells the watch as the kernel ends, before the loop hears; once the
-    caller was told, the loop hears `CALLER_FIRST` later (its continuation would hold the
+    caller was told, the loop hears `CALLER_YIELD_SECONDS` later (its continuation would hold the
     interpreter lock as the caller looks), and the launch's end is stamped before that."""
     waiter = _Waiter(_Kernel())
     try:
@@ -132,7 +132,7 @@ async def test_a_watch_is_told_on_the_waiting_thread_and_a_told_caller_goes_firs
             assert thread == "pdkv-gather-wait"
             assert launch.ended_at <= at  # stamped before the watch, not at the loop's wake-up
             if told:
-                assert heard - at >= CALLER_FIRST
+                assert heard - at >= CALLER_YIELD_SECONDS
     finally:
         waiter.close()
 

@@ -132,7 +132,7 @@ async def landed_read(
     job = Fetch("e0", ROOM, w.dst, Deadline.after(300), time.perf_counter(), landing)
     read = asyncio.create_task(reported(w, tickets.read(tickets.prepare(w.owners, ticket, aux), job)))
     await until(lambda: merging.in_flight == 1, "the read launched")
-    assert landing.told() is None  # launched, not landed
+    assert landing.proved_result() is None  # launched, not landed
     if before_the_data is not None:
         before_the_data(w)
     merging.gates[0].set()
@@ -142,7 +142,7 @@ async def landed_read(
 
 async def test_a_landing_holds_a_merged_reads_result_before_its_task_hears_and_the_proof_is_made_once() -> None:
     w, landing, read = await landed_read(aux=b"first token")
-    seen = landing.told()  # as a scheduler's poll finds it, before the decode's loop hears of the landing
+    seen = landing.proved_result()  # as a scheduler's poll finds it, before the decode's loop hears of the landing
     assert seen is not None and not read.done() and w.timeline.where("told", True)
     assert (seen.room, seen.nbytes, seen.aux) == (ROOM, LAYERS * len(w.dst) * PAGE, b"first token")
     t = w.timeline
@@ -165,12 +165,12 @@ def _abort_on_cp1(w: World) -> None:
 
 async def test_a_landing_whose_pin_word_was_cleared_during_the_read_never_holds_a_result() -> None:
     w, landing, read = await landed_read(before_the_data=_abort_on_cp1)
-    assert w.timeline.where("told", False) and landing.told() is None  # refused: nothing for the caller
+    assert w.timeline.where("told", False) and landing.proved_result() is None  # refused: nothing for the caller
     w.merging.heard.set()
     with pytest.raises(ClaimLostError):
         await read
     assert len(w.timeline.where("pin_word", 1)) == 1  # the task took the lane thread's verdict
-    assert landing.told() is None
+    assert landing.proved_result() is None
 
 
 def _forget_cp1(w: World) -> None:
@@ -183,7 +183,7 @@ async def test_a_landed_read_whose_owner_was_forgotten_meanwhile_fails_typed() -
     """An owner forgotten while the kernel ran (its table dropped) cannot be proved by a
     load: neither the lane's thread nor the loop passes the read."""
     w, landing, read = await landed_read(before_the_data=_forget_cp1)
-    assert w.timeline.where("told", False) and landing.told() is None
+    assert w.timeline.where("told", False) and landing.proved_result() is None
     w.merging.heard.set()
     with pytest.raises(PeerLostError, match="cp rank 1"):
         await read

@@ -288,7 +288,7 @@ def test_a_landings_proof_is_made_once_whichever_threads_come_at_once():
     landing.check(prove)  # the loop, as its kernel's end reaches it
     for t in threads:
         t.join(10)
-    assert len(proofs) == 1 and told == [True] * 8 and landing.told() is result
+    assert len(proofs) == 1 and told == [True] * 8 and landing.proved_result() is result
 
 
 def test_what_fails_on_the_lanes_thread_is_left_to_the_loop():
@@ -305,12 +305,12 @@ def test_what_fails_on_the_lanes_thread_is_left_to_the_loop():
 
     landing = Landing()
     landing.arm(buggy, lambda: FetchResult("e0", 1, 10, 0.1, ()))
-    assert not landing.landed() and landing.told() is None
+    assert not landing.landed() and landing.proved_result() is None
     with pytest.raises(AssertionError):
         landing.check(buggy)  # the loop's read raises it
     landing = Landing()
     landing.arm(lambda: None, no_result)
-    assert not landing.landed() and landing.told() is None
+    assert not landing.landed() and landing.proved_result() is None
     landing.check(lambda: None)  # proved: the loop builds its own result
 
 

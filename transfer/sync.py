@@ -43,7 +43,7 @@ from transfer.metadata import OwnerPin, RankDescriptor, RoomTicket
 from transfer.prefill import PrefillExporter
 from transfer.prefill.rooms import OnEnd
 from transfer.results import FetchResult
-from transfer.timeouts import CALLER_FIRST, Timeouts
+from transfer.timeouts import CALLER_YIELD_SECONDS, Timeouts
 
 __all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "SyncFetcher", "SyncExporter"]
 
@@ -304,10 +304,10 @@ class FetchHandle(Handle[FetchResult]):
         taken `on_done`'s callbacks run on this thread. After `cancel()` it waits for the task."""
         future = self._future
         if not future.done():  # written out, not `super().poll()`: a scheduler calls it every iteration
-            told = self._landing.told()
-            if told is None:
+            proved = self._landing.proved_result()
+            if proved is None:
                 return FetchStatus.PENDING
-            self._job.report(told)
+            self._job.report(proved)
             if not future.done():  # cancelled first: the task's end is the outcome
                 return FetchStatus.PENDING
         return FetchStatus.FAILED if future.exception() else FetchStatus.DONE
@@ -315,7 +315,7 @@ class FetchHandle(Handle[FetchResult]):
 
 class SyncFetcher:
     """A `DecodeFetcher` driven from a synchronous scheduler thread: the same keyword arguments,
-    except that `release_delay` defaults to `transfer.timeouts.CALLER_FIRST`. Starting and
+    except that `release_delay` defaults to `transfer.timeouts.CALLER_YIELD_SECONDS`. Starting and
     closing wait at most `start_timeout`, by default its `timeouts`' `start`."""
 
     def __init__(
@@ -331,7 +331,7 @@ class SyncFetcher:
         merge_runs: bool = True,
         path: str = "auto",
         time_kernels: bool = False,
-        release_delay: float = CALLER_FIRST,
+        release_delay: float = CALLER_YIELD_SECONDS,
     ) -> None:
         self._start = timeouts.start if start_timeout is None else start_timeout
         self._bg = BackgroundLoop("pdkv-decode")

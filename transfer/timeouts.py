@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["CALLER_FIRST", "Timeouts"]
+__all__ = ["CALLER_YIELD_SECONDS", "Timeouts"]
 
 # Not a bound but a yield: a synchronous caller (a scheduler polling from its own thread) sees
 # an outcome only once it holds the interpreter lock, which pdkv's work after a read (its
 # continuation, its releases' sends) would take first; that work waits this long.
-CALLER_FIRST = 0.001
+CALLER_YIELD_SECONDS = 0.001
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the interpreter lock that a polling scheduler needs to see the outcome. Given a
 `Landing`, such a read has the waiting thread prove the pin words (loads from the owners'
 mapped tables) and keep the result as the kernel ends; the caller's `poll()` reads it
 from there, and the loop's continuation (its releases) comes a moment later
-(`transfer.timeouts.CALLER_FIRST`).
+(`transfer.timeouts.CALLER_YIELD_SECONDS`).
 
 The proof is made once, by whichever thread comes first (the waiting thread, or the loop
 where the lane had nothing to tell), and both follow that verdict: the loop's read ends as
@@ -40,7 +40,7 @@ class Landing:
         self._prove: Callable[[], None] = _unarmed
         self._result: Callable[[], FetchResult] = _unarmed
         self._verdict: Exception | None | bool = None  # None: not proved yet; True: proved; an error: refused
-        self._told: FetchResult | None = None  # the result the lane's thread made, for the caller
+        self._proved_result: FetchResult | None = None  # the result the lane's thread made, for the caller
 
     def arm(self, prove: Callable[[], None], result: Callable[[], FetchResult]) -> None:
         """The read is about to launch (on the decode's loop): `prove`, asked once its bytes
@@ -50,21 +50,21 @@ class Landing:
 
     def landed(self) -> bool:
         """The bytes are in place (the lane's thread): prove them and keep the result for
-        `told`. True if the read was proved here; never raises (whatever fails here, the
+        `proved_result`. True if the read was proved here; never raises (whatever fails here, the
         loop reports)."""
         try:
             if self._proved(self._prove) is not True:
                 return False
-            self._told = self._result()
+            self._proved_result = self._result()
             return True
         except Exception:
             logger.debug("a landing's result could not be made: the decode's loop reports the read", exc_info=True)
             return False
 
-    def told(self) -> FetchResult | None:
+    def proved_result(self) -> FetchResult | None:
         """The read's result once the lane's thread proved it; None before, or if it did not
         (any thread)."""
-        return self._told
+        return self._proved_result
 
     def check(self, prove: Callable[[], None]) -> None:
         """On the loop, once the bytes are in place: prove them with `prove` unless the lane's

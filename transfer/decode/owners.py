@@ -48,7 +48,7 @@ class Owner:
     lane: Lane[Any] | None = None
     peer: Peer | None = None  # what `lane` opened for it
     pins: MappedPins | None = None  # its pin table, mapped when it runs on this host
-    signalled: bool = False  # connected for signals (pin words, notifications) beside its lane
+    signals_connected: bool = False  # connected for signals (pin words, notifications) beside its lane
 
     @property
     def path(self) -> str:
@@ -142,7 +142,7 @@ class Owners:
                 await self._open_lane(o)
                 if o.rank.pins is not None:  # its releases are notifications
                     await self.signals.connect(o.rank)
-                    o.signalled = True
+                    o.signals_connected = True
         except BaseException:
             await self._close(owners)
             raise
@@ -181,8 +181,8 @@ class Owners:
             if o.lane is not None:
                 lane, o.lane = o.lane, None
                 await lane.close(o.peer)  # a dead owner's memory is freed only then
-            if o.signalled:
-                o.signalled = False
+            if o.signals_connected:
+                o.signals_connected = False
                 await self.signals.disconnect(o.rank)
 
     async def reregistered(

@@ -120,11 +120,11 @@ class TicketProtocol:
         # Released once every pin was proved, after the fetch returns: notifications sent
         # while other owners were still being read slowed those reads. A read the lane's
         # thread told its caller of has waited out the delay already (`Landing`).
-        told = job.landing.told() if job.landing is not None else None
+        proved = job.landing.proved_result() if job.landing is not None else None
         send = functools.partial(release or self.release_pins, prepared.every, room)
-        self._release_later(send, 0.0 if told is not None else self.release_delay)
-        if told is not None:  # the caller's result, timed where it was proved
-            return told
+        self._release_later(send, 0.0 if proved is not None else self.release_delay)
+        if proved is not None:  # the caller's result, timed where it was proved
+            return proved
         # One task (every owner in one read) already lists its owners by CP rank.
         stats = per_task[0] if len(per_task) == 1 else sorted((s for t in per_task for s in t), key=_by_rank)
         return _result(job, room, stats, prepared.aux)

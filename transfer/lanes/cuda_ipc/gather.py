@@ -31,7 +31,7 @@ from pdkv.errors import ClosedError, TransferError
 from transfer.lanes.base import Watch
 from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel, LaunchArgs
 from transfer.lanes.cuda_ipc.plan import GatherPlan, GatherTable
-from transfer.timeouts import CALLER_FIRST
+from transfer.timeouts import CALLER_YIELD_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _wait_then_wake(
     try:
         if told:
             # its caller has its outcome (`Watch.landed`): the loop's continuation goes second
-            loop.call_soon_threadsafe(loop.call_later, CALLER_FIRST, _settle, ended, seconds, error)
+            loop.call_soon_threadsafe(loop.call_later, CALLER_YIELD_SECONDS, _settle, ended, seconds, error)
         else:
             loop.call_soon_threadsafe(_settle, ended, seconds, error)
     except RuntimeError:  # its loop was closed meanwhile: nobody waits for this launch
