@@ -25,7 +25,7 @@ from pdkv import DSAKVPool, tiny  # noqa: E402
 from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.metadata import RoomTicket  # noqa: E402
 from transfer.registry.server import RegistryServer  # noqa: E402
-from transfer.sync import BackgroundLoop, FetchStatus, SyncExporter, SyncFetcher  # noqa: E402
+from transfer.sync import BackgroundLoop, HandleStatus, SyncExporter, SyncFetcher  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         return out
 
     def wait(handle):  # type: ignore[no-untyped-def]
-        while timed("Handle.poll", handle.poll) is FetchStatus.PENDING:
+        while timed("Handle.poll", handle.poll) is HandleStatus.PENDING:
             time.sleep(0.0002)
         return handle.result()
 

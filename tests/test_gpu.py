@@ -563,7 +563,7 @@ def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
     from tests.engine_owners import Shape, engine_buffers, engine_kv, start_owners, stop_owners
     from transfer.metadata import RoomTicket
     from transfer.registry.server import RegistryServer
-    from transfer.sync import BackgroundLoop, FetchStatus, SyncFetcher
+    from transfer.sync import BackgroundLoop, HandleStatus, SyncFetcher
 
     shape = Shape(layers=11, page_size=64, pages=257)
     src, dst = list(range(0, 256, 2)), list(range(1, 257, 2))
@@ -583,9 +583,9 @@ def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
             handle = fetcher.fetch("eng1", 5, dst, ticket=ticket)
             time.sleep(0.3)  # the read launches meanwhile (in well under a millisecond)
             fetcher._bg.call(lambda: (held.set(), free.wait(60)))
-            assert held.wait(10) and handle.poll() is FetchStatus.PENDING  # the kernel has not ended
+            assert held.wait(10) and handle.poll() is HandleStatus.PENDING  # the kernel has not ended
             end = time.monotonic() + 30
-            while handle.poll() is FetchStatus.PENDING:
+            while handle.poll() is HandleStatus.PENDING:
                 assert time.monotonic() < end, "the poll never saw the read land"
                 time.sleep(0.0002)
             assert not free.is_set()  # pdkv's loop was held all along

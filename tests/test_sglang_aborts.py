@@ -213,7 +213,7 @@ def test_a_decode_abort_lands_no_byte_after_failed_and_frees_the_prefill(bootstr
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from pdkv.errors import RoomAbortedError
-    from transfer.sync import FetchStatus
+    from transfer.sync import HandleStatus
 
     prefill, _, results = _start_prefill(bootstrap, [701, 702])
     decode = _Decode(bootstrap.url)
@@ -223,7 +223,7 @@ def test_a_decode_abort_lands_no_byte_after_failed_and_frees_the_prefill(bootstr
         while not decode.landed(701) and time.monotonic() < end:
             time.sleep(0.0002)
         aborted_at = time.monotonic()
-        read_first = receiver._parts[0].fetch.poll() is FetchStatus.DONE  # a GPU lane may finish first
+        read_first = receiver._parts[0].fetch.poll() is HandleStatus.DONE  # a GPU lane may finish first
         receiver.abort()
         assert _until_final(receiver) == KVPoll.Failed
         decode.overwrite(701)

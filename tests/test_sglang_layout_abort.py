@@ -92,7 +92,7 @@ def test_a_decode_of_another_layout_fails_at_bootstrap_and_frees_the_prefills_ro
 
     from pdkv.errors import IncompatibleLayoutError
     from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
-    from transfer.sync import FetchStatus
+    from transfer.sync import HandleStatus
 
     rooms = {601: ([[3, 4, 5], [9, 20]], False), 602: ([[1, 2]], False), 603: ([[7, 8, 10], [11]], False)}
     ranks, results = _start_small_prefill(bootstrap.url, rooms)
@@ -114,7 +114,7 @@ def test_a_decode_of_another_layout_fails_at_bootstrap_and_frees_the_prefills_ro
             with pytest.raises(IncompatibleLayoutError, match="page_size"):
                 receiver.failure_exception()
             claim = receiver._parts[0].claim
-            assert claim is not None and claim.poll() is FetchStatus.FAILED  # refused before a claim was granted
+            assert claim is not None and claim.poll() is HandleStatus.FAILED  # refused before a claim was granted
             assert receiver._parts[0].fetch is None
             receiver.send_metadata(np.array([1, 2, 3], dtype=np.int32), aux_index=1)  # SGLang may still call it
             assert receiver.poll() == KVPoll.Failed

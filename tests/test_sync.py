@@ -11,13 +11,13 @@ import torch
 from pdkv import ClosedError, DSAKVPool, UnknownRoomError, tiny
 from transfer.metadata import RoomTicket
 from transfer.registry.server import RegistryServer
-from transfer.sync import BackgroundLoop, FetchStatus, SyncExporter, SyncFetcher
+from transfer.sync import BackgroundLoop, HandleStatus, SyncExporter, SyncFetcher
 
 
 def _until_done(handle, within: float = 30.0):
     """Poll as a scheduler would: one non-blocking look per iteration."""
     end = time.monotonic() + within
-    while handle.poll() is FetchStatus.PENDING:
+    while handle.poll() is HandleStatus.PENDING:
         assert time.monotonic() < end, "not done in time"
         time.sleep(0.001)  # the scheduler's other work
     return handle
@@ -41,7 +41,7 @@ def test_a_scheduler_loop_exports_and_fetches_without_blocking(registry_url):
     fetcher = SyncFetcher(DSAKVPool(layout), registry_url, ucx_workers=1)
     try:
         pages = np.array([7, 3, 12, 5])
-        assert _until_done(exporter.publish_room(1, pages)).poll() is FetchStatus.DONE
+        assert _until_done(exporter.publish_room(1, pages)).poll() is HandleStatus.DONE
         done = fetcher.fetch("sync0", 1, [2, 9, 4, 30])  # by claims: starts before layers are ready
         for layer in range(layout.layer_num):
             exporter.mark_ready(1, layer + 1)
@@ -61,15 +61,15 @@ def test_a_scheduler_loop_exports_and_fetches_without_blocking(registry_url):
         again = _until_done(fetcher.fetch("sync0", 1, [2, 9, 4, 30]))
         assert isinstance(again.exception(), UnknownRoomError)  # released: typed, through the handle
 
-        assert _until_done(exporter.publish_room(2, pages)).poll() is FetchStatus.DONE
+        assert _until_done(exporter.publish_room(2, pages)).poll() is HandleStatus.DONE
         for layer in range(layout.layer_num):
             exporter.mark_ready(2, layer + 1)
         pin = _until_done(exporter.pin(2)).result()
         ticket = RoomTicket(engine_id="sync0", room=2, src_pages=pages.tolist(), pins=[pin])
-        assert _until_done(exporter.publish_chunked(3, 4)).poll() is FetchStatus.DONE
+        assert _until_done(exporter.publish_chunked(3, 4)).poll() is HandleStatus.DONE
         chunked = fetcher.fetch("sync0", 3, [50, 51, 52, 53])
         for chunk in (pages[:3], pages[3:]):
-            assert _until_done(exporter.add_chunk(3, chunk)).poll() is FetchStatus.DONE
+            assert _until_done(exporter.add_chunk(3, chunk)).poll() is HandleStatus.DONE
         assert _until_done(chunked).result().nbytes == result.nbytes  # a chunked room, same pages
 
         called = threading.Event()
@@ -145,7 +145,7 @@ def test_a_cancelled_handle_stays_pending_until_its_task_has_ended():
         time.sleep(0.05)
         handle.cancel()
         time.sleep(0.2)
-        assert handle.poll() is FetchStatus.PENDING  # still cleaning up
+        assert handle.poll() is HandleStatus.PENDING  # still cleaning up
         release.set()
         _until_done(handle)
         assert isinstance(handle.exception(), ClosedError)
@@ -247,9 +247,9 @@ def test_a_fetch_handle_reports_what_its_lane_proved_and_the_task_cannot_change_
 
         handle = FetchHandle(loop.submit(read()), landing)
         time.sleep(0.05)
-        assert handle.poll() is FetchStatus.PENDING  # launched, not landed
+        assert handle.poll() is HandleStatus.PENDING  # launched, not landed
         assert landing.landed()  # the lane's thread
-        assert handle.poll() is FetchStatus.DONE and handle.result() is seen
+        assert handle.poll() is HandleStatus.DONE and handle.result() is seen
         handle.cancel()  # reported: nothing to stop
         finish.set()
         end = time.monotonic() + 10
@@ -257,7 +257,7 @@ def test_a_fetch_handle_reports_what_its_lane_proved_and_the_task_cannot_change_
             time.sleep(0.01)
         time.sleep(0.05)
         assert ended == [then]
-        assert handle.poll() is FetchStatus.DONE and handle.result() is seen
+        assert handle.poll() is HandleStatus.DONE and handle.result() is seen
     finally:
         finish.set()
         loop.stop()
@@ -338,7 +338,7 @@ def test_a_fetch_handle_cancelled_before_its_read_landed_reports_the_tasks_end()
         handle = FetchHandle(loop.submit(read()), landing)
         time.sleep(0.05)
         handle.cancel()
-        assert landing.landed() and handle.poll() is FetchStatus.PENDING
+        assert landing.landed() and handle.poll() is HandleStatus.PENDING
         _until_done(handle)
         assert isinstance(handle.exception(), ClosedError)
     finally:

@@ -5,7 +5,7 @@ each is loaded on first use, so importing one module of the package (the SGLang 
 say, which every SGLang process loads) does not load NIXL, torch or aiohttp with it.
 
     prefill:  PrefillExporter (async), SyncExporter (a synchronous scheduler's)
-    decode:   DecodeFetcher, RoomLease, FetchResult (async); SyncFetcher, Handle, FetchStatus
+    decode:   DecodeFetcher, RoomLease, FetchResult (async); SyncFetcher, Handle, HandleStatus
     tickets:  RoomTicket (a finished room, handed from prefill to decode), OwnerPin
     bounds:   Timeouts, Deadline
     registry: RegistryServer (the bootstrap registry), registry_client
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from transfer.registry import registry_client
     from transfer.registry.server import RegistryServer
     from transfer.results import FetchResult
-    from transfer.sync import FetchStatus, Handle, SyncExporter, SyncFetcher
+    from transfer.sync import Handle, HandleStatus, SyncExporter, SyncFetcher
     from transfer.timeouts import Timeouts
 
 _HOMES = {
@@ -45,7 +45,7 @@ _HOMES = {
     "PrefillExporter": "transfer.prefill",
     "RegistryServer": "transfer.registry.server",
     "registry_client": "transfer.registry",
-    "FetchStatus": "transfer.sync",
+    "HandleStatus": "transfer.sync",
     "Handle": "transfer.sync",
     "SyncExporter": "transfer.sync",
     "SyncFetcher": "transfer.sync",
@@ -56,8 +56,8 @@ __all__ = [
     "Deadline",
     "DecodeFetcher",
     "FetchResult",
-    "FetchStatus",
     "Handle",
+    "HandleStatus",
     "OwnerPin",
     "PrefillExporter",
     "RegistryServer",

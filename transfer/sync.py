@@ -8,7 +8,7 @@ a handle or by a callback (which runs on pdkv's thread: keep it short).
     fetcher = SyncFetcher(pool, registry_url)
     handle = fetcher.fetch("prefill0", room, dst_pages, ticket=ticket)
     ...                                    # scheduler iterations
-    if handle.poll() is FetchStatus.DONE:  # non-blocking
+    if handle.poll() is HandleStatus.DONE:  # non-blocking
         result = handle.result()
     fetcher.close()
 
@@ -45,7 +45,7 @@ from transfer.prefill.rooms import OnEnd
 from transfer.results import FetchResult
 from transfer.timeouts import CALLER_YIELD_SECONDS, Timeouts
 
-__all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "FetchStatus", "SyncFetcher", "SyncExporter"]
+__all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "HandleStatus", "SyncFetcher", "SyncExporter"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-class FetchStatus(enum.Enum):
+class HandleStatus(enum.Enum):
+    """What `Handle.poll()` says, for every handle here (a fetch's and an export's alike)."""
+
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
@@ -260,12 +262,12 @@ class Handle(Generic[T]):
         self._job = job
         self._future = job.future
 
-    def poll(self) -> FetchStatus:
+    def poll(self) -> HandleStatus:
         """PENDING until the operation has ended: after `cancel()` too, until every READ
         and kernel it started has finished."""
         if not self._future.done():
-            return FetchStatus.PENDING
-        return FetchStatus.FAILED if self._future.exception() else FetchStatus.DONE
+            return HandleStatus.PENDING
+        return HandleStatus.FAILED if self._future.exception() else HandleStatus.DONE
 
     def result(self, timeout: float | None = 0) -> T:
         """The outcome; raises its `PdkvError`. With the default `timeout=0` it does not
@@ -299,18 +301,18 @@ class FetchHandle(Handle[FetchResult]):
         super().__init__(job)
         self._landing = landing
 
-    def poll(self) -> FetchStatus:
+    def poll(self) -> HandleStatus:
         """As `Handle.poll`; a read the lane proved is offered here (`Job.report`), and once
         taken `on_done`'s callbacks run on this thread. After `cancel()` it waits for the task."""
         future = self._future
         if not future.done():  # written out, not `super().poll()`: a scheduler calls it every iteration
             proved = self._landing.proved_result()
             if proved is None:
-                return FetchStatus.PENDING
+                return HandleStatus.PENDING
             self._job.report(proved)
             if not future.done():  # cancelled first: the task's end is the outcome
-                return FetchStatus.PENDING
-        return FetchStatus.FAILED if future.exception() else FetchStatus.DONE
+                return HandleStatus.PENDING
+        return HandleStatus.FAILED if future.exception() else HandleStatus.DONE
 
 
 class SyncFetcher:
@@ -571,7 +573,7 @@ async def _read_claimed(
             await asyncio.wrap_future(claim._future)
         except asyncio.CancelledError:
             claim.cancel()  # a claim still waiting for its room stops, and gives up what it held
-            if claim.poll() is FetchStatus.DONE:  # granted as this read was cancelled: give it up here
+            if claim.poll() is HandleStatus.DONE:  # granted as this read was cancelled: give it up here
                 await claim.result().give_up()
             raise
     lease = claim.result()  # raises the claim's failure

@@ -71,7 +71,7 @@ from transfer.sglang.topology import (
     topology,
     ucx_devices,
 )
-from transfer.sync import BackgroundLoop, FetchStatus, Handle, SyncExporter, SyncFetcher
+from transfer.sync import BackgroundLoop, Handle, HandleStatus, SyncExporter, SyncFetcher
 
 __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer", "engine_kv_from_args"]
 
@@ -209,10 +209,10 @@ class PdkvKVManager(BaseKVManager):
             elif started.done():
                 logger.warning("pdkv cannot reach the prefill at %s: %s", bootstrap_addr, started.exception())
             return False
-        if asked.poll() is FetchStatus.PENDING:
+        if asked.poll() is HandleStatus.PENDING:
             return False
         del self._describing[bootstrap_addr]
-        if asked.poll() is FetchStatus.FAILED:
+        if asked.poll() is HandleStatus.FAILED:
             logger.warning("pdkv: the prefill at %s is not known yet: %s", bootstrap_addr, asked.exception())
             return False
         ranks = asked.result()
@@ -390,7 +390,7 @@ class PdkvKVSender(BaseKVSender):
             return self._outcome.state
         handles: list[Handle[Any]] = [*self._pubs.values(), *self._handles]
         for handle in handles:
-            if handle.poll() is FetchStatus.FAILED:
+            if handle.poll() is HandleStatus.FAILED:
                 return self._fail(handle.exception() or TransferError("refused"))
         for part, ended in list(self._ended.items()):
             if ended is not RoomStatus.RELEASED:
@@ -546,22 +546,22 @@ class PdkvKVReceiver(BaseKVReceiver):
             return state
         fetches = [p.fetch for p in self._parts if p.fetch is not None]
         if self._aborted is not None:
-            if any(f.poll() is FetchStatus.PENDING for f in fetches):
+            if any(f.poll() is HandleStatus.PENDING for f in fetches):
                 return KVPoll.Transferring  # its READs and kernels are still ending
             return self._outcome.fail(self._aborted)
         if not self._parts:
             return KVPoll.Bootstrapping
         if not fetches:
             return self._bootstrapped()
-        failed = next((f for f in fetches if f.poll() is FetchStatus.FAILED), None)
+        failed = next((f for f in fetches if f.poll() is HandleStatus.FAILED), None)
         if failed is not None:  # one part failed: the others stop, and Failed waits for them
             self._failed = self._failed or failed.exception() or TransferError("fetch failed")
             for f in fetches:
                 f.cancel()
-            if any(f.poll() is FetchStatus.PENDING for f in fetches):
+            if any(f.poll() is HandleStatus.PENDING for f in fetches):
                 return KVPoll.Transferring
             return self._outcome.fail(self._failed)
-        if any(f.poll() is FetchStatus.PENDING for f in fetches):
+        if any(f.poll() is HandleStatus.PENDING for f in fetches):
             return KVPoll.Transferring
         return self._finish([f.result() for f in fetches])
 
@@ -578,10 +578,10 @@ class PdkvKVReceiver(BaseKVReceiver):
             if (error := part.fetcher.exception()) is not None:
                 return self._end(error)
             claim = part.claim or self._claim_ahead(part)
-            status = FetchStatus.PENDING if claim is None else claim.poll()
-            if claim is not None and status is FetchStatus.FAILED:  # nothing read: no wait
+            status = HandleStatus.PENDING if claim is None else claim.poll()
+            if claim is not None and status is HandleStatus.FAILED:  # nothing read: no wait
                 return self._end(claim.exception() or TransferError("claim failed"))
-            waiting = waiting or status is FetchStatus.PENDING
+            waiting = waiting or status is HandleStatus.PENDING
         if waiting:  # bootstrapped once the room is claimed: a read then asks nobody
             return KVPoll.Bootstrapping
         self._outcome.state = KVPoll.WaitingForInput
@@ -642,13 +642,13 @@ class PdkvKVReceiver(BaseKVReceiver):
 
     def _give_up(self, part: _Part, claim: Handle[RoomLease]) -> None:
         fetcher = part.started
-        if fetcher is not None and claim.poll() is FetchStatus.DONE:
+        if fetcher is not None and claim.poll() is HandleStatus.DONE:
             fetcher.give_up(claim.result())
         if not isinstance(claim.exception(), IncompatibleLayoutError):  # that claim gave the room up itself
             self._abandon(part)  # owners the claim never reached free the room too
 
     def _abandon_if_unread(self, part: _Part, fetch: Handle[FetchResult]) -> None:
-        if fetch.poll() is FetchStatus.FAILED:
+        if fetch.poll() is HandleStatus.FAILED:
             self._abandon(part)
 
     def _abandon(self, part: _Part) -> None:
