@@ -22,9 +22,10 @@ Prints one row a mode and writes every trial as JSON, as it goes. Needs root.
 control: a huge one stands in for the unbounded READs of before commit 15765c2.
 `--owner-env KEY=VAL` (repeatable) sets an environment variable for the prefill host's
 processes (the owners, and the registry) and not for the decodes; `--decode-env` the reverse.
-See `repro_ucx_tcp_crash.py` for the crash the owners' heap guard is for. pdkv's guard now zeroes UCX's own
-allocations instead (`protect_owner_heap`); `--owner-env PDKV_HEAP_GUARD=process` gives the
-threshold, `=0` no guard. Figures: docs/benchmarks.md, "Owner crashes under faults".
+See `repro_ucx_tcp_crash.py` for the crash the owners' heap guard is for. pdkv's guard
+(`protect_owner_heap`) is the mmap threshold; `--owner-env PDKV_HEAP_GUARD=ucx` zeroes UCX's
+own allocations instead, `=0` sets none. Figures: docs/benchmarks.md, "Owner crashes under
+faults".
 """
 
 from __future__ import annotations

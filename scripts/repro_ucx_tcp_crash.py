@@ -18,8 +18,8 @@ pool's 41 KB chunks came from the reused glibc heap, and a stale value with IOV'
 sent it through a garbage `dt_reg`. With `--owner-env MALLOC_MMAP_THRESHOLD_=32768` the
 chunks are fresh zeroed mmaps (the field reads CONTIG, the memh the handler cleared, so the
 purge has nothing to release): 0 of 10 kills against 2 of 10 without (2026-12-01).
-`--owner-env PDKV_HEAP_GUARD=1` has the owner set pdkv's guard (`protect_owner_heap`: UCX's
-own allocations zeroed, nothing else; `=process` the threshold for the whole process).
+`--owner-env PDKV_HEAP_GUARD=1` has the owner set pdkv's guard (`protect_owner_heap`: the
+threshold for the whole process; `=ucx` UCX's own allocations zeroed instead).
 
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py [--trials 8] [--mode kill|cut]
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py --owner-env MALLOC_MMAP_THRESHOLD_=32768 --gdb /tmp/g

@@ -66,8 +66,8 @@ def _run(code: str, **env: str) -> str:
 @pytest.mark.parametrize(
     ("setting", "guard", "heap_mmapped", "ucx_zeroed"),
     [
-        ("auto", "ucx", False, True),  # other hosts read it over tcp: UCX's allocations zeroed, and only those
-        ("1", "ucx", False, True),
+        ("ucx", "ucx", False, True),  # UCX's allocations zeroed, and only those
+        ("1", "process", True, False),  # the default guard: the whole process's threshold
         ("process", "process", True, False),  # the whole process's threshold; a freed heap block still serves UCX
         ("0", "None", False, False),
     ],
@@ -105,7 +105,7 @@ def test_a_ucx_read_through_the_guarded_libucs_moves_its_bytes():
     same = torch.equal(src[: n * item], dst[: n * item])
     print("same", same, "libucs", len(maps), maps == {str(nixl._libucs_path())})
     """,
-        PDKV_HEAP_GUARD="1",
+        PDKV_HEAP_GUARD="ucx",
         UCX_TLS="tcp",  # the emulated GET the guard is for
     )
     assert "same True libucs 1 True" in out, out

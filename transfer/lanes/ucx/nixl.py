@@ -4,7 +4,7 @@ What this module changes in the process that hosts pdkv (docs/sglang.md, "What p
 changes in SGLang's processes"), each with its switch:
 
     UCX_* variables   set (where unset) before NIXL loads UCX      PDKV_UCX_ENV=0: none set
-    UCX's allocations zeroed in an owner read over TCP             PDKV_HEAP_GUARD=0|1|auto|process
+    mallopt(M_MMAP_THRESHOLD, 32 KiB) in an owner read over TCP    PDKV_HEAP_GUARD=0|1|auto|process|ucx
 """
 
 from __future__ import annotations
@@ -148,25 +148,29 @@ def protect_owner_heap(device: str = "cpu", bind_host: str | None = None) -> str
     that field, and heap garbage left in the request pool's chunks (41 KB) segfaulted the
     owner. A chunk that comes zeroed reads as a plain buffer with nothing to release.
 
-    "ucx": the pool's chunks come from libucs's `malloc` (ucs_malloc), so that one GOT slot of
+    "process", the default: see below. "ucx", only where PDKV_HEAP_GUARD=ucx asks for it (owners
+    still died under it, SIGABRT in the TCP endpoint's pending purge): the pool's chunks come
+    from libucs's `malloc` (ucs_malloc), so that one GOT slot of
     libucs is pointed at `calloc(1, size)`: every allocation UCX makes through libucs is
     zeroed, and nothing else in the process changes (x86-64, libucs found beside NIXL).
-    "process", where that cannot be done or PDKV_HEAP_GUARD=process asks for it: glibc's
+    "process", otherwise or where "ucx" cannot be done: glibc's
     `M_MMAP_THRESHOLD` at 32 KiB for the whole process, so every allocation of 32 KiB or more
     is a fresh mmap; it costs every tensor and array of the engine a syscall and fresh pages
     (a `MALLOC_MMAP_THRESHOLD_` in the environment wins: glibc then has it already).
     Either is set only where `heap_guard_reason` finds TCP in the path: PDKV_HEAP_GUARD=1
     sets it always, 0 never. Call it before the process's first UCX worker exists."""
     setting = os.environ.get("PDKV_HEAP_GUARD", "auto").lower()
-    if setting not in ("auto", "1", "process", *_OFF, "on", "true", "yes"):
-        raise TransferError(f"PDKV_HEAP_GUARD={setting!r}: auto, 1, process or 0")
+    if setting not in ("auto", "1", "process", "ucx", *_OFF, "on", "true", "yes"):
+        raise TransferError(f"PDKV_HEAP_GUARD={setting!r}: auto, 1, process, ucx or 0")
     if setting in _OFF:
         return None
     reason = f"PDKV_HEAP_GUARD={setting}" if setting != "auto" else heap_guard_reason(device, bind_host)
     if reason is None:
         logger.debug("no owner heap guard: no READ of this owner goes over UCX's tcp")
         return None
-    if setting != "process":
+    # The zeroing guard only where asked for: owners still died under it (SIGABRT in the
+    # TCP endpoint's pending purge) in faults where the threshold kept them alive.
+    if setting == "ucx":
         if (why := _zero_ucx_allocations()) is None:
             logger.info("owner heap guard set (UCX's allocations zeroed): %s; PDKV_HEAP_GUARD=0 turns it off", reason)
             return "ucx"
