@@ -11,7 +11,6 @@ from transfer.lanes.cuda_ipc.plan import (
     build_gather_plan,
     gather_plan,
     gather_table,
-    merge_gather_plans,
     merge_gather_tables,
     route_pages,
 )
@@ -154,23 +153,25 @@ def test_page_ids_are_a_copy_the_caller_cannot_change_after_the_check(given):
     assert ids.tolist() == [4, 1, 2]
 
 
-def test_merged_plans_keep_each_owners_source_pages():
-    a = build_gather_plan([_pair(0, 4096)], np.array([5, 6]), np.array([1, 2]))
-    b = build_gather_plan([_pair(8192, 16384, item=32), _pair(9000 * 8, 20000 * 8)], np.array([7, 3]), np.array([1, 2]))
-    m = merge_gather_plans([a, b])
+def test_merged_tables_keep_each_owners_source_pages():
+    """Owners of one room in one launch (the lane's merged table): each reads its own
+    source pages into the shared destination pages."""
+    a = [_pair(0, 4096)]
+    b = [_pair(8192, 16384, item=32), _pair(9000 * 8, 20000 * 8)]
+    table = merge_gather_tables([gather_table(a), gather_table(b)], shared_pages=False)
+    m = gather_plan(table, [np.array([5, 6]), np.array([7, 3])], np.array([1, 2]))
+    alone = [build_gather_plan(x, np.array([5, 6]), np.array([1, 2])) for x in (a, b)]
     assert m.src_pages.tolist() == [[5, 6], [7, 3]] and m.table.table[3].tolist() == [0, 1, 1]
-    assert m.nbytes == a.nbytes + b.nbytes and m.word == 16  # every address and length 16-aligned
-    with pytest.raises(PageRangeError, match="destination"):
-        merge_gather_plans([a, build_gather_plan([_pair(0, 0)], np.array([1, 2]), np.array([2, 1]))])
+    assert m.nbytes == sum(p.nbytes for p in alone) and m.word == 16  # every address and length 16-aligned
 
 
 def test_owners_with_the_same_source_pages_share_one_list():
-    a = build_gather_plan([_pair(0, 4096, items=10)], np.array([5, 6]), np.array([1, 2]))
-    b = build_gather_plan([_pair(8192, 16384, items=7)], np.array([5, 6]), np.array([1, 2]))
-    m = merge_gather_plans([a, b])
+    a = gather_table([_pair(0, 4096, items=10)])
+    b = gather_table([_pair(8192, 16384, items=7)])
+    table = merge_gather_tables([a, b], shared_pages=True)
+    m = gather_plan(table, [np.array([5, 6])], np.array([1, 2]))
     assert m.src_pages.tolist() == [[5, 6]] and m.table.table[3].tolist() == [0, 0]
     assert m.table.src_items.tolist() == [7]  # the smallest owner bounds the shared list
-    table = merge_gather_tables([a.table, b.table], shared_pages=True)
     with pytest.raises(PageRangeError, match="source"):
         gather_plan(table, [np.array([5, 7])], np.array([1, 2]))  # page 7 is past the second owner
     with pytest.raises(PageRangeError, match="source pages but"):

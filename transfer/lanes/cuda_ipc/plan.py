@@ -157,25 +157,3 @@ def build_gather_plan(buffers: list[BufferPair], src_pages: np.ndarray, dst_page
     """The launch that copies `src_pages` of every buffer into `dst_pages` of its twin."""
     table = gather_table(buffers)
     return gather_plan(table, [src_pages] * table.lists, dst_pages)
-
-
-def merge_gather_plans(plans: list[GatherPlan], table: GatherTable | None = None) -> GatherPlan:
-    """One launch for several plans into the same destination pages (owners of one room);
-    `table`: their tables already merged (a lane's cached one), else merged here."""
-    plans = [p for p in plans if p.buffers]
-    if not plans:
-        raise ValueError("nothing to merge")
-    dst = plans[0].dst_pages
-    if any(not np.array_equal(p.dst_pages, dst) for p in plans):
-        raise PageRangeError("merged gather plans must share their destination pages")
-    shared = shares_source_pages(plans)
-    if table is None:
-        table = merge_gather_tables([p.table for p in plans], shared)
-    src = plans[0].src_pages[:1] if shared else np.concatenate([p.src_pages for p in plans])
-    return GatherPlan(table, src, dst)
-
-
-def shares_source_pages(plans: list[GatherPlan]) -> bool:
-    """Whether every plan reads one and the same source page list."""
-    first = plans[0].src_pages
-    return all(p.src_pages.shape[0] == 1 and np.array_equal(p.src_pages, first) for p in plans)
