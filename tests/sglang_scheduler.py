@@ -559,6 +559,76 @@ def _decode_check(s: Any, req: Any) -> dict[str, Any]:
     return {"bad": bad, "first_token": list(req.output_ids)[:1], "pages": pages.tolist()}
 
 
+# ---- watched pages: no byte lands after Failed -------------------------------------------------------
+
+WATCH_SENTINEL = 0xA5  # what a watched request's pages hold from its claim on (not a byte the stub writes whole)
+
+
+def _watched_pages(s: Any, locs: Any) -> list[Any]:
+    """Views of every byte a request's KV occupies on this decode rank (its token rows and
+    index pages, in every layer, the draft's too), in one fixed order."""
+    import torch
+
+    pages = locs[::PAGE] // PAGE
+    views = []
+    for p in [s.harness_pool] + ([s.harness_draft] if s.harness_draft is not None else []):
+        for layer in range(len(p.kv_buffer)):
+            views.append((p.kv_buffer[layer].view(torch.uint8).view(-1, KV_DIM * 2), locs))
+            views.append((p.index_k_with_scale_buffer[layer], pages))
+    return views
+
+
+def _write_sentinel(s: Any, req: Any) -> Any:
+    """WATCH_SENTINEL into the pages the decode allocated for `req`; returns their token
+    locations (its pages are freed at Failed: the rows go, the locations are kept here).
+    Only for a held room: nothing may be read into them yet."""
+    import torch
+
+    locs = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
+    for buf, at in _watched_pages(s, locs):
+        buf[at] = WATCH_SENTINEL
+    return locs
+
+
+def _landed(s: Any, locs: Any) -> int:
+    """How many of the watched blocks (a layer's KV rows or index pages) no longer hold only the sentinel."""
+    return sum(bool((buf[at] != WATCH_SENTINEL).any()) for buf, at in _watched_pages(s, locs))
+
+
+@dataclass
+class _Watch:
+    """A request whose pages hold the sentinel from its claim: whether bytes first landed
+    (told once), and what its pages held when SGLang ended it (streamed: Failed, aborted)."""
+
+    locs: Any
+    landing_told: bool = False
+    at_end: list[Any] | None = None
+
+    def state(self, s: Any) -> dict[str, Any]:
+        import torch
+
+        now = [buf[at].clone() for buf, at in _watched_pages(s, self.locs)]
+        unchanged = self.at_end is None or all(torch.equal(a, b) for a, b in zip(self.at_end, now))
+        changed = [i for i, b in enumerate(now) if bool((b != WATCH_SENTINEL).any())]
+        bytes_in = [int((now[i] != WATCH_SENTINEL).sum()) for i in changed]
+        return {"landed": len(changed), "blocks": len(now), "unchanged": unchanged, "which": changed, "bytes": bytes_in}
+
+
+def _watch_step(s: Any, role: Role, outbox: Any, wanted: set[str], watched: dict[str, _Watch]) -> None:
+    """After the decode's queues ran: the sentinel into a wanted request's pages once it sits
+    in the transfer queue (its pages allocated, its room claimed), and word when its first
+    bytes land (a READ under way)."""
+    for d in s.disagg_decode_transfer_queue.queue:
+        rid = d.req.rid
+        if rid in wanted:
+            wanted.discard(rid)
+            watched[rid] = _Watch(_write_sentinel(s, d.req))
+            outbox.put(("sentinel", role.rank, rid, time.time()))
+        elif rid in watched and not watched[rid].landing_told and _landed(s, watched[rid].locs):
+            watched[rid].landing_told = True
+            outbox.put(("landing", role.rank, rid, time.time()))
+
+
 # ---- aborts, as the scheduler's abort_request takes them -----------------------------------------
 
 
@@ -650,6 +720,8 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
     held: set[str] = set()  # prefill: requests whose forward waits for a "go"
     sent: dict[int, list[int]] = {}  # prefill: the pages SGLang sends of each room
     receivers: dict[str, Any] = {}  # decode: each request's receiver, for what it moved
+    wanted: set[str] = set()  # decode: requests to get the sentinel once claimed ("sentinel")
+    watched: dict[str, _Watch] = {}  # decode: requests whose pages hold it
     try:
         while True:
             cmds: list[Any] = []
@@ -677,6 +749,10 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                 elif cmd[0] == "abort":
                     (_abort_prefill if prefill else _abort_decode)(s, cmd[1])
                     outbox.put(("aborted", role.rank, cmd[1], time.time()))
+                elif cmd[0] == "sentinel" and not prefill:
+                    wanted.add(cmd[1])
+                elif cmd[0] == "check" and not prefill:  # the watched pages now, against what they held at the end
+                    outbox.put(("kept", role.rank, cmd[1], watched[cmd[1]].state(s), time.time()))
                 elif cmd[0] == "go":
                     held.discard(cmd[1])
                 elif cmd[0] == "stats" and prefill:
@@ -708,6 +784,8 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                     if d.kv_receiver is not None:
                         receivers[d.req.rid] = d.kv_receiver
                 s.process_decode_queue()
+                if wanted or watched:
+                    _watch_step(s, role, outbox, wanted, watched)
                 for req in s.waiting_queue:
                     got, receiver = _decode_check(s, req), receivers.pop(req.rid, None)
                     got["held"] = int(req.kv.cache_protected_len)  # the decode's prefix, in tokens
@@ -721,6 +799,10 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                 s.waiting_queue = []
             for rid, reason in s.output_streamer.streamed[streamed:]:
                 receivers.pop(rid, None)
+                if rid in watched and watched[rid].at_end is None:  # Failed: what its pages hold from now on
+                    watch = watched[rid]
+                    watch.at_end = [buf[at].clone() for buf, at in _watched_pages(s, watch.locs)]
+                    outbox.put(("kept", role.rank, rid, watch.state(s), time.time()))
                 outbox.put(("streamed", role.rank, rid, reason, time.time()))
             for rid, message in s.output_streamer.why[streamed:]:
                 outbox.put(("why", role.rank, rid, message))

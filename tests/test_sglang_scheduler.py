@@ -139,17 +139,24 @@ def test_a_decode_abort_fails_the_prefills_sender_within_a_second_and_frees_its_
     assert cluster.decodes[1].wait("streamed", "x", timeout=30)[3] == "FINISH_ABORT"
 
 
+def prefill_abort_reaches_the_decode(cluster: Cluster, rid: str = "y", room: int = 7101) -> float:
+    """The prefill aborts a held request before its forward; the seconds until SGLang's
+    transfer queue on the decode aborted it (its receiver Failed)."""
+    cluster.submit(rid, room, 150, hold=True)
+    time.sleep(1.0)  # both sides bootstrapped; the decode waits for the KV
+    cluster.prefill.send("abort", rid)
+    aborted = cluster.prefill.wait("aborted", rid, timeout=30)[3]
+    _, _, _, reason, at = cluster.decodes[1].wait("streamed", rid, timeout=30)
+    assert reason == "FINISH_ABORT"
+    print(f"prefill abort -> the decode's request aborted: {at - aborted:.3f} s")
+    return at - aborted
+
+
 def test_a_prefill_abort_fails_the_decode(cluster):
     """The prefill aborts a request before its forward: the decode's receiver reaches
     Failed and SGLang's transfer queue aborts the request."""
-    cluster.submit("y", 7101, 150, hold=True)
-    time.sleep(1.0)  # both sides bootstrapped; the decode waits for the KV
-    cluster.prefill.send("abort", "y")
-    aborted = cluster.prefill.wait("aborted", "y", timeout=30)[3]
-    _, _, _, reason, at = cluster.decodes[1].wait("streamed", "y", timeout=30)
-    assert reason == "FINISH_ABORT"
-    print(f"prefill abort -> the decode's request aborted: {at - aborted:.3f} s")
-    assert at - aborted < 1.0, at - aborted
+    took = prefill_abort_reaches_the_decode(cluster)
+    assert took < 1.0, took
 
 
 def test_a_room_no_decode_reads_fails_at_sglangs_bootstrap_timeout(cluster):

