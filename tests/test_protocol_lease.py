@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pdkv.errors import ClaimLostError, PeerLostError
+from pdkv.errors import ClaimLostError, InvalidPagesError, PeerLostError
 from tests.fakes.memory import FP, ROOM, SPANS, expected
 from tests.fakes.pins import FakePins, FakeSignals
 from tests.fakes.world import SLOT, World, nonce, world
@@ -16,7 +16,7 @@ from transfer.decode.claims import Claim
 from transfer.decode.lease import RoomLease
 from transfer.decode.tasks import Activity
 from transfer.decode.tickets import TicketProtocol
-from transfer.metadata import ClaimRelease, OwnerPin, decode
+from transfer.metadata import ClaimRelease, OwnerPin, ReadFrom, decode, decode_any
 
 
 def pinned_lease(w: World, claim: Claim) -> tuple[RoomLease, FakeSignals]:
@@ -126,3 +126,55 @@ async def test_lease_whose_owner_names_another_ranks_pin_reads_by_claims() -> No
     result = await lease.read_once(w.dst)
     assert result.freed and not ucx.notified  # released by claims, not by notifications
     np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(same))))
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["as-a-ticket", "by-claims"])
+async def test_lease_read_past_a_prefix_tells_each_owner_where_it_starts_before_its_data(whole: bool) -> None:
+    """A read that skips the room's first pages (the decode's prefix) tells every owner where
+    its claim reads from, once, before any byte lands, so each owner can free the prefix;
+    only the pages past it are read, into the destination pages."""
+    same = [1, 4, 9, 16, 25]
+    w = await world(pins=True, src_pages=dict.fromkeys(SPANS, same), dst=[7, 3, 60])
+    claim = Claim(ROOM)
+    if whole:
+        lease, ucx = pinned_lease(w, claim)
+    await w.claims().claim_all(w.owners, claim, w.job().deadline)
+    if not whole:  # the claim answers name no pin: read by claims, released by requests
+        activity = Activity("decode-test")
+        activity.open = True
+        ucx = FakeSignals(w.timeline)
+        for cp, o in w.owners.items():
+            ucx.cp_of[o.rank.agent_name] = cp
+        lease = RoomLease(w.ctx, activity, w.claims(), TicketProtocol(w.ctx, ucx), "e0", w.owners, claim)
+    result = await lease.read_once(w.dst, skip=2)
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(same[2:]))))
+    starts = [(ucx.cp_of[a], decode(b, ReadFrom, FP)) for a, b in ucx.notified[: len(SPANS)]]
+    assert sorted(cp for cp, _ in starts) == list(SPANS)
+    assert all((n.room, n.claim, n.start) == (ROOM, claim.token, 2) for _, n in starts)
+    t = w.timeline
+    assert all(t.first("notify", tuple(sorted(SPANS))) < t.first("landed", cp) for cp in SPANS)
+    await asyncio.sleep(0)
+    later = [decode_any(b, (ReadFrom, ClaimRelease), FP) for _, b in ucx.notified[len(SPANS) :]]
+    assert not any(isinstance(n, ReadFrom) for n in later)  # told once
+    assert result.nbytes == sum(s.nbytes for s in result.owners) and result.nbytes > 0
+
+
+async def test_lease_reads_may_not_skip_fewer_pages_than_its_owners_were_told() -> None:
+    """The owners may have freed the prefix the first read skipped: a later read under the
+    same lease that would read it is refused typed, before anything is read; one that skips
+    as many (or more) is read, and no owner is told again."""
+    same = [1, 4, 9, 16, 25]
+    w = await world(pins=True, src_pages=dict.fromkeys(SPANS, same), dst=[7, 3, 60])
+    claim = Claim(ROOM)
+    lease, ucx = pinned_lease(w, claim)
+    await w.claims().claim_all(w.owners, claim, w.job().deadline)
+    await lease.read(w.dst, skip=2)
+    told = len(ucx.notified)
+    assert told == len(SPANS)
+    landed = len(w.timeline.events)
+    with pytest.raises(InvalidPagesError, match="skip 2 pages"):
+        await lease.read(np.array([7, 3, 60, 11]), skip=1)
+    assert len(w.timeline.events) == landed  # nothing asked, nothing read
+    await lease.read(np.array([8, 2]), skip=3)
+    assert len(ucx.notified) == told
+    await lease.release()

@@ -206,3 +206,141 @@ async def test_a_claim_for_a_group_of_readers_raises_the_rooms_claims_to_that_ma
     assert not t.release(4, A).freed and t.release(4, B).freed  # freed by the group's last read
     with pytest.raises(UnknownRoomError, match="released"):
         t.claim(4, C, "d2", readers=2)
+
+
+# ---- a decode's prefix: the pin narrows to what its readers read (`read_from`) ------------------
+async def test_every_reader_past_a_prefix_frees_it_at_once_and_the_release_the_rest():
+    t, freed = table()
+    t.publish(1, np.array([4, 5, 9, 12, 13]), consumers=2)
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0", readers=2)
+    t.claim(1, B, "d1", readers=2)
+    assert t.read_from(1, A, 3) == 0 and freed == []  # the other reader has not said: may read page 0
+    assert t.read_from(1, B, 2) == 2  # both said: below the lowest start
+    assert freed == [(1, [4, 5])] and t.pinned_pages == 3 and t.counters.freed_ahead == 2
+    assert t.state(1).src_pages == [4, 5, 9, 12, 13]  # the room as published: readers index it
+    assert not t.release(1, B).freed
+    assert freed[1:] == [(1, [9])]  # B read its part: A alone reads, from page 3
+    assert t.release(1, A).freed
+    assert freed == [(1, [4, 5]), (1, [9]), (1, [12, 13])]  # each page once
+    assert t.pinned_pages == 0 and t.counters.released == 1 and t.counters.freed_ahead == 3
+
+
+async def test_a_reader_with_no_prefix_keeps_the_pin_whole():
+    t, freed = table()
+    t.publish(1, np.array([4, 5, 9]), consumers=2)
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0", readers=2)
+    t.claim(1, B, "d1", readers=2)  # B reads from page 0: it says nothing
+    t.read_from(1, A, 2)
+    assert freed == [] and t.pinned_pages == 3
+    t.release(1, A)  # A read: B may still read every page
+    assert freed == [] and t.pinned_pages == 3
+    assert t.release(1, B).freed and freed == [(1, [4, 5, 9])]
+
+
+async def test_a_reader_not_claimed_yet_or_a_ticket_keeps_the_pin_whole():
+    t, freed = table()
+    t.publish(1, np.array([4, 5, 9]), consumers=2)
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0")
+    t.read_from(1, A, 2)
+    assert freed == []  # a second consumer may still claim it and read from page 0
+    t.claim(1, B, "d1")
+    t.read_from(1, B, 1)
+    assert freed == [(1, [4])]
+    freed2: list = []
+    pins = np.zeros(4, dtype=np.int64)  # with a pin table: the room can be read by a ticket
+    t2 = RoomTable(range(3, 7), 32, 60.0, lambda room, pages: freed2.append((room, pages.tolist())), pins)
+    t2.publish(2, np.array([4, 5]), consumers=2)
+    t2.mark_ready(2, 7)
+    t2.claim(2, A, "d0")
+    assert await t2.pin(2, 1.0) is not None  # a ticket holds the other claim: it reads from page 0
+    t2.read_from(2, A, 1)
+    assert freed2 == []
+
+
+async def test_a_room_narrowed_grants_no_further_claim():
+    """Once pages are freed ahead, a claimant that raises the readers could read them: refused."""
+    t, freed = table()
+    t.publish(1, np.array([4, 5, 9]))
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0")
+    t.read_from(1, A, 1)
+    assert freed == [(1, [4])]
+    with pytest.raises(RoomClaimedError, match="first 1 pages were freed"):
+        t.claim(1, B, "d1", readers=2)
+    assert t.claim(1, A, "d0").room == 1  # the holder's own claim again: idempotent
+    assert t.release(1, A).freed and freed == [(1, [4]), (1, [5, 9])]
+
+
+async def test_a_start_that_is_unknown_late_or_beyond_frees_nothing():
+    t, freed = table()
+    t.publish(1, np.array([4, 5, 9]))
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0")
+    with pytest.raises(InvalidPagesError, match="page 4 of its 3"):
+        t.read_from(1, A, 4)
+    with pytest.raises(ClaimLostError, match="not an open claim"):
+        t.read_from(1, B, 1)  # a claim this room never granted
+    with pytest.raises(ClaimLostError, match="unknown"):
+        t.read_from(7, A, 1)  # a room never published here
+    assert freed == []
+    t.read_from(1, A, 2)
+    with pytest.raises(InvalidPagesError, match="reads from page 2"):
+        t.read_from(1, A, 1)  # back below what was freed
+    t.read_from(1, A, 2)  # the same again: nothing more
+    assert freed == [(1, [4, 5])]
+    t.release(1, A)
+    with pytest.raises(ClaimLostError, match="released"):
+        t.read_from(1, A, 3)  # after the release (the notice came late): the room is gone
+    assert freed == [(1, [4, 5]), (1, [9])] and t.counters.freed_ahead == 2
+
+
+async def test_a_start_after_an_abort_or_an_expiry_frees_nothing_twice():
+    t, freed = table(pin=0.0)
+    t.publish(1, np.array([4, 5, 9]))
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0")
+    t.read_from(1, A, 2)
+    assert t.abort(1) and freed == [(1, [4, 5]), (1, [9])]  # the abort frees what was still pinned
+    with pytest.raises(ClaimLostError, match="aborted"):
+        t.read_from(1, A, 2)
+    t.publish(2, np.array([6, 7]))
+    t.mark_ready(2, 7)
+    t.claim(2, B, "d0")
+    t.read_from(2, B, 1)
+    assert t.expire(time.monotonic() + 1) == [2]
+    with pytest.raises(ClaimLostError, match="aborted"):
+        t.read_from(2, B, 2)
+    assert freed[2:] == [(2, [6]), (2, [7])] and t.counters.expired == 1 and t.counters.aborted == 1
+
+
+async def test_a_given_up_reader_reads_nothing_more():
+    t, freed = table()
+    t.publish(1, np.array([4, 5, 9]), consumers=2)
+    t.mark_ready(1, 7)
+    t.claim(1, A, "d0", readers=2)
+    t.claim(1, B, "d1", readers=2)
+    t.read_from(1, A, 2)
+    t.give_up(1, B)  # B's read failed: only A reads, from page 2
+    assert freed == [(1, [4, 5])]
+    assert t.release(1, A).freed and freed == [(1, [4, 5]), (1, [9])] and t.counters.released == 1
+
+
+async def test_chunks_below_every_start_are_freed_as_they_come():
+    """SGLang's decode names its pages (and its prefix) before the prefill has sent them."""
+    t, freed = table()
+    t.publish_chunked(1, total_pages=5)
+    t.claim(1, A, "d0")
+    t.read_from(1, A, 3)
+    assert freed == []
+    t.add_chunk(1, np.array([4, 5]))
+    assert freed == [(1, [4, 5])] and t.pinned_pages == 0
+    t.add_chunk(1, np.array([9, 12]))
+    assert freed == [(1, [4, 5]), (1, [9])] and t.pinned_pages == 1
+    with pytest.raises(InvalidPagesError, match="page 6 of its 5"):
+        t.read_from(1, A, 6)
+    t.add_chunk(1, np.array([13]), aux=b"x")
+    assert t.state(1).src_pages == [4, 5, 9, 12, 13] and t.state(1).status is RoomStatus.READY
+    assert t.release(1, A).freed and freed[2:] == [(1, [12, 13])] and t.counters.freed_ahead == 3

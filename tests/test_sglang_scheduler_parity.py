@@ -128,8 +128,9 @@ def test_a_decode_with_a_prefix_reads_only_the_pages_past_it(cluster):
     once A was received): SGLang's prealloc queue passes `decode_prefix_len` = 2 pages, and
     pdkv reads only B's pages past them. B's bytes exact past the prefix, the prefix pages
     still the sentinel, fewer bytes moved; every sender succeeds, and each prefill rank's pin
-    held exactly the pages SGLang sent of the room (pdkv's sender is never told the prefix:
-    the whole room), freed once on the decode's release, none expired or aborted."""
+    frees exactly the pages SGLang sent of the room, each once: the prefix's 2 pages as soon
+    as the decode said its read starts past them (ahead of its release: `freed_ahead`), the
+    rest on its release; none expired or aborted."""
     shared = [1500 + i for i in range(2 * PAGE)]
     a_ids = shared + [1700 + i for i in range(PAGE + 10)]  # 4 pages; 3 whole ones cached after
     b_ids = shared + [1800 + i for i in range(PAGE + 5)]  # its third page differs from A's
@@ -138,6 +139,7 @@ def test_a_decode_with_a_prefix_reads_only_the_pages_past_it(cluster):
     assert got["bad"] == [] and got["held"] == 0 and got["moved"] == _pages(len(a_ids)) * LAYERS * PAGE_BYTES
     cluster.senders_succeed("pa")
 
+    ahead_before = [rank["counters"]["freed_ahead"] for rank in cluster.pins()]
     cluster.submit("pb", 4502, b_ids)
     got = cluster.received("pb")
     assert got["held"] == 2 * PAGE, got  # SGLang matched A's first two pages
@@ -148,7 +150,10 @@ def test_a_decode_with_a_prefix_reads_only_the_pages_past_it(cluster):
     print(f"decode prefix: {got['moved']} bytes moved of {_pages(len(b_ids)) * LAYERS * PAGE_BYTES}")
     cluster.senders_succeed("pb")
 
-    for rank in cluster.pins():
-        sent, freed = rank["sent"][4502], rank["freed"][4502]
-        assert len(sent) == _pages(len(b_ids)) and freed == sent, rank
+    for rank, before in zip(cluster.pins(), ahead_before):
+        # The harness keeps a room's last free: the release's, after the prefix's went ahead.
+        sent, at_release = rank["sent"][4502], rank["freed"][4502]
+        assert len(sent) == _pages(len(b_ids)), rank
+        assert rank["counters"]["freed_ahead"] - before == 2, rank  # the prefix, ahead of the release
+        assert len(at_release) == len(sent) - 2 and set(at_release) < set(sent), rank  # the rest, once
         assert rank["counters"]["expired"] == 0 and rank["counters"]["aborted"] == 0, rank

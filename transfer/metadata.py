@@ -36,6 +36,9 @@ Schema history:
      ErrorReply.cause: the pdkv error an error was raised from (such a room's claim refused);
      RankDescriptor.group_size (an SGLang prefill's DP size, for its decodes' routing), and
      a rank's layers any run of the model's (a pipeline stage's split is the engine's own).
+ 14: ReadFrom: a claim holder whose decode holds the room's first pages (its prefix) tells
+     each owner where its read starts (a UCX notification), so the owner frees the pages
+     below every reader's start ahead of the release.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ __all__ = [
     "TicketRelease",
     "ClaimRequest",
     "ClaimRelease",
+    "ReadFrom",
     "ReleaseNotice",
     "ReleaseReply",
     "ErrorReply",
@@ -78,7 +82,7 @@ __all__ = [
     "decode_any",
 ]
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -361,6 +365,16 @@ class ClaimRelease(_Wire, frozen=True):
 
     room: U63
     claim: ClaimToken
+
+
+class ReadFrom(_Wire, frozen=True):
+    """The holder of claim `claim` reads `room` on this rank from page `start` on: its decode
+    holds the pages below (its prefix). A UCX notification, no answer; lost, the owner only
+    keeps those pages pinned until the release."""
+
+    room: U63
+    claim: ClaimToken
+    start: Count
 
 
 class ClaimRequest(_Wire, frozen=True):

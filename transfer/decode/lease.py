@@ -46,6 +46,7 @@ class RoomLease:
         self._ctx, self._activity, self._claims, self._tickets = ctx, activity, claims, tickets
         self.engine_id, self._owners, self._claim = engine_id, owners, claim
         self._released: bool | None = None
+        self._start: int | None = None  # the page every read under the claim starts from (its first read's skip)
         # The room's read as a ticket's and the owners' states it was made from: made as the
         # claim is granted, ahead of the pages (`_prepared_read`).
         self._prepared: tuple[tuple[RoomState | None, ...], PreparedTicket | None] | None = None
@@ -66,7 +67,9 @@ class RoomLease:
     ) -> FetchResult:
         """Read every layer of the room into `dst_pages` (waiting for layers still written);
         `skip`: the room's first pages are not read (the decode holds that prefix already),
-        `dst_pages` receive the rest.
+        `dst_pages` receive the rest. The first read's `skip` is told to the owners, which
+        free those pages once no reader of the room will read them: a later read under the
+        lease may not skip fewer (`InvalidPagesError`).
 
         The bytes are the room's only if `release()` then succeeds: until then a reader
         must not hand them on.
@@ -169,9 +172,15 @@ class RoomLease:
             raise ClosedError(f"lease on room {self.room} was already released")
         if skip < 0:
             raise InvalidPagesError(f"room {self.room}: a prefix of {skip} pages")
+        if self._start is not None and skip < self._start:
+            raise InvalidPagesError(f"room {self.room}: its owners were told its reads skip {self._start} pages")
         started, ctx = time.perf_counter(), self._ctx
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
         limit = budget(ctx.timeouts.fetch, deadline, timeout)
+        if self._start is None:
+            self._start = skip
+            if skip > 0:  # the owners may free the prefix once every reader has said where it starts
+                self._tickets.read_from(self._owners, self._claim, skip)
         return Fetch(self.engine_id, self.room, dst, limit, started, landing, skip)
 
     def _prepared_read(self) -> PreparedTicket | None:

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pdkv.errors import ClaimLostError, MetadataError, PeerLostError
+from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, owner_urls, read_layers
 from transfer.decode.landing import Landing
@@ -32,7 +32,7 @@ from transfer.decode.owners import Owner, lost_peer, peers_of
 from transfer.decode.releases import Releases
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import Batch, Lane, Peer, Signals
-from transfer.metadata import ClaimRelease, OwnerPin, RoomTicket, TicketRelease, encode
+from transfer.metadata import ClaimRelease, OwnerPin, ReadFrom, RoomTicket, TicketRelease, encode
 from transfer.metrics import observe_read
 from transfer.results import FetchResult, OwnerStats
 
@@ -256,6 +256,21 @@ class TicketProtocol:
         pin words, so no answer is needed), sent again as `release_pins`' until it took."""
         body = encode(ClaimRelease(room=claim.room, claim=claim.token), self.ctx.fingerprint)
         self.releases.send([(o, p, body) for o, p in pins], claim.room)
+
+    def read_from(self, owners: dict[int, Owner], claim: Claim, start: int) -> None:
+        """Tell each owner that `claim`'s reads start at page `start` (the decode holds the
+        pages below): a notification each, no answer, not sent again. An owner frees those
+        pages once every reader of the room has said where it starts; one that never hears
+        keeps them pinned until the release (only owners with a pin table are connected here)."""
+        body = encode(ReadFrom(room=claim.room, claim=claim.token, start=start), self.ctx.fingerprint)
+        told = [(o.rank.agent_name, body) for r, o in owners.items() if o.rank.pins is not None and r in claim.granted]
+        try:
+            unsent = self.signals.notify(told) if told and not self.signals.closed else []
+        except PdkvError as exc:
+            logger.info("room %d: its read start not told (%s): the prefix stays pinned", claim.room, exc)
+            return
+        for agent in unsent:
+            logger.info("room %d: no connection to %s: it keeps the prefix pinned", claim.room, agent)
 
 
 def _lost_among(pinned: list[tuple[Owner, OwnerPin]], exc: PeerLostError) -> PeerLostError:

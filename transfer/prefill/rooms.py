@@ -25,6 +25,14 @@ each live room holds a slot whose word is a random nonce while its pages are pin
 word is cleared before the pages are freed. A decode that READs the nonce after its data
 READs has the same proof a release gives, without a request. Its release arrives as a UCX
 notification (`release_ticket`) and counts as one of the room's consumers.
+
+A decode that holds the room's first pages already (its prefix) reads only the pages past
+them, and says so (`read_from`: its claim reads from page N). Once every reader still to
+read has said where it starts, the pages below the lowest start are freed at once
+(`on_free`, ahead of the release: the room's pin narrows); the room's end frees the rest.
+A reader that has not said (no prefix, a lost notice, a ticket, a claim not granted yet)
+keeps the pin whole; a claim released or given up reads nothing more. `on_free` may thus
+run twice for a room, each page freed once.
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,44 +59,12 @@ from pdkv.pages import has_repeats, page_ids
 from transfer.deadline import Deadline, wait_until
 from transfer.logctx import failure_fields
 from transfer.metadata import MAX_AUX_BYTES, ErrorReply, ReleaseReply, RoomState, RoomStatus, error_from, error_reply
-
-OnEnd = Callable[[RoomStatus, ErrorReply | None], None]
-"""How a publication ended (RELEASED or ABORTED) and, where its prefill failed it, why."""
+from transfer.prefill.room import OnEnd as OnEnd  # where callers import it
+from transfer.prefill.room import Room, RoomCounters
 
 logger = logging.getLogger(__name__)
 
 _REMEMBER_FINISHED = 1 << 16
-
-
-@dataclass
-class _Room:
-    room: int
-    src_pages: np.ndarray
-    consumers: int
-    pinned_until: Deadline
-    ready_upto: int
-    open_claims: dict[str, str] = field(default_factory=dict)  # token -> consumer id
-    released: int = 0  # claims granted and released; granted = released + open
-    given_up: int = 0  # of those, released unread (`give_up`)
-    total_pages: int = -1  # published by chunks: the pages it will have; -1: all at once
-    slot: int = -1  # its pin table slot; -1: none
-    nonce: int = 0
-    ticket: str = ""  # "", "issued" (holds one of the claims), "released"
-    aux: bytes | None = None  # the engine's per-request bytes, given with the last chunk
-    pub: int = 0  # this publication of the room id (`publish`'s answer)
-    on_end: OnEnd | None = None
-
-    @property
-    def granted(self) -> int:
-        return self.released + len(self.open_claims) + (self.ticket == "issued")
-
-
-@dataclass
-class RoomCounters:
-    published: int = 0
-    released: int = 0
-    aborted: int = 0
-    expired: int = 0
 
 
 class RoomTable:
@@ -110,7 +85,7 @@ class RoomTable:
         self.num_pages = num_pages
         self.pin_seconds = pin_seconds
         self._on_free = on_free
-        self._live: dict[int, _Room] = {}
+        self._live: dict[int, Room] = {}
         self._finished: OrderedDict[int, RoomStatus] = OrderedDict()
         self._why: dict[int, ErrorReply] = {}  # finished rooms their prefill failed: the error
         self._pubs = itertools.count(1)
@@ -132,7 +107,7 @@ class RoomTable:
             raise ConflictError(f"room {room} was already {why} on this rank")
         pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
         pinned_until = Deadline.after(self.pin_seconds)
-        r = _Room(room, pages, consumers, pinned_until, self.layers.start, pub=next(self._pubs), on_end=on_end)
+        r = Room(room, pages, consumers, pinned_until, self.layers.start, pub=next(self._pubs), on_end=on_end)
         self._live[room] = r
         if self._pins is not None and self._free_slots:  # else: no ticket for this room, claims still work
             r.slot, r.nonce = self._free_slots.pop(), secrets.randbits(63) or 1
@@ -150,7 +125,7 @@ class RoomTable:
         self._live[room].total_pages = total_pages
         return pub
 
-    def _live_of(self, room: int, pub: int | None) -> _Room | None:
+    def _live_of(self, room: int, pub: int | None) -> Room | None:
         """The live publication `pub` of `room` (any, where None); None if it has ended.
         Raises `ConflictError` if another publication of the room id is live."""
         r = self._live.get(room)
@@ -169,11 +144,12 @@ class RoomTable:
         if len(r.src_pages) == r.total_pages:
             r.ready_upto = self.layers.stop
             r.pinned_until = Deadline.after(self.pin_seconds)
+        self._narrow(r)  # a chunk below every reader's start is freed as it comes
         self._notify()
         if r.open_claims:
             self._on_change(self.state(room), set(r.open_claims.values()))
 
-    def _joined(self, r: _Room, pages: np.ndarray, aux: bytes | None) -> np.ndarray:
+    def _joined(self, r: Room, pages: np.ndarray, aux: bytes | None) -> np.ndarray:
         """`r`'s pages with the chunk `pages` added, once checked."""
         if r.total_pages < 0:
             raise ConflictError(f"room {r.room} was not published by chunks")
@@ -260,6 +236,11 @@ class RoomTable:
             if status is RoomStatus.ABORTED:
                 raise self._aborted(room)
             raise UnknownRoomError(f"room {room} is {status.value} on this rank")
+        if token not in r.open_claims and r.freed_upto > 0:  # only more readers could claim it now
+            raise RoomClaimedError(
+                f"room {room}: its first {r.freed_upto} pages were freed (every reader reads past them); "
+                f"{consumer} may not claim it any more"
+            )
         r.consumers = max(r.consumers, readers)
         if token not in r.open_claims:
             if r.granted >= r.consumers:
@@ -304,11 +285,14 @@ class RoomTable:
         self.check_claim(room, token)
         r = self._live[room]
         del r.open_claims[token]
+        r.starts.pop(token, None)
         r.released += 1
         freed = r.released >= r.consumers
         if freed:
             self._finish(room, RoomStatus.RELEASED)
             self.counters.released += 1
+        else:
+            self._narrow(r)  # that reader reads no more
         return ReleaseReply(room=room, freed=freed, unreleased=r.consumers - r.released)
 
     def give_up(self, room: int, token: str) -> ReleaseReply:
@@ -322,6 +306,7 @@ class RoomTable:
             return ReleaseReply(room=room, freed=False, unreleased=0)
         if token in r.open_claims:
             del r.open_claims[token]
+            r.starts.pop(token, None)
         elif r.granted >= r.consumers:
             raise ClaimLostError(f"room {room}: every claim is held by another consumer; nothing to give up")
         r.released += 1
@@ -334,6 +319,8 @@ class RoomTable:
                 self.counters.aborted += 1
             else:
                 self.counters.released += 1
+        else:
+            self._narrow(r)
         return ReleaseReply(room=room, freed=freed, unreleased=r.consumers - r.released)
 
     async def pin(self, room: int, timeout: float) -> tuple[int, int] | None:
@@ -364,7 +351,30 @@ class RoomTable:
         if r.released >= r.consumers:
             self._finish(room, RoomStatus.RELEASED)
             self.counters.released += 1
+        else:
+            self._narrow(r)
         return True
+
+    def read_from(self, room: int, token: str, start: int) -> int:
+        """Claim `token`'s reader reads `room` from page `start` on (the pages below are its
+        decode's prefix); returns the pages this freed ahead of the room's end. Once every
+        reader still to read has said so, the pages below the lowest start are freed.
+        A start below one said before is refused (`InvalidPagesError`): the pages may be gone.
+
+        Raises `ClaimLostError` unless `token` is an open claim of the live room (a notice
+        for a room that ended, or another publication's), `InvalidPagesError` for a start
+        beyond the room's pages: either frees nothing."""
+        self.check_claim(room, token)
+        r = self._live[room]
+        pages = r.total_pages if r.total_pages >= 0 else len(r.src_pages)
+        if not 0 <= start <= pages:
+            raise InvalidPagesError(f"room {room}: a reader starting at page {start} of its {pages}")
+        if start < r.starts.get(token, 0):
+            raise InvalidPagesError(f"room {room}: claim {token[:8]} said it reads from page {r.starts[token]}")
+        r.starts[token] = start
+        before = r.freed_upto
+        self._narrow(r)
+        return r.freed_upto - before
 
     # ---- housekeeping ---------------------------------------------------------------------
     def expire(self, now: float) -> list[int]:
@@ -393,7 +403,7 @@ class RoomTable:
 
     @property
     def pinned_pages(self) -> int:
-        return sum(r.src_pages.size for r in self._live.values())
+        return sum(r.src_pages.size - r.freed_upto for r in self._live.values())
 
     @property
     def tickets_out(self) -> int:
@@ -413,12 +423,24 @@ class RoomTable:
             self._pins[r.slot] = 0  # before the pages are freed: a ticket READ after this fails
             self._free_slots.append(r.slot)
         self._remember(room, status, why)
-        self._on_free(room, r.src_pages)
+        self._on_free(room, r.src_pages[r.freed_upto :])  # those below were freed ahead (`_narrow`)
         if r.on_end is not None:
             r.on_end(status, why)
         self._notify()
         if claimants:
             self._on_change(RoomState(room=room, status=status, reason=why), claimants)
+
+    def _narrow(self, r: Room) -> None:
+        """Free `r`'s pages that no reader still to read will read: those below the lowest
+        start of its open claims, once every claim still to read has said where it starts."""
+        upto = r.unread_below()
+        if upto <= r.freed_upto:
+            return
+        ahead = r.src_pages[r.freed_upto : upto]
+        r.freed_upto = upto
+        self.counters.freed_ahead += len(ahead)
+        logger.debug("room %d: %d pages below every reader's start freed ahead of its end", r.room, len(ahead))
+        self._on_free(r.room, ahead)
 
     def _remember(self, room: int, status: RoomStatus, why: ErrorReply | None = None) -> None:
         self._finished[room] = status

@@ -13,8 +13,10 @@
     GET  /health
 
 Releases also arrive as UCX notifications (`on_notification`): a ticket's, and a claim
-holder's that proved its read by the pin word. Every answer is about the rank's rooms
-(`RoomTable`); the exporter (`transfer.prefill.exporter`) owns this service and its rooms.
+holder's that proved its read by the pin word; so does a claim holder's `ReadFrom` (its
+decode holds the room's first pages: they are freed once no reader will read them).
+Every answer is about the rank's rooms (`RoomTable`); the exporter
+(`transfer.prefill.exporter`) owns this service and its rooms.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transfer.metadata import (
     ClaimRelease,
     ClaimRequest,
     OwnerPin,
+    ReadFrom,
     ReleaseNotice,
     RoomState,
     RoomStatus,
@@ -111,16 +114,23 @@ class PrefillService:
         self._hub.publish(self.with_pin(state), consumers)
 
     def on_notification(self, peer: str, message: bytes) -> None:
-        """A release that arrived as a UCX notification: a ticket's, or a claim's."""
+        """A UCX notification: a release (a ticket's, or a claim's), or where a claim holder's
+        read starts (`ReadFrom`)."""
         try:
-            kinds = (TicketRelease, ClaimRelease)  # decoded as one of them; mypy infers only their base
-            notice = cast("TicketRelease | ClaimRelease", decode_any(message, kinds, self._fp))
+            kinds = (TicketRelease, ClaimRelease, ReadFrom)  # as one of them; mypy infers only their base
+            notice = cast("TicketRelease | ClaimRelease | ReadFrom", decode_any(message, kinds, self._fp))
         except PdkvError as exc:
             logger.warning("dropping a malformed notification from %s: %s", peer, exc)
             return
         with self.about(notice.room):
             if isinstance(notice, TicketRelease):
                 self.rooms.release_ticket(notice.room, notice.slot, notice.nonce)
+                return
+            if isinstance(notice, ReadFrom):
+                try:
+                    self.rooms.read_from(notice.room, notice.claim, notice.start)
+                except PdkvError as exc:  # the room ended first, or a bad start: its pin stays as it is
+                    logger.debug("a read start that narrows nothing: %s", exc)
                 return
             try:
                 self.rooms.release(notice.room, notice.claim)

@@ -533,8 +533,9 @@ class PdkvKVReceiver(BaseKVReceiver):
 
     def _prefix_pages(self, tokens: int) -> int:
         """The room's pages the decode holds already (its radix cache's prefix): the prefill
-        published the whole room (pdkv's sender is never told the prefix), and this decode
-        reads only the pages past it into `kv_indices`."""
+        published the whole room (SGLang's sender asks for the prefix before the decode names
+        it), and this decode reads only the pages past it into `kv_indices`; its read tells
+        the owners so, and they free the prefix once every reader has (`RoomTable.read_from`)."""
         page = self.kv_mgr.kv.layout.page_size
         if tokens < 0 or tokens % page:
             raise LayoutError(f"room {self.room}: a decode prefix of {tokens} tokens is not whole {page}-token pages")
