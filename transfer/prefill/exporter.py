@@ -86,7 +86,10 @@ class PrefillExporter:
         """`host`: where the control endpoint listens (loopback by default; the wildcard for
         every interface); `advertise`: the address it registers for decodes, by default `host`
         (a wildcard bind: the address that routes to the registry). Loopback or the wildcard
-        is refused (`AddressError`) unless the registry is on loopback too."""
+        is refused (`AddressError`) unless the registry is on loopback too. `on_free(room,
+        pages)`: pages no decode will read any more, each page once: a room's pages as it ends,
+        and, where every reader holds its first pages (a decode's prefix), those ahead of its
+        end (`RoomTable.read_from`); a room's end is its publication's `on_end`."""
         advertised = advertised_for(host, advertise, registry_url)
         self.pool = pool
         self._group_size = group_size  # engines in its serving group (`RankDescriptor.group_size`)
