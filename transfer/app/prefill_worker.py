@@ -177,7 +177,10 @@ class PrefillEngineRank:
         pages = self.allocator.alloc(-(-req.num_tokens // ps))  # same outcome on every rank
         self.room_pages[req.room] = pages
         try:
-            self.exporter.publish_room(req.room, pages, req.consumers)
+            # The room's end, not its frees: a reader with a prefix frees the pages below it first.
+            self.exporter.publish_room(
+                req.room, pages, req.consumers, on_end=lambda *_: self.finished_local.append(req.room)
+            )
         except PdkvError as exc:  # e.g. aborted before it ran: write anyway, keep in step
             logger.info("room %d not exported: %s", req.room, exc)
             self.finished_local.append(req.room)
@@ -287,7 +290,6 @@ class PrefillEngineRank:
             host=a.host,
             timeouts=self.timeouts,
             secret=secret,
-            on_free=lambda room, pages: self.finished_local.append(room),
         )
         await self.exporter.start()
         intake = None
