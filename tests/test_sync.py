@@ -170,11 +170,11 @@ def test_a_handle_cancelled_before_its_task_ran_still_runs_its_cleanup(when):
             finally:
                 cleaned.set()
 
-        from transfer.sync import Handle, Job
+        from transfer.sync import Handle, LoopTask
 
         busy = threading.Event()
         loop.call(lambda: busy.wait(5))  # the loop is held: what follows queues behind it
-        job = Job(loop.loop, cleans_up())
+        job = LoopTask(loop.loop, cleans_up())
         if when == "before its first step":
             loop.call(lambda: None)  # the task is made (its first step queued) before the cancel
         handle = Handle(job)
@@ -351,7 +351,7 @@ def test_a_report_and_a_cancel_raced_from_two_threads_decide_once():
     cancel is and the handle reports the cancelled task's end; never a mix of the two."""
     import asyncio
 
-    from transfer.sync import Handle, Job
+    from transfer.sync import Handle, LoopTask
 
     loop = BackgroundLoop("test-race")
     seen, outcomes = object(), set()
@@ -367,7 +367,7 @@ def test_a_report_and_a_cancel_raced_from_two_threads_decide_once():
                     raise
                 return "the task's result"
 
-            job = Job(loop.loop, read())
+            job = LoopTask(loop.loop, read())
             handle = Handle(job)
             time.sleep(0.002)  # the task started: a cancel reaches its code
             start = threading.Barrier(2)

@@ -38,7 +38,8 @@ Schema history:
      a rank's layers any run of the model's (a pipeline stage's split is the engine's own).
  14: ReadFrom: a claim holder whose decode holds the room's first pages (its prefix) tells
      each owner where its read starts (a UCX notification), so the owner frees the pages
-     below every reader's start ahead of the release.
+     below every reader's start ahead of the release. ReleaseNotice.abort is named give_up:
+     a consumer gives up; only a prefill aborts.
 """
 
 from __future__ import annotations
@@ -390,13 +391,13 @@ class ClaimRequest(_Wire, frozen=True):
 
 
 class ReleaseNotice(_Wire, frozen=True):
-    """A claim holder is done with the room's pages on this rank; `abort`: it gives its
+    """A claim holder is done with the room's pages on this rank; `give_up`: it gives its
     claim up without having read the room (or, unclaimed yet, one of the room's claims)."""
 
     room: U63
     consumer_id: Name
     claim: ClaimToken
-    abort: bool = False
+    give_up: bool = False
 
 
 class ReleaseReply(_Wire, frozen=True):

@@ -45,7 +45,7 @@ from transfer.prefill.rooms import OnEnd
 from transfer.results import FetchResult
 from transfer.timeouts import CALLER_YIELD_SECONDS, Timeouts
 
-__all__ = ["BackgroundLoop", "Job", "Handle", "FetchHandle", "HandleStatus", "SyncFetcher", "SyncExporter"]
+__all__ = ["BackgroundLoop", "Handle", "HandleStatus", "SyncFetcher", "SyncExporter"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +81,14 @@ class BackgroundLoop:
         if self._stopping or self.loop.is_closed() or not self._thread.is_alive():
             raise ClosedError("pdkv's loop has stopped (closed)")
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Job[T]:
+    def submit(self, coro: Coroutine[Any, Any, T]) -> LoopTask[T]:
         """Schedule `coro` on the loop as a task; returns at once."""
         try:
             self._check_open()
         except ClosedError:
             coro.close()
             raise
-        return Job(self.loop, coro)
+        return LoopTask(self.loop, coro)
 
     def call(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the loop's thread soon; returns at once."""
@@ -135,7 +135,7 @@ class BackgroundLoop:
 
 
 class _Outcome(enum.Enum):
-    """Where a `Job`'s outcome stands (`Job._decide`)."""
+    """Where a `LoopTask`'s outcome stands (`LoopTask._decide`)."""
 
     OPEN = "open"  # nothing decided yet
     CANCELLED = "cancelled"  # the caller cancelled first: only the task's end settles
@@ -143,14 +143,14 @@ class _Outcome(enum.Enum):
 
 
 class _Party(enum.Enum):
-    """Who offers a `Job` its outcome (`Job._decide`)."""
+    """Who offers a `LoopTask` its outcome (`LoopTask._decide`)."""
 
     TASK = "the task's end"
     REPORT = "a poll's report of a read proved on its lane's thread"
     CANCEL = "the caller's cancel"
 
 
-class Job(Generic[T]):
+class LoopTask(Generic[T]):
     """A task on a `BackgroundLoop`, seen from other threads: `future` is its outcome.
 
     The outcome is decided in one place, `_decide`, under one lock. Three parties offer one:
@@ -258,7 +258,7 @@ class Job(Generic[T]):
 class Handle(Generic[T]):
     """An operation running on pdkv's loop, read without blocking."""
 
-    def __init__(self, job: Job[T]) -> None:
+    def __init__(self, job: LoopTask[T]) -> None:
         self._job = job
         self._future = job.future
 
@@ -295,14 +295,14 @@ class Handle(Generic[T]):
 class FetchHandle(Handle[FetchResult]):
     """A fetch's handle. Where its read is one launch on the GPU lane, the lane's own thread
     proves it as the kernel ends and leaves the result in its `Landing`: `poll` offers it to
-    the job (`Job.report`, which decides), rather than waiting for pdkv's loop to hear of it."""
+    the job (`LoopTask.report`, which decides), rather than waiting for pdkv's loop to hear of it."""
 
-    def __init__(self, job: Job[FetchResult], landing: Landing) -> None:
+    def __init__(self, job: LoopTask[FetchResult], landing: Landing) -> None:
         super().__init__(job)
         self._landing = landing
 
     def poll(self) -> HandleStatus:
-        """As `Handle.poll`; a read the lane proved is offered here (`Job.report`), and once
+        """As `Handle.poll`; a read the lane proved is offered here (`LoopTask.report`), and once
         taken `on_done`'s callbacks run on this thread. After `cancel()` it waits for the task."""
         future = self._future
         if not future.done():  # written out, not `super().poll()`: a scheduler calls it every iteration
@@ -398,9 +398,9 @@ class SyncFetcher:
         """Start `RoomLease.give_up`: a room claimed ahead will not be read."""
         return Handle(self._bg.submit(lease.give_up()))
 
-    def abandon(self, engine_id: str, room: int) -> Handle[None]:
-        """Start `DecodeFetcher.abandon` (its owners free `room` now); returns at once."""
-        return Handle(self._bg.submit(self.fetcher.abandon(engine_id, room)))
+    def give_up_room(self, engine_id: str, room: int) -> Handle[None]:
+        """Start `DecodeFetcher.give_up_room` (its owners free `room` now); returns at once."""
+        return Handle(self._bg.submit(self.fetcher.give_up_room(engine_id, room)))
 
     def close(self, timeout: float | None = None) -> None:
         """End fetches in flight (they raise `ClosedError`), close, stop the thread (waiting at

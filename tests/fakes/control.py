@@ -65,7 +65,7 @@ class FakeOwner:
                 await self.moved.wait()
             return self.state()
         assert op == "release" and isinstance(body, ReleaseNotice) and body.room == ROOM
-        if self.refuse is not None and not body.abort:
+        if self.refuse is not None and not body.give_up:
             raise self.refuse
         self.tokens.discard(body.claim)
         return ReleaseReply(room=ROOM, freed=self.freed, unreleased=0)
@@ -73,7 +73,7 @@ class FakeOwner:
 
 @dataclass(frozen=True)
 class Request:
-    op: str  # "claim", "poll", "release" or "give_up" (a release with abort=True)
+    op: str  # "claim", "poll", "release" or "give_up" (a release with give_up=True)
     cp: int
     after: int | None = None  # a poll's `after`
 
@@ -107,7 +107,7 @@ class FakeClient:
         op = path[4] if len(path) > 4 else "poll"
         expect = {"claim": ("POST", RoomState), "poll": ("GET", RoomState), "release": ("POST", ReleaseReply)}[op]
         assert (method, kind) == expect, (method, kind, url)
-        if op == "release" and body.abort:
+        if op == "release" and body.give_up:
             op = "give_up"
         req = Request(op, owner.cp, int(query["after"][0]) if op == "poll" else None)
         self.requests.append(req)

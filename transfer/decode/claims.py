@@ -85,7 +85,7 @@ class ClaimProtocol:
             stats = await self.ctx.tasks.gather(tasks, feed.aborted(owner_urls(owners), claim.room))
         except BaseException:  # cancellation too: never leave the room pinned
             if release:
-                await self.release_all(owners, claim)
+                await self.give_up_all(owners, claim)
             raise
         finally:
             for o in owners.values():
@@ -244,7 +244,7 @@ class ClaimProtocol:
 
         A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
         """
-        notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, abort=give_up)
+        notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, give_up=give_up)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
         # A give-up names no layout (a room, a consumer, a token): it travels in the owner's
         # own envelope, so a decode whose layout the owner refuses still frees the room. It
@@ -273,7 +273,7 @@ class ClaimProtocol:
             return False
         return await _unless_lost(self.ctx.feed, url, self.release(owner, claim, deadline, give_up=True), deadline)
 
-    async def release_all(self, owners: dict[int, Owner], claim: Claim, ranks: set[int] | None = None) -> None:
+    async def give_up_all(self, owners: dict[int, Owner], claim: Claim, ranks: set[int] | None = None) -> None:
         """Give the claim up unread wherever it may be held, after a failed or cancelled
         fetch (`ranks`: these instead): the owners free the room's pages now, and a room
         that no consumer read ends aborted, so its prefill hears of the failure at once.

@@ -250,7 +250,7 @@ class DecodeFetcher:
             owners = await self._owners.lookup(engine_id, budget(self.timeouts.lookup, None, timeout))
         return {r: o.rank for r, o in owners.items()}
 
-    async def abandon(self, engine_id: str, room: int, *, timeout: float | None = None) -> None:
+    async def give_up_room(self, engine_id: str, room: int, *, timeout: float | None = None) -> None:
         """This decode will not read `room` (its request was aborted): every owner gives up
         one of the room's claims, so the room ends aborted there at once (its pages freed,
         its prefill told) instead of staying pinned until its pin expires. A room not yet
@@ -262,7 +262,7 @@ class DecodeFetcher:
             except IncompatibleLayoutError:  # owners of another layout still take a give-up
                 owners = await self._owners.refused(engine_id, deadline)
             with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
-                await self._claims.release_all(owners, Claim(room), set(owners))
+                await self._claims.give_up_all(owners, Claim(room), set(owners))
 
     async def _lookup(self, engine_id: str, room: int, deadline: Deadline) -> dict[int, Owner]:
         """The engine's owners (`Owners.lookup`). Owners of another layout are refused with
@@ -279,7 +279,7 @@ class DecodeFetcher:
                 logger.info("room %d: could not give it up on %s: %s", room, engine_id, lost)
                 raise exc from None
             with request_context(engine=engine_id, room=room, consumer=self.consumer_id):
-                await self._claims.release_all(owners, Claim(room), set(owners))
+                await self._claims.give_up_all(owners, Claim(room), set(owners))
             raise
 
     async def claim(
@@ -313,5 +313,5 @@ class DecodeFetcher:
             except BaseException:
                 for o in owners.values():
                     self._ctx.feed.forget(o.rank.control_url, room)
-                await self._claims.release_all(owners, claim)
+                await self._claims.give_up_all(owners, claim)
                 raise

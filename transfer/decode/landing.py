@@ -15,7 +15,7 @@ where the lane had nothing to tell), and both follow that verdict: the loop's re
 the result its caller may already have been given, and a refused read is never offered.
 A `Landing` decides nothing about the caller's handle: it only keeps the proved result.
 Which outcome the handle reports (this result, the task's end, or a cancel first) is
-decided in one place, `transfer.sync.Job`, whose docstring states the order.
+decided in one place, `transfer.sync.LoopTask`, whose docstring states the order.
 """
 
 from __future__ import annotations

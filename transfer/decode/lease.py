@@ -113,7 +113,7 @@ class RoomLease:
             return
         self._released = False
         self._forget()
-        await self._claims.release_all(self._owners, self._claim)
+        await self._claims.give_up_all(self._owners, self._claim)
 
     async def read_once(
         self,

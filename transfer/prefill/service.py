@@ -190,7 +190,8 @@ class PrefillService:
         if notice.room != room:
             raise MetadataError(f"release names room {notice.room}, path names {room}")
         with self.about(room):
-            answer = self.rooms.give_up(room, notice.claim) if notice.abort else self.rooms.release(room, notice.claim)
+            end = self.rooms.give_up if notice.give_up else self.rooms.release
+            answer = end(room, notice.claim)
         return reply(answer, self._fp)
 
     async def _abort(self, request: web.Request) -> web.Response:

@@ -634,32 +634,32 @@ class PdkvKVReceiver(BaseKVReceiver):
         for part in self._parts:
             if part.fetch is not None:
                 part.fetch.cancel()  # it gives up its claims on the owners it asked
-                part.fetch.on_done(functools.partial(self._abandon_if_unread, part))
+                part.fetch.on_done(functools.partial(self._give_up_if_unread, part))
             elif part.claim is not None:  # claimed ahead, nothing read: give the claim up
                 part.claim.cancel()
-                part.claim.on_done(functools.partial(self._give_up, part))
+                part.claim.on_done(functools.partial(self._give_up_claim, part))
             else:
-                part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._abandon, part)))
+                part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._give_up_room, part)))
 
-    def _give_up(self, part: _Part, claim: Handle[RoomLease]) -> None:
+    def _give_up_claim(self, part: _Part, claim: Handle[RoomLease]) -> None:
         fetcher = part.started
         if fetcher is not None and claim.poll() is HandleStatus.DONE:
             fetcher.give_up(claim.result())
         if not isinstance(claim.exception(), IncompatibleLayoutError):  # that claim gave the room up itself
-            self._abandon(part)  # owners the claim never reached free the room too
+            self._give_up_room(part)  # owners the claim never reached free the room too
 
-    def _abandon_if_unread(self, part: _Part, fetch: Handle[FetchResult]) -> None:
+    def _give_up_if_unread(self, part: _Part, fetch: Handle[FetchResult]) -> None:
         if fetch.poll() is HandleStatus.FAILED:
-            self._abandon(part)
+            self._give_up_room(part)
 
-    def _abandon(self, part: _Part) -> None:
+    def _give_up_room(self, part: _Part) -> None:
         """Every owner frees the room now, also those the fetch never reached (on pdkv's
         thread, or the starter's: nothing here blocks)."""
         fetcher = part.started
         if fetcher is None:
             return
         try:
-            fetcher.abandon(self._engine + part.suffix, self.room)
+            fetcher.give_up_room(self._engine + part.suffix, self.room)
         except PdkvError as exc:  # closed meanwhile: the room's pin expires instead
             logger.info("room %d: the prefill could not be told of the abort: %s", self.room, exc)
 
