@@ -516,15 +516,16 @@ def _keep_as_prefix(s: Any, req: Any) -> None:
     release_kv_cache(req, s.tree_cache, checkpoint=True)
 
 
-def _record_frees(mgr: Any) -> dict[int, list[int]]:
-    """The pages each room's pin held on this rank's exporter, recorded as its `RoomTable`
-    frees them (on pdkv's thread), by room."""
-    freed: dict[int, list[int]] = {}
+def _record_frees(mgr: Any) -> dict[int, list[list[int]]]:
+    """The pages each room's pin freed on this rank's exporter, every free in order (a
+    decode's prefix goes ahead of the release), recorded as its `RoomTable` frees them (on
+    pdkv's thread), by room."""
+    freed: dict[int, list[list[int]]] = {}
     rooms = mgr.exporter.exporter.rooms
     inner = rooms._on_free
 
     def on_free(room: int, pages: Any) -> None:
-        freed[room] = sorted(int(p) for p in pages)
+        freed.setdefault(room, []).append(sorted(int(p) for p in pages))
         inner(room, pages)
 
     rooms._on_free = on_free
@@ -718,7 +719,7 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
         raise
     streamed = 0
     held: set[str] = set()  # prefill: requests whose forward waits for a "go"
-    sent: dict[int, list[int]] = {}  # prefill: the pages SGLang sends of each room
+    sent: dict[int, list[int]] = {}  # prefill: the pages SGLang sends of each room, in order
     receivers: dict[str, Any] = {}  # decode: each request's receiver, for what it moved
     wanted: set[str] = set()  # decode: requests to get the sentinel once claimed ("sentinel")
     watched: dict[str, _Watch] = {}  # decode: requests whose pages hold it
@@ -768,7 +769,7 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
                 for req in batch:
                     _prefill_forward(s, req)
                     row = s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids) : PAGE]
-                    sent[req.bootstrap_room] = sorted(int(p) // PAGE for p in row)
+                    sent[req.bootstrap_room] = [int(p) // PAGE for p in row]  # in the room's order
                 for req in s.process_disagg_prefill_inflight_queue():
                     state = int(req.disagg_kv_sender.poll())
                     error = None
