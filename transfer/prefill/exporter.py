@@ -23,7 +23,7 @@ import torch
 from pdkv.errors import PdkvError
 from pdkv.layout import BufferKind
 from transfer.addresses import advertised_for
-from transfer.control import ControlClient, HttpService, make_app
+from transfer.control import HttpService, make_app
 from transfer.deadline import Deadline
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.cuda_ipc.export import IpcExporter
@@ -102,7 +102,6 @@ class PrefillExporter:
         # A reader gone for a heartbeat (its releases had time to land) no longer holds its claims.
         self._readiness = ReadinessHub(lambda consumer: self.rooms.give_up_consumer(consumer), timeouts.heartbeat)
         self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._pushed)
-        self._client = ControlClient(timeouts, secret)
         self._ipc = IpcExporter(secret, timeouts)
         self._service = PrefillService(
             self.rooms,
@@ -184,7 +183,6 @@ class PrefillExporter:
         with contextlib.suppress(PdkvError):
             await self._registry.leave(self.engine_id, self.cp_rank)
         await self._registry.aclose()
-        await self._client.aclose()
         await self._http.aclose()
         if self.transport is not None:
             await self.transport.aclose()
