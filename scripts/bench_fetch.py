@@ -13,14 +13,14 @@ after a warm-up; prints a table.
 call, owners whose KV lies in buffers of their own as SGLang's DSA pools allocate it (CP=4
 processes, each a CUDA tensor per layer and kind of DeepSeek-V3.2's 61 layers: latent 656
 and indexer 132 bytes a token, pages of 64; `tests/engine_owners.py`), read by a decode
-over an `EngineKV` of its own per-layer tensors with `path="auto"`. Each room is read once,
+over an `EngineKV` of its own per-layer tensors with `lane="auto"`. Each room is read once,
 back to back (rooms published beforehand), three ways: with its ticket; by claims (a
 decode with no ticket); and claimed ahead, then read and released (`RoomLease.read_once`,
 SGLang's receiver: the claims taken at its bootstrap, the read timed from `send_metadata`).
 Source and destination pages are runs of geometric length (mean 4) in a shuffled order;
 every (size, read) is checked byte-exact after its warm-up. The table compares each row
 with the pool lane's back-to-back fetches of this call ("b2b"; on a CPU, the pool's UCX
-fetch) and gives the path that moved the bytes (`OwnerStats.path`). `--vmm` adds rows from
+fetch) and gives the path that moved the bytes (`OwnerStats.lane`). `--vmm` adds rows from
 owners on expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, VMM
 memory), which hand their chunks to the lane as file descriptors.
 
@@ -172,11 +172,11 @@ async def bench(args: argparse.Namespace) -> None:
             for ps, qs in zip(pairs, owner_pairs(source_copy, desc))
         ]
         async with (
-            DecodeFetcher(decode_pool, d.registry_url, ucx_workers=args.ucx_workers or None, path="ucx") as fetcher,
-            DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx") as lane,
+            DecodeFetcher(decode_pool, d.registry_url, ucx_workers=args.ucx_workers or None, lane="ucx") as fetcher,
+            DecodeFetcher(decode_pool, d.registry_url, lane="cuda_ipc" if gpu else "ucx") as lane,
             # The kernels alone (copy GB/s), from fetches of rooms of their own: timing them
             # costs the end-to-end fetch tens of microseconds, so the lane column goes untimed.
-            DecodeFetcher(decode_pool, d.registry_url, path="cuda_ipc" if gpu else "ucx", time_kernels=True) as timed,
+            DecodeFetcher(decode_pool, d.registry_url, lane="cuda_ipc" if gpu else "ucx", time_kernels=True) as timed,
         ):
             args.ucx_workers = fetcher.transport.workers
             rows = []
@@ -241,7 +241,7 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
                 lane_room = room + (1 << 19)
                 ticket = (await _prefill(d, engine, lane_room, n, 1, True)).ticket
             through_lane = await lane.fetch("prefill0", lane_room, dst, ticket=ticket)
-            assert {o.path for o in through_lane.owners} == {"cuda_ipc"}
+            assert {o.lane for o in through_lane.owners} == {"cuda_ipc"}
             timed_room = lane_room + (1 << 18)
             timed_ticket = (await _prefill(d, engine, timed_room, n, 1, True)).ticket
             kernels = await timed.fetch("prefill0", timed_room, dst, ticket=timed_ticket)
@@ -277,7 +277,7 @@ async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> tuple[list
         results = [await lane.fetch("prefill0", t.room, dst, ticket=t) for t in tickets]
     finally:
         alloc.free(dst)
-    paths = sorted({o.path for r in results for o in r.owners})
+    paths = sorted({o.lane for r in results for o in r.owners})
     return [r.seconds for r in results], [r.read_seconds for r in results], paths
 
 
@@ -364,7 +364,7 @@ class EngineRow(NamedTuple):
     tokens: int
     nbytes: int
     read: str  # one of ENGINE_MODES
-    paths: str  # what moved the bytes, from OwnerStats.path (several: comma-separated)
+    paths: str  # what moved the bytes, from OwnerStats.lane (several: comma-separated)
     seconds: list[float]
     copy_gbps: float  # one contiguous copy of as many bytes on the same device
     read_seconds: list[float]  # the lane's share: launch to wake-up (or the kernels' GPU time if timed)
@@ -457,7 +457,7 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
             raise SystemExit(f"owners of per-layer CUDA allocations exported no IPC handles: {slabs}")
         bufs = engine_buffers(shape, range(ENGINE_LAYERS), fill=False, device=device)
         kv = engine_kv(shape, range(ENGINE_LAYERS), bufs, device=device)
-        async with DecodeFetcher(kv, url, path="auto") as fetcher:
+        async with DecodeFetcher(kv, url, lane="auto") as fetcher:
             for n in args.sizes:
                 copy = contiguous_copy_gbps(
                     n // ENGINE_PAGE * ENGINE_LAYERS * (shape.kv_item + shape.index_item), device
@@ -479,7 +479,7 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
                             seconds.append(result.seconds)
                             reads.append(result.read_seconds)
                         nbytes = result.nbytes
-                        paths |= {o.path for o in result.owners}
+                        paths |= {o.lane for o in result.owners}
                     if lane_expected and paths != {"cuda_ipc"}:
                         raise SystemExit(f"{label} {n} tokens {mode}: read by {sorted(paths)}, not the lane (cuda_ipc)")
                     rows.append(EngineRow(label, n, nbytes, mode, ",".join(sorted(paths)), seconds, copy, reads))
@@ -506,7 +506,7 @@ def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
         f"pages of {ENGINE_PAGE}), each room read once back to back, {args.runs} runs after a checked warm-up, "
         "medians; x pool: against the pool row of the same size"
     )
-    head = ("owners", "tokens", "MB", "read", "path", "GB/s", "p50 ms", "p99 ms", "lane ms", "copy GB/s")
+    head = ("owners", "tokens", "MB", "read", "lane", "GB/s", "p50 ms", "p99 ms", "lane ms", "copy GB/s")
     head += ("x copy", "x pool")
     widths = (12, 8, 8, 8, 10, 9, 9, 9, 9, 10, 8, 8)
     print("".join(f"{h:>{w}}" for h, w in zip(head, widths)))
@@ -535,7 +535,7 @@ def print_engine_table(pool_rows, engine_rows: list[EngineRow], args) -> None:
                 + (gbps / row.copy_gbps, x_pool)
             )
     kinds = sorted({v[2] for v in pool.values()})
-    print(f"pool: {', '.join(kinds)} (tickets); path: what moved the bytes (OwnerStats.path: cuda_ipc, the lane; ucx)")
+    print(f"pool: {', '.join(kinds)} (tickets); lane: what moved the bytes (OwnerStats.lane: cuda_ipc, the lane; ucx)")
     print("lane ms: the reads' own time (FetchResult.read_seconds: on the lane, its launch to its wake-up)")
 
 

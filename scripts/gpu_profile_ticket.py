@@ -92,7 +92,7 @@ async def main() -> None:
     async with Deployment(spec) as d:
         pool = DSAKVPool(dsa_v32(size=size, device="cuda:0"))
         alloc = fragmented_allocator(pool.layout.num_pages, 1)
-        async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
+        async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
             stamps = Stamps()
             stamps.wrap(fetcher._tickets, "fetch", "tickets.fetch")
             stamps.wrap(GatherBatch, "read", "batch.read")  # the class: batches are made per owner set

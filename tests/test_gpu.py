@@ -287,14 +287,14 @@ def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
     async def run():
         async with Deployment(_lane_spec((1, 2, 3, 4))) as d:
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
-            async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
+            async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc") as fetcher:
                 for e, engine in enumerate(d.engines):
                     for i, n in enumerate((1, 37, 500, 2000)):
                         room, pages = 9_000_000 + 10 * e + i, fragmented_pages(pool, n, 10 * e + i)
                         ticket = i % 2 == 1  # by claims and by ticket (pin words mapped, release by notification)
                         reply = await prefill(d, engine, room, n, ticket=ticket)
                         result = await fetcher.fetch(engine.engine_id, room, pages, ticket=reply.ticket)
-                        assert {o.path for o in result.owners} == {"cuda_ipc"}
+                        assert {o.lane for o in result.owners} == {"cuda_ipc"}
                         assert result.freed or (ticket and result.control_messages == 0)
                         assert kv_is_exact(pool, engine.engine_id, room, n, pages), (engine.engine_id, n)
             for _ in range(100):  # every room released on every rank, tickets' too
@@ -311,14 +311,14 @@ def test_lane_and_ucx_owners_mix_in_one_fetch():
     async def run():
         async with Deployment(_lane_spec((4,))) as d:
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
-            async with DecodeFetcher(pool, d.registry_url, path="auto") as fetcher:
+            async with DecodeFetcher(pool, d.registry_url, lane="auto") as fetcher:
                 lane = fetcher._owners.lanes[0]
                 reach = lane.reach
                 lane.reach = lambda r: reach(r) if r.cp_rank % 2 == 0 else "odd ranks over UCX (the test's choice)"
                 room, n = 9_100_000, 1500
                 await prefill(d, d.engines[0], room, n)
                 result = await fetcher.fetch("prefill0", room, fragmented_pages(pool, n, 1))
-                assert [o.path for o in result.owners] == ["cuda_ipc", "ucx", "cuda_ipc", "ucx"]
+                assert [o.lane for o in result.owners] == ["cuda_ipc", "ucx", "cuda_ipc", "ucx"]
                 assert kv_is_exact(pool, "prefill0", room, n, fragmented_pages(pool, n, 1))
 
     asyncio.run(run())
@@ -328,7 +328,7 @@ def test_lane_owner_killed_mid_fetch_is_a_typed_error_and_its_mappings_dropped()
     async def run():
         async with Deployment(_lane_spec((2,), layer_delay=0.3)) as d:
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
-            async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc", timeouts=Timeouts(request=2.0)) as fetcher:
+            async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc", timeouts=Timeouts(request=2.0)) as fetcher:
                 await prefill(d, d.engines[0], 9_200_000, 64)  # looked up and mapped
                 await fetcher.fetch("prefill0", 9_200_000, fragmented_pages(pool, 64, 1))
                 owners = fetcher._owners.cached["prefill0"]
@@ -357,7 +357,7 @@ def test_a_forged_slab_length_is_refused_before_any_launch():
             forged_slabs = [msgspec.structs.replace(s, length=s.length + (1 << 30)) for s in rank.ipc.slabs]
             forged = msgspec.structs.replace(rank, ipc=msgspec.structs.replace(rank.ipc, slabs=forged_slabs))
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
-            async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
+            async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc") as fetcher:
                 owner = fetcher._owners.check(msgspec.structs.replace(desc, ranks=[forged]))[0]
                 with pytest.raises(TransferError, match="exceeds"):
                     fetcher._owners.lanes[0].map(owner.rank, owner.pairs)
@@ -373,19 +373,19 @@ def test_lane_reads_owners_on_other_gpus(engines, decode_gpu):
     async def run():
         async with Deployment(_lane_spec(engines)) as d:
             pool = DSAKVPool(tiny(size=8192, device=f"cuda:{decode_gpu}"))
-            async with DecodeFetcher(pool, d.registry_url, path="cuda_ipc") as fetcher:
+            async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc") as fetcher:
                 for i, n in enumerate((37, 2000)):
                     room = 9_300_000 + i
                     await prefill(d, d.engines[0], room, n)
                     result = await fetcher.fetch("prefill0", room, fragmented_pages(pool, n, i))
-                    assert {o.path for o in result.owners} == {"cuda_ipc"}
+                    assert {o.lane for o in result.owners} == {"cuda_ipc"}
                     assert kv_is_exact(pool, "prefill0", room, n, fragmented_pages(pool, n, i))
 
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("path", ["cuda_ipc", "ucx"])
-def test_a_cancelled_fetch_lands_no_byte_after_it_raised(path):
+@pytest.mark.parametrize("lane", ["cuda_ipc", "ucx"])
+def test_a_cancelled_fetch_lands_no_byte_after_it_raised(lane):
     """A fetch of a 32k-token DSA room cancelled at points from before its launch to mid-read:
     once it has raised, a sentinel written over its destination pages stays unchanged (the
     kernel or the READs had ended before it raised)."""
@@ -395,7 +395,7 @@ def test_a_cancelled_fetch_lands_no_byte_after_it_raised(path):
         spec = _lane_spec((4,), preset="dsa_v32", prefill_pool_tokens=73728, decode_pool_tokens=36864)
         async with Deployment(spec) as d:
             pool = DSAKVPool(dsa_v32(size=36864, device="cuda:0"))
-            async with DecodeFetcher(pool, d.registry_url, path=path) as fetcher:
+            async with DecodeFetcher(pool, d.registry_url, lane=lane) as fetcher:
                 warm = await prefill(d, d.engines[0], 9_400_000, 64, ticket=True)
                 await fetcher.fetch("prefill0", 9_400_000, fragmented_pages(pool, 64, 1), ticket=warm.ticket)
                 cancelled = 0
@@ -419,7 +419,7 @@ def test_a_cancelled_fetch_lands_no_byte_after_it_raised(path):
                     torch.cuda.synchronize()
                     await asyncio.sleep(0.5)
                     torch.cuda.synchronize()
-                    assert all(bool((r[pages] == 0x5A).all()) for r in rows), (path, delay)
+                    assert all(bool((r[pages] == 0x5A).all()) for r in rows), (lane, delay)
                 assert cancelled >= 1
 
     asyncio.run(run())
@@ -454,13 +454,13 @@ def test_engine_owned_buffers_go_by_the_lane_vmm_owners_too_in_one_fetch():
         procs, stop, reports = await asyncio.to_thread(start_owners, url, "eng0", 3, shape, {1: src, 2: src}, (2,))
         try:
             assert all(reports[r][0] >= 1 for r in range(3)), reports
-            for room, path in ((1, "cuda_ipc"), (2, "ucx")):
+            for room, lane in ((1, "cuda_ipc"), (2, "ucx")):
                 bufs = engine_buffers(shape, range(shape.layers), fill=False)
-                async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path=path) as fetcher:
+                async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, lane=lane) as fetcher:
                     pins = [reports[r][1][room] for r in range(3)]
                     ticket = RoomTicket(engine_id="eng0", room=room, src_pages=src, pins=pins)
                     result = await fetcher.fetch("eng0", room, dst, ticket=ticket)
-                    assert [o.path for o in result.owners] == [path] * 3
+                    assert [o.lane for o in result.owners] == [lane] * 3
                     torch.cuda.synchronize()
                     _check_engine_kv(shape, bufs, src, dst)
         finally:
@@ -491,9 +491,9 @@ def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused(
             bufs = engine_buffers(shape, range(shape.layers), fill=False)
             pins = [reports[r][1][5] for r in range(4)]
             ticket = RoomTicket(engine_id="eng1", room=5, src_pages=src, pins=pins)
-            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path="cuda_ipc") as fetcher:
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, lane="cuda_ipc") as fetcher:
                 result = await fetcher.fetch("eng1", 5, dst, ticket=ticket)
-                assert {o.path for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
+                assert {o.lane for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
                 torch.cuda.synchronize()
                 _check_engine_kv(shape, bufs, src, dst)
                 desc = await client.request("GET", f"{url}/v1/engines/eng1", EngineDescriptor)
@@ -511,8 +511,8 @@ def test_engine_owned_buffers_by_ticket_in_one_launch_and_a_forged_slab_refused(
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("path", ["cuda_ipc", "auto"])
-def test_engine_owner_killed_while_a_fetch_waits_for_its_prefill_is_peer_lost_within_5s(path):
+@pytest.mark.parametrize("lane", ["cuda_ipc", "auto"])
+def test_engine_owner_killed_while_a_fetch_waits_for_its_prefill_is_peer_lost_within_5s(lane):
     """Owners of per-layer allocations (SGLang's pools); the decode reads through the lane,
     by claims, a room whose prefill is not finished (the first half of each owner's layers
     ready, the rest never): the fetch reads what is ready and waits. One owner SIGKILLed
@@ -534,9 +534,9 @@ def test_engine_owner_killed_while_a_fetch_waits_for_its_prefill_is_peer_lost_wi
         try:
             assert all(reports[r][0] is not None for r in range(4)), reports  # every owner exported its allocations
             bufs = engine_buffers(shape, range(shape.layers), fill=False)
-            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, path=path) as fetcher:
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, lane=lane) as fetcher:
                 warm = await fetcher.fetch("eng3", whole, dst)  # looked up, mapped, read whole by claims
-                assert {o.path for o in warm.owners} == {"cuda_ipc"}
+                assert {o.lane for o in warm.owners} == {"cuda_ipc"}
                 torch.cuda.synchronize()
                 _check_engine_kv(shape, bufs, src, dst)
                 fetch = asyncio.create_task(fetcher.fetch("eng3", unfinished, dst, timeout=60))
@@ -575,7 +575,7 @@ def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
     try:
         bufs = engine_buffers(shape, range(shape.layers), fill=False)
         ticket = RoomTicket(engine_id="eng1", room=5, src_pages=src, pins=[reports[r][1][5] for r in range(4)])
-        fetcher = SyncFetcher(engine_kv(shape, range(shape.layers), bufs), url, path="cuda_ipc")
+        fetcher = SyncFetcher(engine_kv(shape, range(shape.layers), bufs), url, lane="cuda_ipc")
         try:
             lane = fetcher.fetcher._owners.lanes[0]
             with torch.cuda.stream(lane._gather.stream):
@@ -590,7 +590,7 @@ def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
                 time.sleep(0.0002)
             assert not free.is_set()  # pdkv's loop was held all along
             result = handle.result()
-            assert {o.path for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
+            assert {o.lane for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
             assert result.nbytes == len(src) * shape.layers * (shape.kv_item + shape.index_item)
             _check_engine_kv(shape, bufs, src, dst)
             free.set()

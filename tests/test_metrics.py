@@ -107,8 +107,8 @@ async def test_a_decodes_fetches_are_labelled_by_engine_with_rate_and_fetches_in
 
     done = (first, second)
     m1 = {"engine": "m1"}
-    assert _delta(after, before, "pdkv_fetch_seconds_count", path="claims", **m1) == 2
-    assert _delta(after, before, "pdkv_fetch_seconds_sum", path="claims", **m1) == pytest.approx(
+    assert _delta(after, before, "pdkv_fetch_seconds_count", protocol="claims", **m1) == 2
+    assert _delta(after, before, "pdkv_fetch_seconds_sum", protocol="claims", **m1) == pytest.approx(
         sum(r.seconds for r in done)
     )
     assert _delta(after, before, "pdkv_fetch_bytes_count", **m1) == 2
@@ -155,7 +155,7 @@ async def test_reads_under_a_lease_count_as_fetches_and_each_read_inside_once():
     finally:
         await registry.aclose()
     lz1 = {"engine": "lz1"}
-    fetches = sum(_delta(after, before, "pdkv_fetch_seconds_count", path=p, **lz1) for p in ("claims", "ticket"))
+    fetches = sum(_delta(after, before, "pdkv_fetch_seconds_count", protocol=p, **lz1) for p in ("claims", "ticket"))
     assert fetches == 3
     assert _delta(after, before, "pdkv_fetch_bytes_sum", **lz1) == sum(r.nbytes for r in results) > 0
     reads = sum(o.reads for r in results for o in r.owners)
@@ -288,7 +288,7 @@ def test_room_gauges_and_fetch_metrics_merge_in_multiprocess_mode(tmp_path):
         assert merged[_key("pdkv_rooms_released_total", **rank)] == 1
         assert merged[_key("pdkv_rooms_aborted_total", **rank)] == 1
         assert merged[_key("pdkv_fetches_in_flight", **engine)] == 1  # room 2's, waiting for its layers
-        assert merged[_key("pdkv_fetch_seconds_count", path="claims", **engine)] == 1
+        assert merged[_key("pdkv_fetch_seconds_count", protocol="claims", **engine)] == 1
         assert merged[_key("pdkv_fetch_bytes_sum", **engine)] == first["nbytes"] > 0
         assert merged[_key("pdkv_fetch_descriptors_sum", **engine)] == first["descriptors"] > 0
         assert merged[_key("pdkv_fetch_bytes_per_second_count", **engine)] == 1
@@ -303,7 +303,7 @@ def test_room_gauges_and_fetch_metrics_merge_in_multiprocess_mode(tmp_path):
         assert merged[_key("pdkv_rooms_released_total", **rank)] == 2
         assert merged[_key("pdkv_fetches_in_flight", **engine)] == 0
         assert merged[_key("pdkv_fetch_bytes_sum", **engine)] == first["nbytes"] + second["nbytes"]
-        assert merged[_key("pdkv_fetch_seconds_count", path="claims", **engine)] == 2
+        assert merged[_key("pdkv_fetch_seconds_count", protocol="claims", **engine)] == 2
 
         child.stdin.write("\n")
         child.stdin.flush()

@@ -48,7 +48,7 @@ async def test_claims_arbiter_first_read_then_release(freed: tuple[bool, ...]) -
     assert result.room == ROOM and result.engine_id == "e0"
     assert result.nbytes == LAYERS * len(w.dst) * PAGE
     assert result.control_messages == 6
-    assert [(s.cp_rank, s.layers, s.nbytes, s.reads, s.path) for s in result.owners] == [
+    assert [(s.cp_rank, s.layers, s.nbytes, s.reads, s.lane) for s in result.owners] == [
         (cp, (span.start, span.stop), len(span) * len(w.dst) * PAGE, 1, "fake") for cp, span in SPANS.items()
     ]
     assert result.freed_on == tuple(cp for cp, f in enumerate(freed) if f)

@@ -112,7 +112,7 @@ async def test_ticket_merged_lane_reads_its_owners_in_one_call() -> None:
     for cp in SPANS:
         assert t.last("landed", cp) < t.first("pin_word", cp) < outcome < t.first("notify")
     np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))
-    assert [(s.cp_rank, s.layers, s.nbytes, s.path) for s in result.owners] == [
+    assert [(s.cp_rank, s.layers, s.nbytes, s.lane) for s in result.owners] == [
         (cp, (s.start, s.stop), len(s) * PAGE * len(w.dst), "merging") for cp, s in SPANS.items()
     ]
     assert result.nbytes == LAYERS * len(w.dst) * PAGE
@@ -203,7 +203,7 @@ async def test_ticket_merged_and_plain_lanes_read_at_once() -> None:
 
     assert merging.batch_calls == [(0, 2)] and w.lane.reads == [(1, SPANS[1])]
     assert [s.cp_rank for s in result.owners] == [0, 1, 2]
-    assert [s.path for s in result.owners] == ["merging", "fake", "merging"]
+    assert [s.lane for s in result.owners] == ["merging", "fake", "merging"]
     np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))
 
 

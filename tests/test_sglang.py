@@ -220,7 +220,7 @@ def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size, de
             got = b"".join(t[room % AUX_ROWS].numpy().tobytes() for t in aux)
             assert got == _aux_row(room)  # the first output token and the like came with the KV
             fetched = receivers[room]._parts[0].fetch.result()
-            assert {o.path for o in fetched.owners} == {"cuda_ipc" if device == "cuda" else "ucx"}
+            assert {o.lane for o in fetched.owners} == {"cuda_ipc" if device == "cuda" else "ucx"}
             assert not fetched.freed  # proved by the pin words, released by notifications: no round trip
             assert receivers[room].get_transfer_metric().transfer_total_bytes == len(src) * LAYERS * (
                 KV_ITEM + INDEX_ITEM

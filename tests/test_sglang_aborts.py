@@ -244,7 +244,7 @@ def test_a_decode_abort_lands_no_byte_after_failed_and_frees_the_prefill(bootstr
         assert _until_final(receiver) == KVPoll.Success
         assert decode.matches(702)
         lane = {"cpu": "ucx", "cuda": "cuda_ipc"}[DEVICE]  # on a GPU: per-layer tensors by the lane
-        assert {o.path for o in receiver._parts[0].fetch.result().owners} == {lane}
+        assert {o.lane for o in receiver._parts[0].fetch.result().owners} == {lane}
         assert results.get(timeout=60)[:3] == (702, KVPoll.Success, None)
     finally:
         decode.close()

@@ -21,7 +21,7 @@ from transfer.sglang import plugin, runtime  # noqa: E402
 from transfer.sglang.conn import PdkvKVBootstrapServer, PdkvKVManager  # noqa: E402
 from transfer.sglang.topology import environment  # noqa: E402
 
-SETTINGS = ("PDKV_SGLANG_UCX_WORKERS", "PDKV_SGLANG_PATH", "PDKV_SGLANG_OWNER_PROGRESS_MS")
+SETTINGS = ("PDKV_SGLANG_UCX_WORKERS", "PDKV_SGLANG_LANE", "PDKV_SGLANG_OWNER_PROGRESS_MS")
 
 
 @pytest.fixture
@@ -61,18 +61,18 @@ def test_owner_progress_interval(env, registry, ms):
         mgr.close()
 
 
-@pytest.mark.parametrize(("workers", "path"), [(None, None), ("3", "ucx"), ("1", "auto")])
-def test_decode_workers_and_path(env, workers, path):
+@pytest.mark.parametrize(("workers", "lane"), [(None, None), ("3", "ucx"), ("1", "auto")])
+def test_decode_workers_and_lane(env, workers, lane):
     if workers is not None:
         env.setenv("PDKV_SGLANG_UCX_WORKERS", workers)
-    if path is not None:
-        env.setenv("PDKV_SGLANG_PATH", path)
+    if lane is not None:
+        env.setenv("PDKV_SGLANG_LANE", lane)
     mgr = _manager(env, "decode")
     try:
         fetcher = mgr.fetcher("127.0.0.1:9").result(timeout=60).fetcher  # nothing listens: not asked yet
         want = int(workers) if workers is not None else nixl.default_workers("DRAM")
         assert len(fetcher.transport._workers) == want  # UCX workers made, each an agent
-        assert fetcher.path == (path or "auto")
+        assert fetcher.lane == (lane or "auto")
     finally:
         mgr.close()
 
@@ -82,8 +82,9 @@ def test_decode_workers_and_path(env, workers, path):
     [
         ("PDKV_SGLANG_UCX_WORKERS", "0"),
         ("PDKV_SGLANG_UCX_WORKERS", "many"),
-        ("PDKV_SGLANG_PATH", "rdma"),
-        ("PDKV_SGLANG_PATH", "cuda_ipc"),  # a decode on the CPU
+        ("PDKV_SGLANG_LANE", "rdma"),
+        ("PDKV_SGLANG_LANE", "cuda_ipc"),  # a decode on the CPU
+        ("PDKV_SGLANG_PATH", "ucx"),  # the old name: refused, not ignored
         ("PDKV_SGLANG_OWNER_PROGRESS_MS", "0"),
         ("PDKV_SGLANG_OWNER_PROGRESS_MS", "fast"),
     ],

@@ -90,8 +90,8 @@ def test_misuse_gets_typed_errors_and_leaves_no_thread(registry_url):
     layout = tiny(layer_num=3)
     before = threading.active_count()
     for _ in range(5):
-        with pytest.raises(ValueError, match="path"):
-            SyncFetcher(DSAKVPool(layout), registry_url, path="bogus")
+        with pytest.raises(ValueError, match="lane"):
+            SyncFetcher(DSAKVPool(layout), registry_url, lane="bogus")
     assert threading.active_count() == before  # no loop thread outlived its failed start
 
     exporter = SyncExporter(DSAKVPool(layout), "misuse0", 0, 1, registry_url)

@@ -517,7 +517,7 @@ async def test_fetches_are_counted_in_metrics_and_every_service_serves_them(depl
         good.ticket, pins=[msgspec.structs.replace(p, nonce=p.nonce ^ 1) for p in good.ticket.pins]
     )
     fetches, failures = (
-        sample("pdkv_fetch_seconds_count", engine="prefill0", path="ticket"),
+        sample("pdkv_fetch_seconds_count", engine="prefill0", protocol="ticket"),
         sample("pdkv_fetch_failures_total", engine="prefill0", error="ClaimLostError"),
     )
     pool = DSAKVPool(tiny(size=8192))
@@ -525,7 +525,7 @@ async def test_fetches_are_counted_in_metrics_and_every_service_serves_them(depl
         with pytest.raises(ClaimLostError):
             await fetcher.fetch("prefill0", 8_200_000, fragmented_pages(pool, n, 40), ticket=forged)
         result = await fetcher.fetch("prefill0", 8_200_000, fragmented_pages(pool, n, 41), ticket=good.ticket)
-    assert sample("pdkv_fetch_seconds_count", engine="prefill0", path="ticket") == fetches + 1
+    assert sample("pdkv_fetch_seconds_count", engine="prefill0", protocol="ticket") == fetches + 1
     assert sample("pdkv_fetch_failures_total", engine="prefill0", error="ClaimLostError") == failures + 1
     assert sample("pdkv_fetch_bytes_sum", engine="prefill0") >= result.nbytes
     assert "# TYPE process_cpu_seconds_total" in await deployment.client.get_text(f"{deployment.registry_url}/metrics")

@@ -105,7 +105,7 @@ _S = list(SCOPE_LABELS)
 FETCH_SECONDS = Histogram(
     "pdkv_fetch_seconds",
     "Whole reads of a room (a fetch, or a read under a RoomLease): lookup (cached), reads from every owner, proof",
-    [*_S, "engine", "path"],  # path: ticket | claims
+    [*_S, "engine", "protocol"],  # protocol: ticket | claims
     buckets=_SECONDS,
 )
 READ_SECONDS = Histogram(

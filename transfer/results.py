@@ -17,7 +17,7 @@ class OwnerStats(msgspec.Struct, frozen=True):
     reads: int
     seconds: float  # from the first poll to the last byte from this owner
     read_seconds: float  # inside READs only (the rest is waiting for prefill)
-    path: str = "ucx"  # what moved the bytes: "ucx", or "cuda_ipc" (the same-host GPU lane)
+    lane: str = "ucx"  # what moved the bytes: "ucx", or "cuda_ipc" (the same-host GPU lane)
     aux: bytes | None = None  # the request's auxiliary bytes, where this owner had them
 
 

@@ -331,7 +331,7 @@ class SyncFetcher:
         secret: str | None = None,
         ucx_workers: int | None = None,
         merge_runs: bool = True,
-        path: str = "auto",
+        lane: str = "auto",
         time_kernels: bool = False,
         release_delay: float = CALLER_YIELD_SECONDS,
     ) -> None:
@@ -347,7 +347,7 @@ class SyncFetcher:
                 secret=secret,
                 ucx_workers=ucx_workers,
                 merge_runs=merge_runs,
-                path=path,
+                lane=lane,
                 time_kernels=time_kernels,
                 release_delay=release_delay,
             )

@@ -212,7 +212,7 @@ class ClaimProtocol:
             state = await self._poll(owner, claim, cursor, job.deadline)
         claim.final[r.cp_rank] = state
         span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
-        return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path)
+        return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.lane_name)
 
     async def _read_chunks(self, owner: Owner, claim: Claim, job: Fetch, state: RoomState, t0: float) -> OwnerStats:
         """Read a room sent by chunks: each new chunk's pages in all of the owner's layers,
@@ -234,7 +234,7 @@ class ClaimProtocol:
             if state.ready_upto >= r.layer_end:  # the last chunk is in
                 claim.final[r.cp_rank] = state
                 span, elapsed = (r.layer_start, r.layer_end), time.perf_counter() - t0
-                return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.path, state.aux)
+                return OwnerStats(r.cp_rank, span, nbytes, descs, reads, elapsed, busy, owner.lane_name, state.aux)
             state = await self._poll(owner, claim, state.ready_upto, job.deadline, after_pages=done)
 
     async def release(self, owner: Owner, claim: Claim, deadline: Deadline, give_up: bool = False) -> bool:

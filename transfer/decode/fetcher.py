@@ -43,7 +43,7 @@ from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
 from transfer.decode.tickets import TicketProtocol
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.base import Signals, Transport
-from transfer.lanes.choice import PATHS, check_path, lanes_for
+from transfer.lanes.choice import LANES, check_lane, lanes_for
 from transfer.logctx import failure_fields, request_context
 from transfer.metadata import RankDescriptor, RoomTicket
 from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 class DecodeFetcher:
     """Fetches KV of prefill rooms into `pool`. Many fetches may run at once.
 
-    `path` picks the lanes an owner may be read by, in order (one of `PATHS`: "auto"
+    `lane` picks the lanes an owner may be read by, in order (one of `LANES`: "auto"
     prefers a lane of this host where one reaches the owner, the others force one lane);
     `ucx_workers`, `merge_runs` and `time_kernels` tune them (`transfer.lanes.choice`;
     timed kernels, in `OwnerStats.read_seconds`, cost each fetch host time).
@@ -66,7 +66,7 @@ class DecodeFetcher:
     before its releases go (`TicketProtocol`; for callers polling from another thread).
     """
 
-    PATHS = PATHS
+    LANES = LANES
 
     # Made by start(); the activity check keeps every call out until then.
     _owners: Owners
@@ -83,14 +83,14 @@ class DecodeFetcher:
         secret: str | None = None,
         ucx_workers: int | None = None,
         merge_runs: bool = True,
-        path: str = "auto",
+        lane: str = "auto",
         time_kernels: bool = False,
         release_delay: float = 0.0,
     ) -> None:
-        check_path(path, pool)
+        check_lane(lane, pool)
         if len(pool.owned) != pool.layout.layer_num:
             raise IncompatibleLayoutError("a decode pool must hold every layer")
-        self.path, self.time_kernels, self.merge_runs = path, time_kernels, merge_runs
+        self.lane, self.time_kernels, self.merge_runs = lane, time_kernels, merge_runs
         self._release_delay = release_delay
         self.pool, self.timeouts = pool, timeouts
         self.consumer_id = consumer_id or f"decode-{uuid.uuid4().hex[:8]}"
@@ -105,7 +105,7 @@ class DecodeFetcher:
     async def start(self) -> None:
         lanes, self._signals, strict = lanes_for(
             self.pool,
-            self.path,
+            self.lane,
             self.consumer_id,
             timeouts=self.timeouts,
             workers=self._workers,

@@ -51,7 +51,7 @@ class Owner:
     signals_connected: bool = False  # connected for signals (pin words, notifications) beside its lane
 
     @property
-    def path(self) -> str:
+    def lane_name(self) -> str:
         assert self.lane is not None
         return self.lane.name
 

@@ -156,7 +156,7 @@ class TicketProtocol:
         except PeerLostError as exc:
             raise lost_peer(r, exc) from exc
         span, elapsed = (layers.start, layers.stop), time.perf_counter() - t0
-        return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.path)]
+        return [OwnerStats(r.cp_rank, span, xfer.nbytes, xfer.descriptors, 1, elapsed, xfer.seconds, owner.lane_name)]
 
     async def _read_batch_with_pins(
         self,

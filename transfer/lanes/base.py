@@ -91,7 +91,7 @@ class Lane(Protocol[P]):
     """Moves bytes from owners into the decode's pool. Every method checks what it is given
     (page ids, addresses) before anything is posted or launched."""
 
-    name: str  # what `OwnerStats.path` says: "ucx", "cuda_ipc"
+    name: str  # what `OwnerStats.lane` says: "ucx", "cuda_ipc"
 
     def reach(self, rank: RankDescriptor) -> str | None:
         """Why this lane cannot read `rank`, or None if it can."""

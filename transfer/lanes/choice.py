@@ -1,6 +1,6 @@
 """Which lanes a decode reads owners by, and what carries its signals.
 
-`path` names the choice: "auto" reads owners on this host's GPUs through the same-host GPU
+`lane` names the choice: "auto" reads owners on this host's GPUs through the same-host GPU
 lane (CUDA IPC and one gather kernel) and the rest over UCX; "ucx" and "cuda_ipc" force one
 (the latter fails the lookup of an engine it cannot reach so). Whatever the lanes, the
 signals (pin words, release notifications) go over UCX.
@@ -24,7 +24,7 @@ from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("auto", "ucx", "cuda_ipc")
+LANES = ("auto", "ucx", "cuda_ipc")  # a decode's lane choice
 
 
 class LaneChoice(NamedTuple):
@@ -35,17 +35,17 @@ class LaneChoice(NamedTuple):
     strict: bool  # an owner no lane reaches fails its lookup (else the last lane reads every owner)
 
 
-def check_path(path: str, pool: KVBuffers) -> None:
-    """Refuse a `path` that is not one of `PATHS`, or that `pool` cannot be read by."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
-    if path == "cuda_ipc" and pool.device.type != "cuda":
-        raise ValueError("the cuda_ipc path needs a decode pool on a GPU")
+def check_lane(lane: str, pool: KVBuffers) -> None:
+    """Refuse a `lane` that is not one of `LANES`, or that `pool` cannot be read by."""
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, not {lane!r}")
+    if lane == "cuda_ipc" and pool.device.type != "cuda":
+        raise ValueError("the cuda_ipc lane needs a decode pool on a GPU")
 
 
 def lanes_for(
     pool: KVBuffers,
-    path: str,
+    lane: str,
     name: str,
     *,
     timeouts: Timeouts,
@@ -55,7 +55,7 @@ def lanes_for(
     secret: str | None = None,
 ) -> LaneChoice:
     """The lanes to try for each owner, in order (the last must reach every owner unless
-    `path` forces one), and the signals, for a decode reading into `pool` (its buffers
+    `lane` forces one), and the signals, for a decode reading into `pool` (its buffers
     registered here). They share one UCX transport, named after `name`: closing either the
     UCX lane or the signals closes it.
 
@@ -66,7 +66,7 @@ def lanes_for(
     from its launch to the bytes in place). `secret`: the owners' (their GPU memory's
     descriptors are handed out under it).
     """
-    check_path(path, pool)
+    check_lane(lane, pool)
     mem = mem_type(pool.device)
     transport = UcxTransport(
         f"{name}.{uuid.uuid4().hex[:8]}",
@@ -77,17 +77,17 @@ def lanes_for(
     )
     transport.register(pool.registered_buffers())
     lanes: list[Lane[Any]] = []
-    if pool.device.type == "cuda" and path != "ucx":
+    if pool.device.type == "cuda" and lane != "ucx":
         from transfer.lanes.cuda_ipc.lane import CudaIpcLane  # needs CUDA: only where a GPU is
 
         try:
             gpu = CudaIpcLane(pool.device, time_kernels=time_kernels, secret=secret, fd_timeout=timeouts.connect)
         except TransferError as exc:  # no driver bindings (the `gpu` extra), say
-            if path == "cuda_ipc":
+            if lane == "cuda_ipc":
                 raise
             logger.warning("no same-host GPU lane, every owner over UCX: %s", exc)
         else:
             lanes.append(gpu)
-    if path != "cuda_ipc":
+    if lane != "cuda_ipc":
         lanes.append(UcxLane(transport, merge_runs=merge_runs))
-    return LaneChoice(lanes, UcxSignals(transport), strict=path == "cuda_ipc")
+    return LaneChoice(lanes, UcxSignals(transport), strict=lane == "cuda_ipc")

@@ -107,8 +107,8 @@ class PdkvKVManager(BaseKVManager):
         self.is_prefill = _mode(disaggregation_mode) == "prefill"
         self.topology: Topology = topology(args, self.is_prefill, server_args)
         self.settings: Settings = settings()
-        if not self.is_prefill and self.settings.path == "cuda_ipc" and self.topology.device.type != "cuda":
-            raise LayoutError("PDKV_SGLANG_PATH=cuda_ipc needs the decode's KV on a GPU")
+        if not self.is_prefill and self.settings.lane == "cuda_ipc" and self.topology.device.type != "cuda":
+            raise LayoutError("PDKV_SGLANG_LANE=cuda_ipc needs the decode's KV on a GPU")
         self.timeouts = sglang_timeouts()
         use_ucx_devices(ucx_devices(args, server_args))  # --disaggregation-ib-device, for UCX
         self.kv = engine_kv_from_args(args, self.topology.layer_num, self.topology.device)
@@ -233,7 +233,7 @@ class PdkvKVManager(BaseKVManager):
                     secret=self.secret,
                     timeouts=self.timeouts,
                     ucx_workers=self.settings.ucx_workers,
-                    path=self.settings.path,
+                    lane=self.settings.lane,
                 )
                 self._fetchers[(bootstrap_addr, part)] = started
             return started

@@ -25,7 +25,7 @@ a deployment SGLang does not describe, says it):
     PDKV_SGLANG_UCX_WORKERS
                            a decode's UCX workers, the threads that post its READs
                            (default: one a core, up to 8; 4 for a GPU pool)
-    PDKV_SGLANG_PATH       how a decode reads its owners: "auto" (the same-host GPU lane
+    PDKV_SGLANG_LANE       how a decode reads its owners: "auto" (the same-host GPU lane
                            where it reaches them, else UCX), "ucx" or "cuda_ipc" (default auto)
     PDKV_SGLANG_OWNER_PROGRESS_MS
                            how often a prefill rank drives its UCX worker, in ms (default 10);
@@ -339,11 +339,11 @@ class Settings:
     """An SGLang rank's transfer settings (the module's docstring): None keeps pdkv's default."""
 
     ucx_workers: int | None = None  # a decode's UCX workers
-    path: str = "auto"  # a decode's lanes: auto, ucx or cuda_ipc
+    lane: str = "auto"  # a decode's lanes: auto, ucx or cuda_ipc
     owner_progress: float | None = None  # seconds between a prefill rank's UCX progress calls
 
 
-PATHS = ("auto", "ucx", "cuda_ipc")
+LANES = ("auto", "ucx", "cuda_ipc")
 
 
 def settings() -> Settings:
@@ -351,9 +351,11 @@ def settings() -> Settings:
     workers = _env_int("PDKV_SGLANG_UCX_WORKERS")
     if workers is not None and not 1 <= workers <= 64:
         raise LayoutError(f"PDKV_SGLANG_UCX_WORKERS={workers}: 1 to 64")
-    path = os.environ.get("PDKV_SGLANG_PATH") or "auto"
-    if path not in PATHS:
-        raise LayoutError(f"PDKV_SGLANG_PATH={path!r}: one of {', '.join(PATHS)}")
+    lane = os.environ.get("PDKV_SGLANG_LANE") or "auto"
+    if lane not in LANES:
+        raise LayoutError(f"PDKV_SGLANG_LANE={lane!r}: one of {', '.join(LANES)}")
+    if "PDKV_SGLANG_PATH" in os.environ:  # the old name: refused, not silently ignored
+        raise LayoutError("PDKV_SGLANG_PATH is now PDKV_SGLANG_LANE (the same values)")
     progress = os.environ.get("PDKV_SGLANG_OWNER_PROGRESS_MS")
     try:
         ms = None if progress is None else float(progress)
@@ -361,7 +363,7 @@ def settings() -> Settings:
         raise LayoutError(f"PDKV_SGLANG_OWNER_PROGRESS_MS={progress!r} is not a number") from exc
     if ms is not None and not 0 < ms <= 1000:
         raise LayoutError(f"PDKV_SGLANG_OWNER_PROGRESS_MS={progress}: above 0, at most 1000")
-    return Settings(workers, path, None if ms is None else ms / 1e3)
+    return Settings(workers, lane, None if ms is None else ms / 1e3)
 
 
 STREAM_HEARTBEAT = 1.0
