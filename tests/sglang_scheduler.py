@@ -36,6 +36,7 @@ on the disaggregation path calls it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import json
@@ -49,8 +50,9 @@ import time
 import traceback
 import types
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 LAYERS, PAGE, POOL_PAGES = 4, 64, 24  # DSA needs 64-token physical pages
 KV_DIM = 576  # 512 lora + 64 rope, bf16
@@ -921,3 +923,50 @@ class Side:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+# ---- a module's cluster, as its fixture holds it ----------------------------------------------------
+
+
+class _Cluster(Protocol):
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Cluster)
+
+
+@contextlib.contextmanager
+def secret_for_children(secret: str) -> Iterator[None]:
+    """PDKV_SECRET set for the processes spawned meanwhile (they inherit it), then restored."""
+    before = os.environ.get("PDKV_SECRET")
+    os.environ["PDKV_SECRET"] = secret
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PDKV_SECRET", None)
+        else:
+            os.environ["PDKV_SECRET"] = before
+
+
+@contextlib.contextmanager
+def bootstrap_server() -> Iterator[Any]:
+    """pdkv's bootstrap server on loopback (SGLang's bootstrap server in a deployment)."""
+    from transfer.sglang.conn import PdkvKVBootstrapServer
+
+    server = PdkvKVBootstrapServer("127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def started(cluster: C) -> Iterator[C]:
+    """`cluster` started (every rank ready), and closed however the module ends."""
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()

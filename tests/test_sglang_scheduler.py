@@ -25,7 +25,7 @@ if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather 
     import sglang.srt.disaggregation.base.conn  # noqa: F401
 pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
 
-from tests.sglang_scheduler import PAGE, Side, first_token  # noqa: E402
+from tests.sglang_scheduler import PAGE, Side, bootstrap_server, first_token, secret_for_children, started  # noqa: E402
 
 try:
     from tests.sglang_scheduler import import_sglang_scheduler_code
@@ -71,22 +71,12 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster():
     """pdkv's bootstrap server (SGLang's bootstrap server in a deployment) and the schedulers."""
-    from transfer.sglang.conn import PdkvKVBootstrapServer
-
-    before = os.environ.get("PDKV_SECRET")
-    os.environ["PDKV_SECRET"] = "scheduler-test-secret"  # the spawned schedulers inherit it
-    registry = PdkvKVBootstrapServer("127.0.0.1", 0)
-    c = Cluster(registry.url)
-    try:
-        c.start()
+    with (
+        secret_for_children("scheduler-test-secret"),
+        bootstrap_server() as registry,
+        started(Cluster(registry.url)) as c,
+    ):
         yield c
-    finally:
-        c.close()
-        registry.close()
-        if before is None:
-            os.environ.pop("PDKV_SECRET", None)
-        else:
-            os.environ["PDKV_SECRET"] = before
 
 
 ROOMS = {"a": (100, 100), "b": (200, 3 * PAGE), "c": (300, 2 * PAGE + 1)}  # partial and whole pages

@@ -29,7 +29,17 @@ if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather 
     import sglang.srt.disaggregation.base.conn  # noqa: F401
 pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
 
-from tests.sglang_scheduler import INDEX_ITEM, KV_DIM, LAYERS, PAGE, Side, first_token  # noqa: E402
+from tests.sglang_scheduler import (  # noqa: E402
+    INDEX_ITEM,
+    KV_DIM,
+    LAYERS,
+    PAGE,
+    Side,
+    bootstrap_server,
+    first_token,
+    secret_for_children,
+    started,
+)
 
 try:
     from tests.sglang_scheduler import import_sglang_scheduler_code
@@ -87,22 +97,13 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from transfer.sglang.conn import PdkvKVBootstrapServer
-
-    before = os.environ.get("PDKV_SECRET")
-    os.environ["PDKV_SECRET"] = "scheduler-parity-secret"  # the spawned schedulers inherit it
-    registry = PdkvKVBootstrapServer("127.0.0.1", 0)
-    c = Cluster(registry.url)
-    try:
-        c.start()
+    """The bootstrap server, the PP 2 x CP 2 prefill and the decode with its radix cache."""
+    with (
+        secret_for_children("scheduler-parity-secret"),
+        bootstrap_server() as registry,
+        started(Cluster(registry.url)) as c,
+    ):
         yield c
-    finally:
-        c.close()
-        registry.close()
-        if before is None:
-            os.environ.pop("PDKV_SECRET", None)
-        else:
-            os.environ["PDKV_SECRET"] = before
 
 
 def _pages(tokens: int) -> int:
