@@ -133,3 +133,41 @@ def test_a_stopped_read_abandons_its_part_in_flight_with_the_agent_at_once():
         assert worker.agent is None and worker.renewals == 1
     finally:
         worker.executor.shutdown()
+
+
+class _EndsAfterStop(_Agent):
+    """A part that runs until its fetch is stopped, and ends DONE a moment later (a live link)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__(["PROC", "PROC"])
+        self._stop, self._seen = stop, 0
+
+    def check_xfer_state(self, handle: SimpleNamespace) -> str:
+        self._seen += self._stop.is_set()
+        return "DONE" if self._seen > 20 else "PROC"
+
+
+def test_a_stopped_read_whose_part_ends_within_the_grace_keeps_its_agent_and_peers():
+    """On a live link a cancelled fetch's part in flight ends DONE in milliseconds: nothing of
+    it can land later, so the agent (and every peer loaded on it) is kept."""
+    stop = threading.Event()
+    agent = _EndsAfterStop(stop)
+    worker = Worker(
+        SimpleNamespace(nixl_agent=lambda name, conf: agent, nixl_agent_config=lambda **kw: None),  # type: ignore[arg-type]
+        "w",
+        Timeouts(read_stall=30.0, late_read=30.0),
+    )
+    rows = np.array([[4096, 4096, 0]], dtype=np.int64)
+    try:
+        assert _on_thread(worker, worker.load_peer, b"owner-metadata") == "owner"
+        ended = worker.executor.submit(
+            worker.read_blocking, "owner", rows, rows.copy(), "DRAM", Deadline.after(60), stop
+        )
+        while "check_xfer_state" not in agent.calls:
+            time.sleep(0.01)
+        stop.set()
+        ended.result(timeout=10)  # its one part ended DONE: the READ is whole
+        assert worker.agent is agent and worker.renewals == 0
+        _on_thread(worker, _read, worker)  # the peer still loaded: read at once, not refused as lost
+    finally:
+        worker.executor.shutdown()
