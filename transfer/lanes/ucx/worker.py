@@ -4,12 +4,9 @@ into the parts it posts."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,118 +29,43 @@ _POLL_SLEEP_S = (0.0, 0.0001)
 
 class Worker:
     """One NIXL agent and the one thread allowed to call it. `timeouts`: its `read_stall`
-    counts a peer lost, its `late_read` bounds the wait for a READ abandoned at its deadline.
-
-    A READ part that ends other than DONE may still be live in UCX, whatever NIXL's release
-    said: UCX cannot cancel a GET, and over TCP the answer to one sent before a link cut
-    arrives once the link is back, to be copied into the part's destination whenever this
-    agent's UCX worker is next progressed. So such a READ ends only once its agent has been
-    dropped (`_renew`): never called again, and destroyed with its UCX worker, endpoints and
-    sockets. A new one is made on the next use, with the memory registered anew (kept here);
-    the old one's peers are refused as lost until connected again (`_reload`). Others reach
-    the agent only on this thread, through the methods below or `on_thread`, never through a
-    reference taken earlier."""
+    counts a peer lost, its `late_read` bounds the wait for a READ abandoned at its deadline."""
 
     def __init__(self, nixl: ModuleType, name: str, timeouts: Timeouts) -> None:
         self.name = name
         self.read_stall, self.late_read = timeouts.read_stall, timeouts.late_read
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-{name}")
-        self._nixl = nixl
-        self._groups: list[tuple[list[Any], Any]] = []  # (tensors, NIXL's registration) per register
-        self._peers: set[str] = set()  # loaded peers by agent name
-        self._unloaded: set[str] = set()  # peers of a dropped agent, not in the new one
-        self._tainted = False  # a part of the READ under way ended other than DONE
-        self.renewals = 0  # agents replaced after such a READ
         self.agent: Any = self.executor.submit(_agent, nixl, name).result()
 
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-    def on_thread(self, method: str, *args: Any, peer: str | None = None) -> Any:
-        """The agent's `method`, of the agent current when the call runs on this thread;
-        `peer`: the peer it concerns, loaded into a new agent first."""
-        agent = self._current()
-        if peer is not None:
-            self._reload(agent, peer)
-        return getattr(agent, method)(*args)
-
-    # ---- what the agent holds, kept for a renewed one (each called on this thread) -----------
-    def register(self, tensors: list[Any]) -> None:
-        self._groups.append((tensors, self._current().register_memory(tensors)))
-
-    def deregister_all(self) -> None:
-        if self.agent is None:  # dropped: its registrations went with it
-            self._groups.clear()
-        while self._groups:
-            _, descs = self._groups.pop()
-            try:
-                self.agent.deregister_memory(descs)
-            except Exception as exc:
-                logger.warning("%s: deregistering memory: %s", self.name, exc)
-
-    def load_peer(self, metadata: bytes) -> str:
-        """Load a peer's connection blob and keys; the agent name it gives."""
-        loaded = self._current().add_remote_agent(metadata)
-        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        self._peers.add(name)
-        self._unloaded.discard(name)
-        return name
-
-    def forget_peer(self, name: str) -> None:
-        self._peers.discard(name)
-        if self.agent is not None and name not in self._unloaded:  # a dropped one took its peers with it
-            self.agent.remove_remote_agent(name)
-        self._unloaded.discard(name)
-
-    def _reload(self, agent: Any, peer: str) -> None:
-        """Refuse a peer that a dropped agent held until the transport connects it again.
-
-        Loading a peer waits for its TCP connect, minutes where its host is cut off, and this
-        thread serves every READ of the worker: so the new agent loads none by itself. The
-        caller takes the peer as lost, drops its connection and connects it anew (`add_peer`)."""
-        if peer in self._unloaded:
-            raise PeerLostError(f"{peer}: its connection went with a dropped UCX agent: connect again", peer)
-
     def read_blocking(
         self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: Deadline, stop: threading.Event
     ) -> float:
         """Run a READ on this worker's thread in parts of at most `_PART_BYTES`, `_PARTS_IN_FLIGHT`
-        posted at a time; returns its duration. Once `stop` is set no further part is posted,
-        and parts still in flight get `_STOP_GRACE_S` to end DONE; one that does not is
-        abandoned with the agent (`_renew`), so that a cancelled fetch does not wait for a part
-        that a cut link holds (`read_stall`). Whatever ends it, it returns or raises only once
-        no part of it can land any more."""
+        posted at a time; returns its duration. Once `stop` is set no further part is posted:
+        a cancelled fetch ends after the parts in flight, not after the whole room. Whatever
+        ends it, it returns or raises only once no part of it is still in flight."""
         t0 = time.perf_counter()
         posted: deque[Any] = deque()
-        grace = _StopGrace(stop)
         try:
             for part_local, part_remote in bounded(local, remote, _PART_BYTES, _PART_ROWS):
                 if stop.is_set():
                     raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
                 if len(posted) == _PARTS_IN_FLIGHT:
-                    self._finish(peer, posted.popleft(), deadline, grace)
+                    self._finish(peer, posted.popleft(), deadline)
                 posted.append(self._post(peer, part_local, part_remote, mem))
             while posted:
-                self._finish(peer, posted.popleft(), deadline, grace)
-        except BaseException as exc:
-            # The finished frames below hold the agent and handles: cleared, so that `_renew`
-            # can destroy it while the error travels on (a receiver may keep it for long).
-            traceback.clear_frames(exc.__traceback__)
-            raise
+                self._finish(peer, posted.popleft(), deadline)
         finally:
-            while posted:  # after a failure: waited for (bounded; stopped: the grace), then released
-                handle = posted.popleft()
-                state = self._settle(handle, grace) if stop.is_set() else "PROC"
-                self._tainted |= state != "DONE"
-                self._release(self.agent, handle, peer, state, wait=not stop.is_set())
-            if self._tainted:
-                self._renew(peer)
+            for handle in posted:  # after a failure: waited for (bounded), then released
+                self._release(self.agent, handle, peer, "PROC")
         return time.perf_counter() - t0
 
     def _post(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str) -> Any:
         """Post one part; its handle (released by `_finish`, or by the caller on a failure)."""
-        agent = self._current()
-        self._reload(agent, peer)
+        agent = self.agent
         handle = agent.initialize_xfer(
             "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
         )
@@ -151,14 +73,13 @@ class Worker:
             if agent.transfer(handle) == "ERR":
                 raise TransferError(f"READ from {peer} could not be posted")
         except BaseException:
-            self._tainted = True  # some of its requests may have gone out
             self._release(agent, handle, peer, "PROC")
             raise
         return handle
 
-    def _finish(self, peer: str, handle: Any, deadline: Deadline, grace: _StopGrace) -> None:
+    def _finish(self, peer: str, handle: Any, deadline: Deadline) -> None:
         """Wait for a posted part to end (a stall of `read_stall` from now counts the peer
-        lost; a stop ends the wait once its grace has passed), then release it."""
+        lost), then release it."""
         agent, state = self.agent, "PROC"
         stalled = Deadline.after(self.read_stall)
         try:
@@ -168,37 +89,23 @@ class Worker:
                     raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
                 if stalled.passed:
                     raise PeerLostError(f"READ from {peer}: a part of it made no end in {self.read_stall:g}s", peer)
-                if grace.passed():
-                    raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
                 time.sleep(sleep)
                 sleep = _POLL_SLEEP_S[1]
             if state != "DONE":
                 raise TransferError(f"READ from {peer} ended in state {state}")
         finally:
-            self._tainted |= state != "DONE"
-            self._release(agent, handle, peer, state, wait=not grace.stop.is_set())
+            self._release(agent, handle, peer, state)
 
-    def _settle(self, handle: Any, grace: _StopGrace) -> str:
-        """A stopped READ's part in flight: its state once it ended or the grace passed."""
-        while True:
-            try:
-                state = str(self.agent.check_xfer_state(handle))
-            except Exception:
-                return "ERR"
-            if state != "PROC" or grace.passed():
-                return state
-            time.sleep(_POLL_SLEEP_S[1])
+    def _release(self, agent: Any, handle: Any, peer: str, state: str) -> None:
+        """Release a transfer handle; one still in flight is first waited for (`late_read`).
 
-    def _release(self, agent: Any, handle: Any, peer: str, state: str, wait: bool = True) -> None:
-        """Release a transfer handle; one still in flight that refuses is first waited for
-        (`late_read`) unless `wait` is false (a stopped READ: its agent is dropped after)."""
+        A READ abandoned at its deadline could otherwise land later, in destination pages
+        that the failed fetch's caller has handed to another request.
+        """
         try:
             handle.release()
             return
         except Exception as exc:  # an in-flight handle may refuse
-            if not wait:
-                logger.info("transfer from %s still in flight (%s): abandoned with its agent", peer, exc)
-                return
             logger.warning("transfer to %s still in flight (%s): waiting for it before release", peer, exc)
         late = Deadline.after(self.late_read)
         while state == "PROC" and not late.passed:
@@ -211,60 +118,6 @@ class Worker:
             handle.release()
         except Exception as exc:
             logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
-
-    def _renew(self, peer: str) -> None:
-        """Drop the agent after a READ part from `peer` ended other than DONE (or before its
-        end): destroyed here, unprogressed since; a new one, loaded with what the old one held,
-        is made on the agent's next use (`_current`), which is off the failed READ's path."""
-        old, self.agent, self._tainted = self.agent, None, False
-        if old is None:
-            return
-        t0 = time.perf_counter()
-        core = getattr(old, "agent", None)  # NIXL's own agent under its Python one
-        del old
-        if core is not None and sys.getrefcount(core) > 2:
-            gc.collect()  # a cycle may hold a handle of it, which holds it
-        held = sys.getrefcount(core) - 2 if core is not None else 0
-        del core  # destroyed here unless held: its UCX worker, endpoints and sockets with it
-        self.renewals += 1
-        if held > 0:
-            logger.warning("%s: the dropped agent is still held (%d): it is never called again", self.name, held)
-        logger.info(
-            "%s: UCX agent dropped after a READ from %s ended unfinished (%.1f ms)",
-            self.name,
-            peer,
-            (time.perf_counter() - t0) * 1e3,
-        )
-
-    def _current(self) -> Any:
-        """The agent, made anew where `_renew` dropped it: memory registered, no peer loaded
-        (`_reload`)."""
-        if self.agent is not None:
-            return self.agent
-        try:
-            agent = _agent(self._nixl, self.name)
-            self._groups = [(tensors, agent.register_memory(tensors)) for tensors, _ in self._groups]
-        except Exception as exc:
-            raise TransferError(f"{self.name}: a new UCX agent could not be made: {exc}") from exc
-        self.agent, self._unloaded = agent, set(self._peers)
-        return agent
-
-
-class _StopGrace:
-    """How long a stopped READ's parts in flight may still end DONE: on a live link they end
-    in milliseconds, and a part that ends DONE costs no agent (a new one drops every peer the
-    worker had loaded, so their next READ fails once). Counted from when the stop is seen."""
-
-    def __init__(self, stop: threading.Event) -> None:
-        self.stop = stop
-        self._by: Deadline | None = None
-
-    def passed(self) -> bool:
-        if not self.stop.is_set():
-            return False
-        if self._by is None:
-            self._by = Deadline.after(_STOP_GRACE_S)
-        return self._by.passed
 
 
 def _agent(nixl: ModuleType, name: str) -> Any:
@@ -286,8 +139,6 @@ _PART_BYTES = 32 << 20
 # too, so that a cancelled fetch of tiny (one-token) pages stops as soon as one of large pages.
 _PART_ROWS = 4096
 _PARTS_IN_FLIGHT = 2
-# Within a link cut's bound (docs/between-hosts.md: the decode's Failed ~3 s after the cut, asserted 4.5 s).
-_STOP_GRACE_S = 0.5
 
 
 def bounded(
