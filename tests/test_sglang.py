@@ -141,16 +141,21 @@ def _prefill_rank(
         mgr.close()
 
 
+# Room for the prefill processes to start (torch and SGLang imported) on a loaded 2-core machine:
+# not a bound on pdkv, which the tests state apart.
+RECEIVE_WAIT_S = 180
+
+
 def _receive(mgr, url: str, room: int, dst: list[int], aux_index: int):  # type: ignore[no-untyped-def]
     """A decode scheduler's loop for one receiver: bootstrap, send its pages once it waits
-    for them, poll until it ends (60 s at most). Returns the receiver and its last state."""
+    for them, poll until it ends (RECEIVE_WAIT_S at most). Returns the receiver and its last state."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.sglang.conn import PdkvKVReceiver
 
     receiver = PdkvKVReceiver(mgr, url, room)
     receiver.init(0)
-    end, state = time.monotonic() + 60, KVPoll.Bootstrapping
+    end, state = time.monotonic() + RECEIVE_WAIT_S, KVPoll.Bootstrapping
     while state not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < end:
         state = receiver.poll()
         if state == KVPoll.WaitingForInput:
