@@ -210,6 +210,24 @@ def test_a_prefill_abort_across_hosts(cluster):
     assert took < PREFILL_ABORT_BOUND_S, took
 
 
+def _through_the_cut(cluster: HostsCluster, rid: str) -> tuple[str, float, str, dict, list[tuple], dict]:
+    """What each side reports of `rid` while the prefill host's link is down: the decode's
+    request's end (reason, when, why), what its pages held at Failed and WATCH_S later, each
+    CP rank's sender's end. The link is back on return, whatever failed."""
+    decode = cluster.decodes[1]
+    try:
+        _, _, _, reason, failed_at = decode.wait("streamed", rid, timeout=60)
+        why = decode.wait("why", rid, timeout=10)[3]
+        at_failed = decode.wait("kept", rid, timeout=10)[3]
+        senders = [cluster.prefill.wait("done", rid, timeout=60, rank=rank) for rank in range(2)]
+        time.sleep(max(0.0, failed_at + WATCH_S - time.time()))
+        decode.send("check", rid)
+        later = decode.wait("kept", rid, timeout=30)[3]
+    finally:
+        cluster.net.link("prefill", up=True)
+    return reason, failed_at, why, at_failed, senders, later
+
+
 @ON_HOSTS
 def test_a_link_cut_mid_room_fails_both_sides_within_the_bound_and_the_next_room_reads(cluster):
     """The prefill host's cable comes out while the decode holds a room's pages (sentinel in
@@ -225,17 +243,8 @@ def test_a_link_cut_mid_room_fails_both_sides_within_the_bound_and_the_next_room
     time.sleep(1.0)  # the claim answered: the decode waits for the KV on its readiness streams
     net.link("prefill", up=False)
     cut_at = time.time()
-    try:
-        cluster.prefill.send("go", "cut")  # the forward runs and the room is sent into the cut link
-        _, _, _, reason, failed_at = decode.wait("streamed", "cut", timeout=60)
-        why = decode.wait("why", "cut", timeout=10)[3]
-        at_failed = decode.wait("kept", "cut", timeout=10)[3]
-        senders = [cluster.prefill.wait("done", "cut", timeout=60, rank=rank) for rank in range(2)]
-        time.sleep(max(0.0, failed_at + WATCH_S - time.time()))
-        decode.send("check", "cut")
-        later = decode.wait("kept", "cut", timeout=30)[3]
-    finally:
-        net.link("prefill", up=True)
+    cluster.prefill.send("go", "cut")  # the forward runs and the room is sent into the cut link
+    reason, failed_at, why, at_failed, senders, later = _through_the_cut(cluster, "cut")
     back_at = time.time()
     after = [round(e[6] - cut_at, 2) for e in senders]
     print(f"link cut -> the decode's request aborted after {failed_at - cut_at:.2f} s ({why}); senders {after}")
@@ -285,16 +294,7 @@ def test_a_link_cut_under_the_reads_fails_both_sides_and_no_byte_lands_after(clu
         decode.wait("landing", "cut-read", timeout=60)  # the READs are under way
         net.link("prefill", up=False)
         cut_at = time.time()
-        try:
-            _, _, _, reason, failed_at = decode.wait("streamed", "cut-read", timeout=60)
-            why = decode.wait("why", "cut-read", timeout=10)[3]
-            at_failed = decode.wait("kept", "cut-read", timeout=10)[3]
-            senders = [cluster.prefill.wait("done", "cut-read", timeout=60, rank=rank) for rank in range(2)]
-            time.sleep(max(0.0, failed_at + WATCH_S - time.time()))
-            decode.send("check", "cut-read")
-            later = decode.wait("kept", "cut-read", timeout=30)[3]
-        finally:
-            net.link("prefill", up=True)
+        reason, failed_at, why, at_failed, senders, later = _through_the_cut(cluster, "cut-read")
         back_at = time.time()
         time.sleep(WATCH_S)  # an abandoned READ's bytes would land now
         decode.send("check", "cut-read")
