@@ -47,7 +47,7 @@ _WHY_NOT = unavailable()
 ON_HOSTS = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no stand-in hosts: {_WHY_NOT}")
 
 from tests.etcd_server import etcd_binary  # noqa: E402
-from tests.sglang_scheduler import LAYERS, PAGE, Registry, Side, first_token  # noqa: E402
+from tests.sglang_scheduler import LAYERS, PAGE, Registry, Side, first_token, secret_for_children, started  # noqa: E402
 from tests.test_sglang_hosts import RECEIVER_BOUND_S, SENDER_BOUND_S, WATCH_S  # noqa: E402  (docs/between-hosts.md's)
 from transfer.timeouts import Timeouts  # noqa: E402
 
@@ -164,21 +164,9 @@ class HostsCluster:
 
 @pytest.fixture(scope="module")
 def cluster():
-    before = os.environ.get("PDKV_SECRET")
-    os.environ["PDKV_SECRET"] = "scheduler-hosts-secret"  # the spawned schedulers inherit it
-    try:
-        with HostNet(["prefill", "decode"]) as net:
-            c = HostsCluster(net)
-            try:
-                c.start()
-                yield c
-            finally:
-                c.close()
-    finally:
-        if before is None:
-            os.environ.pop("PDKV_SECRET", None)
-        else:
-            os.environ["PDKV_SECRET"] = before
+    with secret_for_children("scheduler-hosts-secret"), HostNet(["prefill", "decode"]) as net:
+        with started(HostsCluster(net)) as c:
+            yield c
 
 
 @ON_HOSTS
