@@ -312,9 +312,9 @@ async def test_every_room_is_freed_within_the_bound_when_notifications_drop(regi
             async def by_http(room: int) -> None:
                 await asyncio.to_thread(engine.publish, room, pages[room], 1, False)
                 dst = [p + 600 for p in pages[room]]
-                result = await fetcher.fetch(engine.name, room, dst)
+                result = await fetcher.fetch(engine.name, room, dst)  # by claims: a claim a rank, no release
                 done[room], freed_on[room] = time.monotonic(), result.freed_on
-                assert result.freed and _exact(pool, pages[room], dst)
+                assert result.control_messages == 2 and not result.freed and _exact(pool, pages[room], dst)
 
             for group in range(0, len(tickets), 8):
                 await asyncio.gather(*(by_ticket(r) for r in tickets[group : group + 8]))
@@ -338,12 +338,9 @@ async def test_every_room_is_freed_within_the_bound_when_notifications_drop(regi
             assert sorted(rooms) == sorted(pages), f"cp rank {rank}: each room freed once"
             for room, freed_pages, at in frees:
                 assert freed_pages == pages[room]  # its pages, each once
-                if room in http:
-                    assert at <= done[room] and freed_on[room] == (0, 1)  # freed by that fetch's release
-                else:
-                    late = at - done[room]
-                    assert late < BOUND + SLACK, f"cp rank {rank}: room {room} freed {late:.2f}s after its read"
-                    assert freed_on.get(room, ()) == ()  # a release by notification: not known at return
+                late = at - done[room]  # every room, those read by claims too, released by notification
+                assert late < BOUND + SLACK, f"cp rank {rank}: room {room} freed {late:.2f}s after its read"
+                assert freed_on.get(room, ()) == ()  # a release by notification: not known at return
             assert counters["released"] == len(pages) and counters["aborted"] == counters["expired"] == 0
             assert counters["pinned_pages"] == 0 and counters["live_rooms"] == 0
     finally:
@@ -367,6 +364,7 @@ async def test_a_copy_of_a_release_that_comes_late_never_frees_the_rooms_next_pu
             for filler in (501, 502):  # the room id is forgotten (`remember` 2) ...
                 await asyncio.to_thread(engine.publish, filler, [40 + filler - 500], 1, False)
                 await fetcher.fetch(engine.name, filler, [60])
+                await _until_freed(engine, {filler}, 10.0)  # released by notification (held back too): its slot free
             again = await asyncio.to_thread(engine.publish, room, pages, 1, True)  # ... and published again
             assert again is not None
             assert [p.slot for p in again.pins] == [p.slot for p in first.pins]  # in the same slots

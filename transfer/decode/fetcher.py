@@ -235,13 +235,32 @@ class DecodeFetcher:
                     raise
             owners = await owners_of.lookup(engine_id, job.deadline)
         try:
-            return await self._claims.fetch(owners, Claim(job.room, readers), job)
+            return await self._by_claims(owners, Claim(job.room, readers), job)
         except PeerLostError:
             fresh = await owners_of.reregistered(engine_id, owners, was_cached, job.deadline)
             if fresh is None:
                 raise
             logger.info("engine %s re-registered since it was cached; retrying room %d", engine_id, job.room)
-            return await self._claims.fetch(fresh, Claim(job.room, readers), job)
+            return await self._by_claims(fresh, Claim(job.room, readers), job)
+
+    async def _by_claims(self, owners: dict[int, Owner], claim: Claim, job: Fetch) -> FetchResult:
+        """A fetch without a ticket: take `claim` on every owner, then read the room once under
+        it (`RoomLease.fetch`). A room that every owner's claim found whole and pinned is read
+        as a ticket's, proved by the pin words and released by notifications, so that its only
+        round trips are the claims (`freed` is then unknown: False); any other room is read by
+        claims as it is written, then proved by the pin words or released over HTTP."""
+        feed = self._ctx.feed
+        for o in owners.values():  # the room's states are pushed from the first claim on
+            feed.want(o.rank.control_url, claim.room)
+        try:
+            await self._claims.claim_all(owners, claim, job.deadline)
+        except BaseException:  # cancellation too: never leave the room pinned
+            for o in owners.values():
+                feed.forget(o.rank.control_url, claim.room)
+            await self._claims.give_up_all(owners, claim)
+            raise
+        lease = RoomLease(self._ctx, self._activity, self._claims, self._tickets, job.engine_id, owners, claim)
+        return await lease.fetch(job)
 
     async def describe(self, engine_id: str, *, timeout: float | None = None) -> dict[int, RankDescriptor]:
         """The engine's ranks as this fetcher reads them (looked up and checked as for a

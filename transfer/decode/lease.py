@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
 from pdkv.errors import ClaimLostError, ClosedError, InvalidPagesError, PdkvError, RoomAbortedError
 from pdkv.pages import PageIds, page_ids
 from transfer.deadline import Deadline
-from transfer.decode.claims import Claim, ClaimProtocol
+from transfer.decode.claims import Claim, ClaimProtocol, owner_urls
 from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, pinned
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
@@ -75,14 +76,7 @@ class RoomLease:
         must not hand them on.
         """
         job = self._begin(dst_pages, deadline, timeout, skip=skip)
-        try:
-            with self._activity.call(), fetching(self.engine_id):
-                result = await self._claims.fetch(self._owners, self._claim, job, release=False)
-        except PdkvError as exc:
-            observe_fetch_failure(self.engine_id, exc)
-            raise
-        asyncio.get_running_loop().call_soon(observe_fetch, result)  # each read counts once, as a fetch
-        return result
+        return await self._observed(self._read(job))
 
     async def release(self) -> bool:
         """Release the claim on every owner; True if that freed the room (it was the last).
@@ -115,6 +109,13 @@ class RoomLease:
         self._forget()
         await self._claims.give_up_all(self._owners, self._claim)
 
+    async def until_aborted(self) -> None:
+        """Wait while the claim is held, unread: raise `RoomAbortedError` once an owner pushes
+        the room's abort on its readiness stream, `PeerLostError` once an owner is lost
+        (`ReadinessFeed.aborted`); the caller cancels it as it reads or gives the room up.
+        A decode that claimed ahead then hears its prefill's abort before it names its pages."""
+        await self._ctx.feed.aborted(owner_urls(self._owners), self.room)
+
     async def read_once(
         self,
         dst_pages: PageIds,
@@ -134,23 +135,14 @@ class RoomLease:
         state named its pin, rather than by a release round trip to each owner. `landing`:
         where such a read is one launch on the GPU lane, a polling caller's thread may see it
         land (`transfer.decode.landing`)."""
-        try:
-            prepared = self._prepared_read()
-            if prepared is not None:
-                for lane, _, _ in prepared.together:
-                    lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
-                job = self._begin(dst_pages, deadline, timeout, landing, skip)
-                return await self._read_pinned(prepared, job)
-            result = await self.read(dst_pages, deadline=deadline, timeout=timeout, skip=skip)
-            with self._activity.call():  # close waits for the proof and the release too
-                freed = False if await self._proved_by_pins() else await self.release()
-        except BaseException:
-            await self.give_up()
-            raise
-        finally:
-            self._forget()
-        freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
-        return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
+        return await self._once(lambda: self._begin(dst_pages, deadline, timeout, landing, skip), self._observed)
+
+    async def fetch(self, job: Fetch) -> FetchResult:
+        """`read_once` for `job`, a fetch by claims whose claim this lease holds since just now
+        (`DecodeFetcher.fetch`, which times and counts it): its `control_messages` are the
+        claim's (claims, polls, releases), its `seconds` run from the fetch's call to the proof."""
+        result = await self._once(lambda: self._adopt(job), _unobserved, to_proof=True)
+        return msgspec.structs.replace(result, control_messages=self._claim.messages)
 
     async def __aenter__(self) -> RoomLease:
         return self
@@ -159,6 +151,58 @@ class RoomLease:
         await self.release()
 
     # ---- internals -------------------------------------------------------------------------------
+    async def _once(
+        self,
+        begin: Callable[[], Fetch],
+        observed: Callable[[Awaitable[FetchResult]], Awaitable[FetchResult]],
+        to_proof: bool = False,
+    ) -> FetchResult:
+        """One read, then the release that proves it (`read_once`); `begin` makes the read's
+        job, `observed` counts the read as a fetch (or not: the caller does). `to_proof`: a
+        read by claims is timed up to its proof (a read as a ticket's always is)."""
+        try:
+            prepared = self._prepared_read()
+            if prepared is not None:
+                for lane, _, _ in prepared.together:
+                    lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
+                return await observed(self._read_pinned(prepared, begin()))
+            job = begin()
+            result = await observed(self._read(job))
+            with self._activity.call():  # close waits for the proof and the release too
+                freed = False if await self._proved_by_pins() else await self.release()
+            if to_proof:
+                result = msgspec.structs.replace(result, seconds=time.perf_counter() - job.started)
+        except BaseException:
+            await self.give_up()
+            raise
+        finally:
+            self._forget()
+        freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
+        return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
+
+    async def _read(self, job: Fetch) -> FetchResult:
+        """Read the room by claims under this lease's claim (released later)."""
+        with self._activity.call():
+            return await self._claims.fetch(self._owners, self._claim, job, release=False)
+
+    async def _observed(self, read: Awaitable[FetchResult]) -> FetchResult:
+        """`read`'s result, counted as a fetch (in flight meanwhile; a failure counted by its error)."""
+        try:
+            with fetching(self.engine_id):
+                result = await read
+        except PdkvError as exc:
+            observe_fetch_failure(self.engine_id, exc)
+            raise
+        asyncio.get_running_loop().call_soon(observe_fetch, result)  # each read counts once, as a fetch
+        return result
+
+    def _adopt(self, job: Fetch) -> Fetch:
+        """`job` as this lease's first read: a fetch's, whose pages are checked already."""
+        if self._released is not None:
+            raise ClosedError(f"lease on room {self.room} was already released")
+        self._start = job.skip
+        return job
+
     def _begin(
         self,
         dst_pages: PageIds,
@@ -223,23 +267,16 @@ class RoomLease:
     async def _read_pinned(self, prepared: PreparedTicket, job: Fetch) -> FetchResult:
         with self._activity.call():  # the claim is given up before close can end the client
             try:
-                with fetching(self.engine_id):
-                    result = await self._tickets.read(prepared, job, self._notify)
+                result = await self._tickets.read(prepared, job, self._notify)
                 self._released_by_notifications()
             except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
                 await self.give_up()
                 if isinstance(exc, RoomAbortedError):
-                    observe_fetch_failure(self.engine_id, exc)
                     raise
-                aborted = RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read")
-                observe_fetch_failure(self.engine_id, aborted)
-                raise aborted from exc
-            except BaseException as exc:
+                raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
+            except BaseException:
                 await self.give_up()
-                if isinstance(exc, PdkvError):
-                    observe_fetch_failure(self.engine_id, exc)
                 raise
-        asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
 
     async def _proved_by_pins(self) -> bool:
@@ -271,6 +308,10 @@ class RoomLease:
         """Stop keeping the room's pushed states (wanted since the claim)."""
         for o in self._owners.values():
             self._ctx.feed.forget(o.rank.control_url, self.room)
+
+
+async def _unobserved(read: Awaitable[FetchResult]) -> FetchResult:
+    return await read
 
 
 def _aux(owners: dict[int, Owner], states: tuple[RoomState | None, ...]) -> bytes | None:
