@@ -1,9 +1,10 @@
 """Each `Timeouts` field once read off the class is now the instance's: set small, it is seen.
 
-`read_stall` and `late_read` on a UCX worker through a fake NIXL agent (the seam: a READ
-that never ends, a handle that refuses release while in flight); `header`, `idle` and
-`body` on a real registry service over raw sockets that send slowly. Each bound is given
-far below its default, and observed well before that default could have fired.
+`read_stall` on a UCX worker through a fake NIXL agent (the seam: a READ that never ends, a
+handle that refuses release while in flight); `header`, `idle` and `body` on a real registry
+service over raw sockets that send slowly. Each bound is given far below its default, and
+observed well before that default could have fired. What an abandoned READ does to its
+worker's agent (dropped, its peers loaded again) is shown through the same fake.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from pdkv.errors import PeerLostError
+from pdkv.errors import PeerLostError, TransferError
 from tests.http_probe import closed_by_server
 from transfer.deadline import Deadline
 from transfer.lanes.ucx.worker import Worker
@@ -28,7 +29,7 @@ from transfer.timeouts import Timeouts
 DEFAULTS = Timeouts()
 
 
-# ---- the UCX worker: read_stall, late_read --------------------------------------------------
+# ---- the UCX worker: read_stall, and an abandoned READ's agent --------------------------------
 class _StuckHandle:
     """A posted READ part that never ends and refuses release while in flight, as NIXL's does."""
 
@@ -44,10 +45,23 @@ class _StuckHandle:
 
 
 class _StuckAgent:
+    """NIXL's agent as a worker calls it; its READs never end."""
+
     def __init__(self) -> None:
         self.handles: list[_StuckHandle] = []
+        self.peers: list[str] = []  # loaded, in order
 
     def create_backend(self, name: str, params: Any) -> None:
+        pass
+
+    def register_memory(self, tensors: list[Any]) -> list[Any]:
+        return tensors
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.peers.append(metadata.decode())
+        return metadata  # the fake's blob is the peer's name
+
+    def make_connection(self, peer: str) -> None:
         pass
 
     def get_xfer_descs(self, rows: np.ndarray, mem: str) -> np.ndarray:
@@ -64,53 +78,85 @@ class _StuckAgent:
         return "PROC"
 
 
-def _worker(timeouts: Timeouts) -> tuple[Worker, _StuckAgent]:
-    agent = _StuckAgent()
-    nixl = SimpleNamespace(nixl_agent=lambda name, conf: agent, nixl_agent_config=lambda **kw: None)
-    return Worker(nixl, "stuck", timeouts), agent  # type: ignore[arg-type]
+def _worker(timeouts: Timeouts) -> tuple[Worker, list[_StuckAgent]]:
+    """A worker on fake agents (each one it makes, in order), with peers "owner" and "other" loaded."""
+    agents: list[_StuckAgent] = []
+
+    def make(name: str, conf: Any) -> _StuckAgent:
+        agents.append(_StuckAgent())
+        return agents[-1]
+
+    worker = Worker(SimpleNamespace(nixl_agent=make, nixl_agent_config=lambda **kw: None), "stuck", timeouts)  # type: ignore[arg-type]
+    worker.register(["pool"])
+    for peer in ("owner", "other"):
+        worker.load_peer(peer.encode())
+    return worker, agents
 
 
-def _read(worker: Worker) -> float:
+def _read(worker: Worker, peer: str = "owner") -> float:
     """A one-row READ with a far deadline; the seconds until it raised."""
     rows = np.array([[4096, 4096, 0]], dtype=np.int64)
     t0 = time.monotonic()
     with pytest.raises(PeerLostError, match="made no end"):
-        worker.read_blocking("owner", rows, rows.copy(), "DRAM", Deadline.after(60), threading.Event())
+        worker.read_blocking(peer, rows, rows.copy(), "DRAM", Deadline.after(60), threading.Event())
     return time.monotonic() - t0
 
 
 def test_read_stall_is_the_instances():
-    worker, agent = _worker(Timeouts(read_stall=0.2, late_read=0.05))
+    worker, agents = _worker(Timeouts(read_stall=0.2))
     try:
         took = _read(worker)
     finally:
         worker.executor.shutdown()
     assert 0.2 <= took < DEFAULTS.read_stall / 2  # the instance's 0.2 s, not the default 10 s
-    assert agent.handles[0].released  # waited for, then released: no handle left behind
 
 
-def test_late_read_is_the_instances():
-    late = 0.6
-    worker, agent = _worker(Timeouts(read_stall=0.05, late_read=late))
+def test_an_abandoned_read_drops_its_agent_and_only_its_peer_must_connect_again():
+    """A part that made no end is abandoned with the agent, at once (no wait for it): a new
+    agent registers the same memory, loads the other peer again on its first use, and refuses
+    the abandoned READ's peer as lost until the transport loads it anew."""
+    worker, agents = _worker(Timeouts(read_stall=0.05))
     try:
-        _read(worker)
+        took = _read(worker)
+        assert took < 1.0 and worker.drops == 1
+        assert agents[0].handles[0].releases and not agents[0].handles[0].released  # refused: gone with its agent
+        rows = np.array([[4096, 4096, 0]], dtype=np.int64)
+        with pytest.raises(PeerLostError, match="connect again"):
+            worker.read_blocking("owner", rows, rows.copy(), "DRAM", Deadline.after(60), threading.Event())
+        assert len(agents) == 2 and agents[1].peers == []  # a new agent, nothing loaded into it yet
+        _read(worker, "other")  # loaded again on its first use (its READ is stuck too: a third agent)
+        assert agents[1].peers == ["other"] and worker.drops == 2
+        assert worker.load_peer(b"owner") == "owner"  # connected anew by the transport
+        _read(worker, "owner")
+        assert agents[2].peers == ["owner"]
     finally:
         worker.executor.shutdown()
-    handle = agent.handles[0]
-    refused, released = handle.releases
-    assert handle.released
-    # The part in flight at the failure was waited for the instance's `late_read`, then released.
-    assert late <= released - refused < DEFAULTS.late_read / 2
+
+
+def test_a_stopped_reads_parts_in_flight_are_abandoned_after_a_short_grace():
+    """A stop (the fetch cancelled) ends a READ whose part makes no end in well under its stall
+    bound: the part goes with the agent."""
+    worker, agents = _worker(Timeouts(read_stall=30))
+    stop = threading.Event()
+    rows = np.array([[4096, 4096, 0]], dtype=np.int64)
+    threading.Timer(0.1, stop.set).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match="stopped"):
+            worker.read_blocking("owner", rows, rows.copy(), "DRAM", Deadline.after(60), stop)
+    finally:
+        worker.executor.shutdown()
+    assert time.monotonic() - t0 < 5 and worker.drops == 1
 
 
 def test_a_transport_gives_its_workers_its_timeouts():
     from transfer.lanes.ucx.transport import UcxTransport
 
-    timeouts = Timeouts(read_stall=0.7, late_read=0.9, connect=1.5)
+    timeouts = Timeouts(read_stall=0.7, connect=1.5)
     transport = UcxTransport("timeouts-probe", workers=2, timeouts=timeouts, notifies=True)
     try:
         agents = [*transport._workers, transport._notifier]
-        assert [(w.read_stall, w.late_read) for w in agents] == [(0.7, 0.9)] * 3
+        assert [w.read_stall for w in agents] == [0.7] * 3
         assert transport.timeouts is timeouts
     finally:
         asyncio.run(transport.aclose())

@@ -45,7 +45,6 @@ class Timeouts:
     header: float = 10.0  # a service: from connect to a complete request head
     idle: float = 30.0  # a service: from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
     body: float = 30.0  # a service: receiving a request's body
-    late_read: float = 10.0  # a READ abandoned at its deadline, waited for before its handle is released
     # One posted part of a READ (at most 32 MiB) making no end: its peer is taken as lost. TCP
     # keepalive does not probe a connection with data unacknowledged, so a part posted after a
     # cut link would otherwise wait for the READ's own deadline.

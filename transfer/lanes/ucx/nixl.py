@@ -66,10 +66,10 @@ def configure_ucx_environment() -> None:
     Between hosts over TCP, a cut link stalls a READ with no error at all (TCP retransmits
     quietly) until the READ's own deadline, a minute later; and a READ abandoned then still
     landed its bytes once the link came back (seen between network namespaces). With TCP
-    keepalive probes after 1 s of silence, given up after two unanswered ones, UCX fails the
-    endpoint about 3 s after the cut, the READ ends `PeerLostError`, and
-    a failed endpoint lands nothing later. The probes are answered by the peer's kernel, so a
-    busy owner is not taken for a dead one.
+    keepalive probes after 1 s of silence, given up after two unanswered ones, UCX fails an
+    idle endpoint about 3 s after the cut and the READ ends `PeerLostError` (that nothing of a
+    READ in flight lands later is the worker's doing: `Worker` drops its agent). The probes
+    are answered by the peer's kernel, so a busy owner is not taken for a dead one.
     """
     if os.environ.get("PDKV_UCX_ENV", "").lower() in _OFF:
         return

@@ -26,7 +26,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -132,8 +132,7 @@ class UcxTransport:
         """`notifies`: this transport sends notifications (`notify`), from an agent of their
         own: a notification sent on a READ worker's connection made that worker's next READs
         from the peer wait for the peer's progress.
-        `timeouts`: its `connect`, `notify` and `drain`, and its workers' `read_stall` and
-        `late_read`."""
+        `timeouts`: its `connect`, `notify` and `drain`, and its workers' `read_stall`."""
         self._nixl = load_nixl()
         self.name = name
         self.timeouts = timeouts
@@ -142,7 +141,6 @@ class UcxTransport:
         self._notifier = Worker(self._nixl, f"{name}.notify", timeouts) if notifies else None
         self._next_lane = itertools.cycle(range(workers))
         self._local_ranges: list[tuple[int, int]] = []
-        self._registrations: list[tuple[Worker, Any]] = []
         self.local_regions = Regions([])
         self._peers: dict[str, Regions] = {}
         self._closed = False
@@ -159,8 +157,7 @@ class UcxTransport:
         kinds = {t.device: [u for u in tensors if u.device == t.device] for t in tensors}
         for worker in self._workers:
             for group in kinds.values():
-                descs = worker.executor.submit(worker.agent.register_memory, group).result()
-                self._registrations.append((worker, descs))
+                worker.executor.submit(worker.register, group).result()
         self._local_ranges += [(t.data_ptr(), t.nbytes) for t in tensors]
         self.local_regions = Regions(self._local_ranges)
         logger.info("%s registered %d buffers, %.1f MiB", self.name, len(tensors), self.local_regions.total / 2**20)
@@ -173,7 +170,7 @@ class UcxTransport:
         if len(self._workers) != 1:
             raise TransferError("only a single-worker engine exports its metadata")
         worker = self._workers[0]
-        return worker.executor.submit(worker.agent.get_agent_metadata).result()
+        return worker.executor.submit(worker.metadata).result()
 
     # ---- peers -------------------------------------------------------------------------------
     async def add_peer(self, agent_name: str, metadata: bytes, regions: list[tuple[int, int]]) -> None:
@@ -189,12 +186,12 @@ class UcxTransport:
                 await self._load_peer(worker, agent_name, metadata)
                 loaded.append(worker)
                 # Wire up now rather than inside the first READ, which would wait for it.
-                connect = worker.call(functools.partial(worker.agent.make_connection, agent_name))
+                connect = worker.call(functools.partial(worker.connect, agent_name))
                 await asyncio.wait_for(connect, self.timeouts.connect)
         except Exception as exc:
             for worker in loaded:
                 with contextlib.suppress(Exception):
-                    await worker.call(functools.partial(worker.agent.remove_remote_agent, agent_name))
+                    await worker.call(functools.partial(worker.forget_peer, agent_name))
             if isinstance(exc, TransferError):
                 raise
             if isinstance(exc, asyncio.TimeoutError):
@@ -204,15 +201,15 @@ class UcxTransport:
 
     async def _load_peer(self, worker: Worker, agent_name: str, metadata: bytes) -> None:
         try:
-            loaded = await worker.call(lambda: worker.agent.add_remote_agent(metadata))
+            loaded = await worker.call(functools.partial(worker.load_peer, metadata))
         except Exception as exc:
             # NIXL says no more than NIXL_ERR_BACKEND: the peer's worker could not be
             # reached with what it published, which is what a dead peer looks like.
             raise PeerLostError(
                 f"cannot load the UCX metadata of {agent_name}: {type(exc).__name__}: {exc}", agent_name
             ) from exc
-        if (loaded.decode() if isinstance(loaded, bytes) else loaded) != agent_name:
-            await worker.call(lambda: worker.agent.remove_remote_agent(loaded))
+        if loaded != agent_name:
+            await worker.call(functools.partial(worker.forget_peer, loaded))
             raise TransferError(f"peer metadata names {loaded!r}, expected {agent_name!r}")
 
     async def remove_peer(self, agent_name: str) -> None:
@@ -221,7 +218,7 @@ class UcxTransport:
             return
         for worker in self._agents():
             try:
-                await worker.call(functools.partial(worker.agent.remove_remote_agent, agent_name))
+                await worker.call(functools.partial(worker.forget_peer, agent_name))
             except Exception as exc:
                 logger.warning("removing peer %s: %s", agent_name, exc)
 
@@ -255,7 +252,8 @@ class UcxTransport:
         busy does not (more, smaller posts then only cost). If the caller is
         cancelled, this still waits for every piece to end (bounded by the same deadline)
         so that no byte lands in pages the caller may hand out again; a piece stops at its
-        parts in flight (`_PART_BYTES`), so that wait is short.
+        parts in flight (`_PART_BYTES`), so that wait is short, and one that does not end
+        is abandoned with its worker's agent (`Worker`). A piece that fails stops the others.
         """
         regions = self._peers.get(peer)
         if regions is None:
@@ -272,6 +270,13 @@ class UcxTransport:
             loop.run_in_executor(worker.executor, worker.read_blocking, peer, local, remote, kind, deadline, stop)
             for worker, (local, remote) in zip(self._pick_workers(), split(plan, min(pieces, len(self._workers))))
         ]
+
+        def stop_on_failure(piece: asyncio.Future[float]) -> None:  # the READ has failed: the others stop
+            if not piece.cancelled() and piece.exception() is not None:
+                stop.set()
+
+        for fut in futs:
+            fut.add_done_callback(stop_on_failure)
         try:
             results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
         except asyncio.CancelledError:
@@ -319,7 +324,7 @@ class UcxTransport:
         def send() -> None:
             for peer, message in sendable:
                 try:
-                    worker.agent.send_notif(peer, message)
+                    worker.send_notif(peer, message)
                 except Exception as exc:
                     logger.info("notification to %s: %s", peer, exc)
 
@@ -346,7 +351,7 @@ class UcxTransport:
             return
         worker = self._sender
         try:
-            worker.executor.submit(quietly, worker.agent.get_new_notifs)
+            worker.executor.submit(quietly, worker.get_new_notifs)
         except RuntimeError:  # its thread was shut down (the interpreter is exiting): nothing to drive
             self._driving = False
             return
@@ -366,7 +371,7 @@ class UcxTransport:
         """Drive the UCX worker once (a target must, for wire-up and emulated GETs); returns
         the notifications that arrived, by sender."""
         worker = self._workers[0]
-        arrived: dict[str, list[bytes]] = await worker.call(worker.agent.get_new_notifs)
+        arrived = await worker.call(worker.get_new_notifs)
         return arrived if self.notify_faults is None else self.notify_faults.filter(arrived)
 
     async def drain_notifications(self) -> None:
@@ -384,10 +389,7 @@ class UcxTransport:
         self._closed = True
         for name in list(self._peers):
             await self.remove_peer(name)
-        for worker, descs in self._registrations:
-            try:
-                await worker.call(functools.partial(worker.agent.deregister_memory, descs))
-            except Exception as exc:
-                logger.warning("deregistering memory: %s", exc)
+        for worker in self._workers:
+            await worker.call(worker.deregister_all)
         for worker in self._agents():
             worker.executor.shutdown(wait=True)

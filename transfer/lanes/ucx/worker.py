@@ -4,9 +4,12 @@ into the parts it posts."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,96 +31,232 @@ _POLL_SLEEP_S = (0.0, 0.0001)
 
 
 class Worker:
-    """One NIXL agent and the one thread allowed to call it. `timeouts`: its `read_stall`
-    counts a peer lost, its `late_read` bounds the wait for a READ abandoned at its deadline."""
+    """One NIXL agent and the one thread allowed to call it (every method below runs there).
+
+    A READ part that ends other than DONE may still be live in UCX, whatever NIXL's release
+    says: UCX cannot cancel a GET, and over TCP the answer to one sent before a link cut
+    arrives once the link is back, to be copied into the part's destination on this agent's
+    next progress (pages its fetch's caller has long handed out again). So such a READ ends
+    only once its agent is destroyed (`_drop`), with its UCX worker, endpoints and sockets.
+    The next call makes a new agent, registers the same memory and loads each peer again on
+    its first use, save the peer of a READ abandoned as lost (`read_stall`): that one is
+    refused until the transport connects it anew. `timeouts`: its `read_stall` counts a peer
+    lost."""
 
     def __init__(self, nixl: ModuleType, name: str, timeouts: Timeouts) -> None:
         self.name = name
-        self.read_stall, self.late_read = timeouts.read_stall, timeouts.late_read
+        self.read_stall = timeouts.read_stall
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-{name}")
-        self.agent: Any = self.executor.submit(_agent, nixl, name).result()
+        self.drops = 0  # agents destroyed under an abandoned READ
+        self._nixl = nixl
+        self._agent: Any = None
+        self._groups: list[list[Any]] = []  # tensors registered, for a new agent
+        self._registrations: list[Any] = []  # the current agent's
+        self._metadata: dict[str, bytes] = {}  # the peers loaded, for a new agent
+        self._loaded: set[str] = set()  # peers the current agent holds
+        self._lost: set[str] = set()  # peers of an abandoned READ, until loaded anew
+        self.executor.submit(self._current).result()
 
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
+    # ---- what the agent holds (each on this thread) -------------------------------------------
+    def register(self, tensors: list[Any]) -> None:
+        self._registrations.append(self._current().register_memory(tensors))
+        self._groups.append(tensors)
+
+    def deregister_all(self) -> None:
+        for descs in self._registrations if self._agent is not None else []:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception as exc:
+                logger.warning("%s: deregistering memory: %s", self.name, exc)
+        self._registrations.clear()
+        self._groups.clear()
+
+    def metadata(self) -> bytes:
+        return bytes(self._current().get_agent_metadata())
+
+    def load_peer(self, metadata: bytes) -> str:
+        """Load a peer's connection blob and keys; the agent name it gives."""
+        loaded = self._current().add_remote_agent(metadata)
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._metadata[name] = metadata
+        self._loaded.add(name)
+        self._lost.discard(name)
+        return name
+
+    def connect(self, peer: str) -> None:
+        self._agent_for(peer).make_connection(peer)
+
+    def forget_peer(self, name: str) -> None:
+        if name in self._loaded:
+            self._loaded.discard(name)
+            self._agent.remove_remote_agent(name)
+        self._metadata.pop(name, None)
+        self._lost.discard(name)
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self._agent_for(peer).send_notif(peer, message)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        notifs: dict[str, list[bytes]] = self._current().get_new_notifs()
+        return notifs
+
+    def _current(self) -> Any:
+        """The agent, made anew (its memory registered again) after `_drop`."""
+        if self._agent is None:
+            try:
+                agent = _agent(self._nixl, self.name)
+                self._registrations = [agent.register_memory(group) for group in self._groups]
+            except Exception as exc:
+                raise TransferError(f"{self.name}: a UCX agent could not be made: {exc}") from exc
+            self._agent = agent
+        return self._agent
+
+    def _agent_for(self, peer: str) -> Any:
+        """The agent, holding `peer`: loaded again into a new agent on its first use."""
+        agent = self._current()
+        if peer in self._loaded:
+            return agent
+        if peer in self._lost:
+            raise PeerLostError(f"{peer}: a READ from it was abandoned with its UCX agent: connect again", peer)
+        metadata = self._metadata.get(peer)
+        if metadata is None:
+            raise PeerLostError(f"{self.name} holds no connection to {peer}", peer)
+        agent.add_remote_agent(metadata)
+        agent.make_connection(peer)
+        self._loaded.add(peer)
+        return agent
+
+    def _drop(self, peer: str, lost: bool) -> None:
+        """Destroy the agent, abandoning what it has in flight: no byte of it lands later.
+        `lost`: `peer` made no end (a cut link, most likely): it is not loaded again, since
+        loading waits for its TCP connect, on this thread, until the transport connects it anew."""
+        agent, self._agent = self._agent, None
+        self._registrations, self._loaded = [], set()
+        if lost:
+            self._lost.add(peer)
+        self.drops += 1
+        t0 = time.perf_counter()
+        core = getattr(agent, "agent", None)  # NIXL's C++ agent, under its Python one
+        del agent
+        if core is not None and sys.getrefcount(core) > 2:
+            gc.collect()  # a cycle may still hold a transfer handle, which holds the agent
+        held = sys.getrefcount(core) - 2 if core is not None else 0
+        del core  # destroyed here unless still held
+        if held > 0:
+            logger.error("%s: an abandoned UCX agent is still held (%d): its READs may land", self.name, held)
+        took_ms = (time.perf_counter() - t0) * 1e3
+        logger.warning("%s: UCX agent dropped, a READ from %s unfinished (%.1f ms)", self.name, peer, took_ms)
+
+    # ---- READs ---------------------------------------------------------------------------------
     def read_blocking(
         self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: Deadline, stop: threading.Event
     ) -> float:
         """Run a READ on this worker's thread in parts of at most `_PART_BYTES`, `_PARTS_IN_FLIGHT`
-        posted at a time; returns its duration. Once `stop` is set no further part is posted:
-        a cancelled fetch ends after the parts in flight, not after the whole room. Whatever
-        ends it, it returns or raises only once no part of it is still in flight."""
+        posted at a time; returns its duration. Once `stop` is set no further part is posted,
+        and the parts in flight get `_STOP_GRACE_S` to end: a cancelled fetch ends after them,
+        not after the whole room. Whatever ends it, it returns or raises only once no part of
+        it can land any more: a part that did not end DONE is abandoned with the agent."""
         t0 = time.perf_counter()
+        try:
+            self._read_parts(peer, local, remote, mem, deadline, stop)
+        except _Abandoned as abandoned:
+            error = abandoned.error
+            # Their frames hold the parts' handles, which hold the agent: `_drop` must free it.
+            traceback.clear_frames(abandoned.__traceback__)
+            traceback.clear_frames(error.__traceback__)
+        else:
+            return time.perf_counter() - t0
+        # Out of the except block, whose exception would still hold the agent.
+        self._drop(peer, lost=isinstance(error, PeerLostError))
+        raise error
+
+    def _read_parts(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: Deadline, stop: threading.Event
+    ) -> None:
+        agent = self._agent_for(peer)
         posted: deque[Any] = deque()
+        whole = True  # every part posted: a stop came after the last one, if at all
         try:
             for part_local, part_remote in bounded(local, remote, _PART_BYTES, _PART_ROWS):
                 if stop.is_set():
-                    raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
+                    whole = False
+                    break
                 if len(posted) == _PARTS_IN_FLIGHT:
-                    self._finish(peer, posted.popleft(), deadline)
-                posted.append(self._post(peer, part_local, part_remote, mem))
-            while posted:
-                self._finish(peer, posted.popleft(), deadline)
-        finally:
-            for handle in posted:  # after a failure: waited for (bounded), then released
-                self._release(self.agent, handle, peer, "PROC")
-        return time.perf_counter() - t0
-
-    def _post(self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str) -> Any:
-        """Post one part; its handle (released by `_finish`, or by the caller on a failure)."""
-        agent = self.agent
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
-        )
-        try:
-            if agent.transfer(handle) == "ERR":
-                raise TransferError(f"READ from {peer} could not be posted")
-        except BaseException:
-            self._release(agent, handle, peer, "PROC")
+                    _finish(agent, peer, posted.popleft(), deadline, stop, self.read_stall)
+                posted.append(_post(agent, peer, part_local, part_remote, mem))
+            while posted:  # after a stop, within its grace
+                _finish(agent, peer, posted.popleft(), deadline, stop, self.read_stall)
+        except _Abandoned:
+            _release_all(posted)
             raise
-        return handle
+        except BaseException as exc:
+            if posted:  # parts still in flight behind a failure: they go with the agent
+                _release_all(posted)
+                raise _Abandoned(exc) from None
+            raise
+        if not whole:
+            raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
 
-    def _finish(self, peer: str, handle: Any, deadline: Deadline) -> None:
-        """Wait for a posted part to end (a stall of `read_stall` from now counts the peer
-        lost), then release it."""
-        agent, state = self.agent, "PROC"
-        stalled = Deadline.after(self.read_stall)
-        try:
-            sleep = _POLL_SLEEP_S[0]
-            while (state := agent.check_xfer_state(handle)) == "PROC":
-                if deadline.passed:
-                    raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
-                if stalled.passed:
-                    raise PeerLostError(f"READ from {peer}: a part of it made no end in {self.read_stall:g}s", peer)
-                time.sleep(sleep)
-                sleep = _POLL_SLEEP_S[1]
-            if state != "DONE":
-                raise TransferError(f"READ from {peer} ended in state {state}")
-        finally:
-            self._release(agent, handle, peer, state)
 
-    def _release(self, agent: Any, handle: Any, peer: str, state: str) -> None:
-        """Release a transfer handle; one still in flight is first waited for (`late_read`).
+class _Abandoned(Exception):
+    """A READ with a part that did not end DONE: `error` is raised once its agent is dropped."""
 
-        A READ abandoned at its deadline could otherwise land later, in destination pages
-        that the failed fetch's caller has handed to another request.
-        """
-        try:
-            handle.release()
-            return
-        except Exception as exc:  # an in-flight handle may refuse
-            logger.warning("transfer to %s still in flight (%s): waiting for it before release", peer, exc)
-        late = Deadline.after(self.late_read)
-        while state == "PROC" and not late.passed:
-            time.sleep(_POLL_SLEEP_S[1])
-            try:
-                state = agent.check_xfer_state(handle)
-            except Exception:
-                break
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _post(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray, mem: str) -> Any:
+    """Post one part; its handle, released by `_finish` (or with the others on a failure)."""
+    handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer)
+    try:
+        state = agent.transfer(handle)
+    except BaseException as exc:
+        _release_all([handle])
+        raise _Abandoned(exc) from None  # some of its requests may have gone out
+    if state == "ERR":
+        _release_all([handle])
+        raise _Abandoned(TransferError(f"READ from {peer} could not be posted"))
+    return handle
+
+
+def _finish(agent: Any, peer: str, handle: Any, deadline: Deadline, stop: threading.Event, read_stall: float) -> None:
+    """Wait for a posted part to end DONE, then release it. A stall of `read_stall` counts the
+    peer lost; the deadline, a stop's grace or any other end abandons it (`_Abandoned`)."""
+    stalled, grace = Deadline.after(read_stall), None
+    sleep = _POLL_SLEEP_S[0]
+    try:
+        while (state := agent.check_xfer_state(handle)) == "PROC":
+            if deadline.passed:
+                raise DeadlineExceeded(f"READ from {peer} still running at its deadline")
+            if stalled.passed:
+                raise PeerLostError(f"READ from {peer}: a part of it made no end in {read_stall:g}s", peer)
+            if stop.is_set():
+                grace = grace or Deadline.after(_STOP_GRACE_S)
+                if grace.passed:
+                    raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
+            time.sleep(sleep)
+            sleep = _POLL_SLEEP_S[1]
+    except BaseException as exc:
+        _release_all([handle])
+        raise _Abandoned(exc) from None
+    _release_all([handle])
+    if state != "DONE":
+        raise _Abandoned(TransferError(f"READ from {peer} ended in state {state}"))
+
+
+def _release_all(handles: Any) -> None:
+    """Release transfer handles; one NIXL refuses (in flight) is left to its agent's drop."""
+    for handle in handles:
         try:
             handle.release()
         except Exception as exc:
-            logger.error("a READ from %s could not be stopped or released: %s", peer, exc)
+            logger.debug("a READ part still in flight at release (%s): it goes with its agent", exc)
+    if isinstance(handles, deque):
+        handles.clear()
 
 
 def _agent(nixl: ModuleType, name: str) -> Any:
@@ -139,6 +278,9 @@ _PART_BYTES = 32 << 20
 # too, so that a cancelled fetch of tiny (one-token) pages stops as soon as one of large pages.
 _PART_ROWS = 4096
 _PARTS_IN_FLIGHT = 2
+# A stopped READ's parts in flight may end DONE for this long (on a live link, milliseconds);
+# then they are abandoned with the agent, which costs only reconnecting its peers on next use.
+_STOP_GRACE_S = 0.5
 
 
 def bounded(
