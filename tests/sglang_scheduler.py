@@ -175,6 +175,9 @@ class Role:
     netns: str | None = None  # the network namespace (tests/netns.py's host) it runs in
     drafts: int = 0  # a draft model's (MTP) layers: a DSA draft pool on each rank, as SGLang's MTP keeps
     bootstrap: str | None = None  # SGLang's bootstrap server, where `registry` is elsewhere (etcd)
+    # A decode's pace of asking after a prefill it does not know yet (SGLang's prealloc queue,
+    # `_ensure_retry_interval`, 1 s): slowed, a test acts while a first room waits for `init`.
+    ensure_retry_s: float | None = None
 
     @property
     def bootstrap_port(self) -> int:
@@ -681,6 +684,7 @@ def _prefill_stats(s: Any) -> dict[str, Any]:
         "pinned_pages": rooms.pinned_pages,
         "rooms": sorted(rooms._live),
         "parts": parts,
+        "claims": {room: len(r.open_claims) for room, r in rooms._live.items()},  # granted, not released
     }
 
 
@@ -711,6 +715,8 @@ def scheduler_main(role: Role, inbox: Any, outbox: Any) -> None:
         s = _scheduler(role, server_args, tp_group, cp_group)
         if role.pp_size > 1:
             s.harness_pool = _ByModelLayer(s.harness_pool)
+        if role.ensure_retry_s is not None and role.mode == "decode":
+            s.disagg_decode_prealloc_queue._ensure_retry_interval = role.ensure_retry_s
         group = cp_group if role.mode == "prefill" else tp_group
         prefill = role.mode == "prefill"
         mgr = s.disagg_prefill_bootstrap_queue.kv_manager if prefill else s.disagg_decode_prealloc_queue.kv_manager

@@ -390,6 +390,11 @@ class SyncFetcher:
         read = _read_claimed(claim, _own(dst_pages), timeout, landing, skip)
         return FetchHandle(self._bg.submit(read), landing)
 
+    def watch(self, lease: RoomLease) -> Handle[None]:
+        """Start `RoomLease.until_aborted` (a claim held ahead, unread: it fails once an owner
+        aborts the room or is lost); returns at once. Cancel it as the read starts."""
+        return Handle(self._bg.submit(lease.until_aborted()))
+
     def describe(self, engine_id: str, *, timeout: float | None = None) -> Handle[dict[int, RankDescriptor]]:
         """Start `DecodeFetcher.describe` (the engine's ranks); returns a handle at once."""
         return Handle(self._bg.submit(self.fetcher.describe(engine_id, timeout=timeout)))

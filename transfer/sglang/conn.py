@@ -127,7 +127,7 @@ class PdkvKVManager(BaseKVManager):
         self.dp_size = _prefill_dp_size(server_args) if self.is_prefill else 1
         # decode: what SGLang's prealloc queue routes by (`try_ensure_parallel_info`), by bootstrap address
         self.prefill_info_table: dict[str, PrefillInfo] = {}
-        self._describing: dict[str, Handle[dict[int, RankDescriptor]]] = {}
+        self._infos: dict[str, concurrent.futures.Future[PrefillInfo]] = {}  # by bootstrap address
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdkv-sglang-start")
         self.exporters: dict[str, SyncExporter] = {}  # none on a prefill's TP ranks but the first
         if self.is_prefill and self.topology.exports:
@@ -197,27 +197,57 @@ class PdkvKVManager(BaseKVManager):
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Whether the prefill behind `bootstrap_addr` is known (its DP size, which SGLang's
         decode routes a room by: engine dp<room % size>). Never blocks: the first call starts
-        a lookup of its engine dp0 on pdkv's thread and says False until it has answered
-        (SGLang asks again each second, and gives its requests up after 15 tries)."""
+        `prefill_info` and says False until it has answered (SGLang asks again each second,
+        and gives its requests up after 15 tries); one that failed is started anew."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        asked = self._describing.get(bootstrap_addr)  # only the scheduler's thread writes it
-        if asked is None:
-            started = self.fetcher(bootstrap_addr)
-            if started.done() and started.exception() is None:
-                self._describing[bootstrap_addr] = started.result().describe("dp0")
-            elif started.done():
-                logger.warning("pdkv cannot reach the prefill at %s: %s", bootstrap_addr, started.exception())
+        info = self.prefill_info(bootstrap_addr)
+        if not info.done():
             return False
-        if asked.poll() is HandleStatus.PENDING:
+        if (error := info.exception()) is not None:
+            with self._lock:
+                if self._infos.get(bootstrap_addr) is info:
+                    del self._infos[bootstrap_addr]  # asked again at SGLang's next try
+            logger.warning("pdkv: the prefill at %s is not known yet: %s", bootstrap_addr, error)
             return False
-        del self._describing[bootstrap_addr]
-        if asked.poll() is HandleStatus.FAILED:
-            logger.warning("pdkv: the prefill at %s is not known yet: %s", bootstrap_addr, asked.exception())
-            return False
-        ranks = asked.result()
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(dp_size=ranks[min(ranks)].group_size)
+        self.prefill_info_table[bootstrap_addr] = info.result()
         return True
+
+    def prefill_info(self, bootstrap_addr: str) -> concurrent.futures.Future[PrefillInfo]:
+        """The prefill behind `bootstrap_addr` as SGLang routes to it, looked up once: its
+        fetcher started, then its engine dp0 described, each step on pdkv's threads as soon as
+        the one before has ended. Not at SGLang's next ask (a second later): a receiver made
+        before the prefill was known starts its room from it (`PdkvKVReceiver.poll`), so an
+        abort from either side reaches the other side then, not a second or more later."""
+        with self._lock:
+            info = self._infos.get(bootstrap_addr)
+            if info is not None:
+                return info
+            info = self._infos[bootstrap_addr] = concurrent.futures.Future()
+        self.fetcher(bootstrap_addr).add_done_callback(functools.partial(self._describe, info))
+        return info
+
+    @staticmethod
+    def _describe(
+        info: concurrent.futures.Future[PrefillInfo], started: concurrent.futures.Future[SyncFetcher]
+    ) -> None:
+        if (error := started.exception()) is not None:
+            info.set_exception(error)
+            return
+        try:
+            described = started.result().describe("dp0")
+        except PdkvError as exc:  # the fetcher closed meanwhile
+            info.set_exception(exc)
+            return
+
+        def answered(handle: Handle[dict[int, RankDescriptor]]) -> None:
+            if (error := handle.exception()) is not None:
+                info.set_exception(error)
+                return
+            ranks = handle.result()
+            info.set_result(PrefillInfo(dp_size=ranks[min(ranks)].group_size))
+
+        described.on_done(answered)
 
     def fetcher(self, bootstrap_addr: str, part: str = "") -> concurrent.futures.Future[SyncFetcher]:
         """The fetcher of `part` for the prefill behind `bootstrap_addr`, started off the scheduler."""
@@ -440,14 +470,17 @@ class PdkvKVSender(BaseKVSender):
 
 
 class _Part:
-    """One fetch of a receiver's room: the target's layers, or the draft's. The room is
-    claimed ahead, as soon as the fetcher is up (`claim_ahead`): by `send_metadata` the
-    claims are usually held, and the read costs no claim round trip."""
+    """One fetch of a receiver's room from one engine (`engine`: its id with the part's
+    suffix): the target's layers, or the draft's. The room is claimed ahead, as soon as the
+    fetcher is up (`claim_ahead`): by `send_metadata` the claims are usually held, and the
+    read costs no claim round trip. Once `stopped`, it claims nothing more."""
 
-    def __init__(self, suffix: str, fetcher: concurrent.futures.Future[SyncFetcher]) -> None:
-        self.suffix, self.fetcher = suffix, fetcher
+    def __init__(self, suffix: str, engine: str, fetcher: concurrent.futures.Future[SyncFetcher]) -> None:
+        self.suffix, self.engine, self.fetcher = suffix, engine, fetcher
         self.claim: Handle[RoomLease] | None = None
         self.fetch: Handle[FetchResult] | None = None
+        self.watch: Handle[None] | None = None  # the claim held, unread: its room's abort (`SyncFetcher.watch`)
+        self.stopped = False
         self._lock = threading.Lock()  # the fetcher's starter thread and the scheduler's race to claim
 
     @property
@@ -455,18 +488,32 @@ class _Part:
         done = self.fetcher.done() and self.fetcher.exception() is None
         return self.fetcher.result() if done else None
 
-    def claim_ahead(self, engine_id: str, room: int, readers: int) -> Handle[RoomLease] | None:
-        """Start the claim once (the fetcher must be up); the claim, or None if it is not."""
+    def claim_ahead(self, room: int, readers: int) -> Handle[RoomLease] | None:
+        """Start the claim once (the fetcher must be up, the part not stopped); the claim, or None."""
         with self._lock:
             fetcher = self.started
-            if self.claim is None and fetcher is not None:
-                self.claim = fetcher.claim(engine_id, room, readers=readers)
+            if self.claim is None and fetcher is not None and not self.stopped:
+                self.claim = fetcher.claim(self.engine, room, readers=readers)
+            return self.claim
+
+    def stop(self) -> Handle[RoomLease] | None:
+        """Claim nothing more; the claim made already, if any."""
+        with self._lock:
+            self.stopped = True
             return self.claim
 
 
 class PdkvKVReceiver(BaseKVReceiver):
     """A decode request: reads its room from every CP owner into its own pages (and the
-    draft's layers from the draft's engine, where this decode serves MTP)."""
+    draft's layers from the draft's engine, where this decode serves MTP).
+
+    SGLang names the room's engine at `init`, which waits (`pending_reqs`) until its
+    prefill is known: on a decode's first rooms to a prefill, a second or more, at SGLang's
+    pace (`try_ensure_parallel_info`). Meanwhile the receiver starts the room by itself on
+    the engine SGLang routes it to (dp<room % DP size>) as soon as pdkv knows the prefill,
+    so that an abort from either side is heard then: the prefill's, by its claim; its own,
+    by the give-up. It says Bootstrapping until `init` confirms the engine (a different one,
+    named by the request, gives that start up and starts again there)."""
 
     def __init__(self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
@@ -474,16 +521,42 @@ class PdkvKVReceiver(BaseKVReceiver):
         self._outcome = _Outcome(lambda: {"room": self.room, "engine": self._engine})
         self._parts: list[_Part] = []
         self._engine = "dp0"
+        self._inited = False  # SGLang named the engine (`init`), not only the room's routing
         self._aux_index: int | None = None
         self._nbytes: int | None = None
         self._aborted: BaseException | None = None  # the room is given up: Failed with this once its reads ended
         self._failed: BaseException | None = None  # the first part's failure (the others' is their cancel)
 
     def init(self, prefill_dp_rank: int) -> None:
-        self._engine = f"dp{int(prefill_dp_rank or 0)}"
-        self._parts = [_Part(part, self.kv_mgr.fetcher(self.bootstrap_addr, part)) for part in self.kv_mgr.parts]
+        engine, self._inited = f"dp{int(prefill_dp_rank or 0)}", True
+        if self._parts and engine == self._engine:
+            return  # started by the room already, on this engine
+        if self._parts and self._aborted is None:  # started on another: given up there, unread
+            self._stop_parts()
+        if self._aborted is not None and self._parts_given_up(engine):
+            return  # aborted before: given up on this engine already (`_give_up_by_route`)
+        self._start(engine)
+        if self._aborted is not None:  # aborted before SGLang named this engine: given up there too
+            self._stop_parts()
+
+    def _start(self, engine: str) -> None:
+        self._engine = engine
+        mgr = self.kv_mgr
+        self._parts = [_Part(part, engine + part, mgr.fetcher(self.bootstrap_addr, part)) for part in mgr.parts]
         for part in self._parts:
             part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._claim_ahead, part)))
+
+    def _routed_engine(self) -> str | None:
+        """The engine SGLang routes the room to (dp<room % DP size>) once pdkv knows the
+        prefill (`PdkvKVManager.prefill_info`, started if it was not), else None."""
+        info = self.kv_mgr.prefill_info(self.bootstrap_addr)
+        if not info.done() or info.exception() is not None:
+            return None
+        return f"dp{self.room % info.result().dp_size}"
+
+    def _parts_given_up(self, engine: str) -> bool:
+        """Whether an abort before `init` gave the room up on `engine` (`_give_up_by_route`)."""
+        return self._routed_engine() == engine
 
     @property
     def _readers(self) -> int:
@@ -493,7 +566,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         if self._aborted is not None:
             return None
         try:
-            return part.claim_ahead(self._engine + part.suffix, self.room, self._readers)
+            return part.claim_ahead(self.room, self._readers)
         except PdkvError as exc:  # the fetcher closed meanwhile: send_metadata fails instead
             logger.info("room %d: no claim ahead: %s", self.room, exc)
             return None
@@ -512,6 +585,9 @@ class PdkvKVReceiver(BaseKVReceiver):
         if any(p.fetch is not None for p in self._parts):
             logger.warning("room %d: send_metadata again while its pages are read: ignored", self.room)
             return
+        if not self._inited:
+            self._end(TransferError("send_metadata before init (SGLang names the room's engine there)"))
+            return
         try:
             skip = self._prefix_pages(int(decode_prefix_len or 0))
             if str(getattr(destination, "value", destination)) != "device":  # SGLang asks only if supported
@@ -522,6 +598,9 @@ class PdkvKVReceiver(BaseKVReceiver):
             self._aux_index = aux_index
             self._outcome.started = time.monotonic()
             pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+            for part in self._parts:
+                if part.watch is not None:
+                    part.watch.cancel()  # the read hears an abort itself
             for part, fetcher in zip(self._parts, fetchers):
                 assert fetcher is not None
                 claim = self._claim_ahead(part)
@@ -550,6 +629,8 @@ class PdkvKVReceiver(BaseKVReceiver):
             if any(f.poll() is HandleStatus.PENDING for f in fetches):
                 return KVPoll.Transferring  # its READs and kernels are still ending
             return self._outcome.fail(self._aborted)
+        if not self._parts and (engine := self._routed_engine()) is not None:
+            self._start(engine)  # before SGLang's `init`: an abort from either side is heard from now on
         if not self._parts:
             return KVPoll.Bootstrapping
         if not fetches:
@@ -582,11 +663,23 @@ class PdkvKVReceiver(BaseKVReceiver):
             status = HandleStatus.PENDING if claim is None else claim.poll()
             if claim is not None and status is HandleStatus.FAILED:  # nothing read: no wait
                 return self._end(claim.exception() or TransferError("claim failed"))
+            if claim is not None and status is HandleStatus.DONE and (aborted := self._watched(part, claim)):
+                return self._end(aborted)  # the prefill aborted the room (or was lost) before it was read
             waiting = waiting or status is HandleStatus.PENDING
-        if waiting:  # bootstrapped once the room is claimed: a read then asks nobody
+        if waiting or not self._inited:  # bootstrapped once the room is claimed: a read then asks nobody
             return KVPoll.Bootstrapping
         self._outcome.state = KVPoll.WaitingForInput
         return self._outcome.state
+
+    def _watched(self, part: _Part, claim: Handle[RoomLease]) -> BaseException | None:
+        """Watch a held claim's room until it is read (started once): its abort, or a lost owner."""
+        fetcher = part.started
+        if part.watch is None and fetcher is not None:
+            try:
+                part.watch = fetcher.watch(claim.result())
+            except PdkvError as exc:  # the fetcher closed meanwhile
+                return exc
+        return None if part.watch is None else part.watch.exception()
 
     def _end(self, error: BaseException) -> int:
         """The room cannot be read: every part stops and gives it up, as `abort` does; Failed
@@ -624,20 +717,39 @@ class PdkvKVReceiver(BaseKVReceiver):
 
     def abort(self) -> None:
         """Stop the fetches and free the room on its prefill. `poll()` says Failed only once
-        every READ and kernel of them has ended: SGLang reuses the pages at once then."""
+        every READ and kernel of them has ended: SGLang reuses the pages at once then. Before
+        the room was started (its prefill not known yet), it is given up on the engine SGLang
+        routes it to as soon as pdkv knows the prefill (`_give_up_by_route`)."""
         if self._aborted is not None or self._outcome.state in (KVPoll.Success, KVPoll.Failed):
             return
         self._aborted = RoomAbortedError(f"room {self.room} aborted by its decode")
+        if not self._parts:
+            self.kv_mgr.prefill_info(self.bootstrap_addr).add_done_callback(self._give_up_by_route)
         self._stop_parts()
+
+    def _give_up_by_route(self, info: concurrent.futures.Future[PrefillInfo]) -> None:
+        """The room aborted before it was started: every part's owners on the engine SGLang
+        routes it to free it now, or refuse it when it is published (on pdkv's threads)."""
+        if (error := info.exception()) is not None:
+            logger.info("room %d: its prefill is not known, so not told of the abort: %s", self.room, error)
+            return
+        engine = f"dp{self.room % info.result().dp_size}"
+        for suffix in self.kv_mgr.parts:
+            part = _Part(suffix, engine + suffix, self.kv_mgr.fetcher(self.bootstrap_addr, suffix))
+            part.stop()
+            part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._give_up_room, part)))
 
     def _stop_parts(self) -> None:
         for part in self._parts:
+            claim = part.stop()
+            if part.watch is not None:
+                part.watch.cancel()
             if part.fetch is not None:
                 part.fetch.cancel()  # it gives up its claims on the owners it asked
                 part.fetch.on_done(functools.partial(self._give_up_if_unread, part))
-            elif part.claim is not None:  # claimed ahead, nothing read: give the claim up
-                part.claim.cancel()
-                part.claim.on_done(functools.partial(self._give_up_claim, part))
+            elif claim is not None:  # claimed ahead, nothing read: give the claim up
+                claim.cancel()
+                claim.on_done(functools.partial(self._give_up_claim, part))
             else:
                 part.fetcher.add_done_callback(_ignoring_future(functools.partial(self._give_up_room, part)))
 
@@ -659,7 +771,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         if fetcher is None:
             return
         try:
-            fetcher.give_up_room(self._engine + part.suffix, self.room)
+            fetcher.give_up_room(part.engine, self.room)
         except PdkvError as exc:  # closed meanwhile: the room's pin expires instead
             logger.info("room %d: the prefill could not be told of the abort: %s", self.room, exc)
 
