@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -71,7 +73,7 @@ class FirstRooms:
         self.decodes[decode].send("req", rid, room, 150, self.host, self.port, False)
         return time.time()
 
-    def stats(self) -> list[dict]:
+    def stats(self) -> list[dict[str, Any]]:
         self.prefill.send("stats")
         return [self.prefill.wait("stats", timeout=30)[2] for _ in range(2)]  # each CP rank's exporter
 
@@ -89,7 +91,7 @@ class FirstRooms:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster() -> Iterator[FirstRooms]:
     with (
         secret_for_children("first-room-test-secret"),
         bootstrap_server() as registry,
@@ -111,7 +113,7 @@ def _decode_abort_fails_both_senders(cluster: FirstRooms, decode: str, rid: str,
     assert cluster.decodes[decode].wait("streamed", rid, timeout=30)[3] == "FINISH_ABORT"
 
 
-def test_a_decode_abort_before_the_decode_knows_the_prefill(cluster):
+def test_a_decode_abort_before_the_decode_knows_the_prefill(cluster: FirstRooms) -> None:
     """The decode aborts its first room at once: its manager has not looked the prefill up
     yet (nor SGLang called `init`). The room is given up on the engine SGLang routes it to
     as soon as the prefill is known: each sender Failed within 1 s, no pin left."""
@@ -120,7 +122,7 @@ def test_a_decode_abort_before_the_decode_knows_the_prefill(cluster):
     _decode_abort_fails_both_senders(cluster, "now", "first-decode-abort", 5001)
 
 
-def test_a_decode_abort_while_its_first_room_waits_for_init(cluster):
+def test_a_decode_abort_while_its_first_room_waits_for_init(cluster: FirstRooms) -> None:
     """The decode has claimed its first room by itself (SGLang's `init` still seconds away)
     and aborts it: the claim is given up, each sender Failed within 1 s, no pin left."""
     cluster.submit("slow", "claimed-decode-abort", 5101)
@@ -128,7 +130,7 @@ def test_a_decode_abort_while_its_first_room_waits_for_init(cluster):
     _decode_abort_fails_both_senders(cluster, "slow", "claimed-decode-abort", 5101)
 
 
-def test_a_prefill_abort_while_the_decodes_first_room_waits_for_init(cluster):
+def test_a_prefill_abort_while_the_decodes_first_room_waits_for_init(cluster: FirstRooms) -> None:
     """The prefill aborts a first room that its decode has claimed, before SGLang's `init`:
     the decode hears it on its readiness stream (its claim is watched while unread) and
     SGLang's prealloc queue aborts the request within the prefill-abort bound."""
