@@ -5,9 +5,9 @@ allocators) and the decode in this process (fragmented destination pages). For e
 request size: the prefill writes the room, then in turn (a) raw NIXL READs of exactly the
 descriptor list pdkv builds, posted per owner from one thread, (b) pdkv's fetch with the
 room's ticket (all owners at once, then a pin word READ per owner that carries the
-release; `--claims`: a claim and a release over HTTP per owner instead), and (c) an
-in-process copy of the same pages between two pools (the limit). Medians over --runs
-after a warm-up; prints a table.
+release; `--claims`: a claim per owner over HTTP first: `scripts/bench_claims.py` compares
+the two), and (c) an in-process copy of the same pages between two pools (the limit).
+Medians over --runs after a warm-up; prints a table.
 
 `--engine-buffers`: then, in the same
 call, owners whose KV lies in buffers of their own as SGLang's DSA pools allocate it (CP=4
@@ -548,7 +548,9 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
-        "--claims", action="store_true", help="fetch by claims and releases over HTTP instead of the rooms' tickets"
+        "--claims",
+        action="store_true",
+        help="fetch by claims (a claim per owner over HTTP) instead of the rooms' tickets",
     )
     ap.add_argument("--prefill-device", default="", help="the owners' device: cuda (one GPU a rank), cuda:N")
     ap.add_argument("--decode-device", default="", help="the decode pool's device (default --device)")

@@ -1,0 +1,152 @@
+"""A fetch by claims against one by ticket: what a decode without a router pays (issue 44).
+
+DSA-shaped layout, one prefill engine of CP=4 (four processes) and the decode in this
+process, as `scripts/bench_fetch.py`. For each size and run, two rooms are prefilled, then
+one is fetched with its ticket and the other by claims (no ticket, nothing claimed ahead),
+in alternating order, so that both meet the same load. Each control request the claims
+fetch makes is timed where the decode sends it: the table gives the p50 of each path,
+the median of the paired differences (claims minus ticket, run by run), the control
+requests a claims fetch makes, and how long its requests took: from the fetch's call to
+its first request's answer (the arbiter's claim), to its last claim's answer, and the
+control requests still in flight after that (releases, polls). Medians over --runs after
+a warm-up.
+
+    .venv/bin/python scripts/bench_claims.py [--sizes 64,1024,8192,32768] [--runs 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+from pdkv import DSAKVPool, dsa_v32  # noqa: E402
+from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
+from transfer.app.options import HelpFormatter  # noqa: E402
+from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
+from transfer.app.synthetic import fragmented_allocator  # noqa: E402
+from transfer.control import ControlClient  # noqa: E402
+from transfer.decode import DecodeFetcher  # noqa: E402
+
+Sent = tuple[str, float, float]  # (what: claim, release, poll...), sent, answered (perf_counter)
+
+
+def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
+    """Time every control request to an owner's rooms (`/v1/rooms/...`) into `log`; returns the undo."""
+    original = ControlClient.request
+
+    async def timed(self: ControlClient, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        sent = time.perf_counter()
+        try:
+            return await original(self, method, url, *args, **kwargs)
+        finally:
+            if "/v1/rooms/" in url and "/v1/prefill" not in url:
+                tail = url.rsplit("/", 1)[-1].split("?")[0]
+                log.append((tail if tail in ("claim", "release", "abort") else "poll", sent, time.perf_counter()))
+
+    ControlClient.request = timed  # type: ignore[method-assign]
+
+    def undo() -> None:
+        ControlClient.request = original  # type: ignore[method-assign]
+
+    return undo
+
+
+async def bench(args: argparse.Namespace) -> None:
+    pool_tokens = 2 * max(args.sizes) + 4096
+    spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens, device="cpu")
+    pool = DSAKVPool(dsa_v32(size=pool_tokens, device="cpu"))
+    pool.slab.fill_(1)  # first-touch faults are not transfer cost
+    alloc = fragmented_allocator(pool.layout.num_pages, 7)
+    log: list[Sent] = []
+    undo = record_owner_requests(log)
+    rows = []
+    try:
+        async with Deployment(spec) as d, DecodeFetcher(pool, d.registry_url, lane="ucx") as fetcher:
+            engine = d.engines[0]
+
+            async def prefill(room: int, n: int, ticket: bool) -> PrefillReply:
+                ask = PrefillRequest(room=room, num_tokens=n, consumers=1, ticket=ticket)
+                reply = await d.client.request("POST", f"{engine.intake}/v1/prefill", PrefillReply, ask)
+                assert reply is not None
+                return reply
+
+            for n in args.sizes:
+                rows.append((n, await bench_size(fetcher, prefill, alloc, log, n, args.runs)))
+    finally:
+        undo()
+    print_table(rows, args)
+
+
+async def bench_size(
+    fetcher: DecodeFetcher,
+    prefill: Callable[[int, int, bool], Awaitable[PrefillReply]],
+    alloc: Any,
+    log: list[Sent],
+    n: int,
+    runs: int,
+) -> dict[str, list[float]]:
+    s: dict[str, list[float]] = {k: [] for k in ("ticket", "claims", "diff", "msgs", "first", "claimed", "after")}
+    dst = alloc.alloc(max(1, n // 64))
+    try:
+        for i in range(runs + 1):  # the first is a warm-up
+            room = (n << 20) + 2 * i
+            reply = await prefill(room, n, True)
+            await prefill(room + 1, n, False)
+            took: dict[str, float] = {}
+            for mode in ("ticket", "claims") if i % 2 else ("claims", "ticket"):
+                log.clear()
+                t0 = time.perf_counter()
+                if mode == "ticket":
+                    result = await fetcher.fetch("prefill0", room, dst, ticket=reply.ticket)
+                else:
+                    result = await fetcher.fetch("prefill0", room + 1, dst)
+                    claims = [a for what, _, a in log if what == "claim"]
+                    s["msgs"].append(result.control_messages)
+                    s["first"].append(min(a for _, _, a in log) - t0)
+                    s["claimed"].append(max(claims) - t0)
+                    s["after"].append(sum(1 for what, *_ in log if what != "claim"))
+                took[mode] = result.seconds
+            if i:
+                s["ticket"].append(took["ticket"])
+                s["claims"].append(took["claims"])
+                s["diff"].append(took["claims"] - took["ticket"])
+    finally:
+        alloc.free(dst)
+    return s
+
+
+def print_table(rows: list[tuple[int, dict[str, list[float]]]], args: argparse.Namespace) -> None:
+    print(
+        f"DSA layout, CP=4 owners on cpu, decode on cpu, {args.runs} runs after a warm-up, ticket and claims "
+        "fetches alternating; medians (ms)"
+    )
+    head = ("tokens", "ticket p50", "claims p50", "claims-ticket", "ctl msgs", "1st answer", "claims done", "after")
+    print("".join(f"{h:>14}" for h in head))
+    for n, s in rows:
+        med = {k: statistics.median(v) for k, v in s.items()}
+        cells = [f"{n:>14}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("ticket", "claims", "diff")]
+        cells += [f"{med['msgs']:>14.0f}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("first", "claimed")]
+        cells += [f"{med['after']:>14.0f}"]
+        print("".join(cells))
+    print("1st answer / claims done: from the claims fetch's call; after: control requests after the claims")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--runs", type=int, default=15)
+    asyncio.run(bench(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
