@@ -365,6 +365,45 @@ def test_a_forged_slab_length_is_refused_before_any_launch():
     asyncio.run(run())
 
 
+def test_one_owners_read_sends_its_ids_to_the_kernel_and_refuses_a_bad_one_before_any_launch():
+    """`CudaIpcLane.read` (a lone owner's, by claims) builds no plan: ids checked vectorised,
+    both sides, then copied byte for byte through the table kept on the GPU."""
+    from pdkv.errors import PageRangeError
+    from transfer.lanes.cuda_ipc.lane import CudaIpcLane, IpcPeer
+    from transfer.lanes.runs import BufferPair
+
+    gen = torch.Generator().manual_seed(7)
+    items, layers = 48, 3
+    srcs = [torch.randint(0, 256, (items, 1040 * (k + 1)), dtype=torch.uint8, generator=gen).cuda() for k in range(6)]
+    dsts = [torch.full_like(s, 0xAB) for s in srcs]
+    pairs = [BufferPair(d.data_ptr(), s.data_ptr(), s.shape[1], items, items) for s, d in zip(srcs, dsts)]
+    peer = IpcPeer("owner", 0, range(layers), [], {i: (pairs[2 * i], pairs[2 * i + 1]) for i in range(layers)})
+
+    async def run():
+        lane = CudaIpcLane(torch.device("cuda:0"), fd_timeout=5.0)
+        try:
+            for bad_src, bad_dst in (([0, items], [1, 2]), ([0, -1], [1, 2]), ([0, 1], [items, 2])):
+                with pytest.raises(PageRangeError):
+                    await lane.read(peer, range(layers), np.array(bad_src), np.array(bad_dst))
+            torch.cuda.synchronize()
+            assert all(bool((d == 0xAB).all()) for d in dsts)  # nothing launched
+            src, dst = (torch.randperm(items, generator=gen)[:29].numpy() for _ in range(2))
+            stats = await lane.read(peer, range(1, layers), src, dst)
+            assert stats.nbytes == 29 * sum(s.shape[1] for s in srcs[2:])
+            assert (await lane.read(peer, range(layers), src[:0], dst[:0])).nbytes == 0
+        finally:
+            await lane.aclose()
+        return src, dst
+
+    src, dst = asyncio.run(run())
+    torch.cuda.synchronize()
+    for k, (s, d) in enumerate(zip(srcs, dsts)):
+        want = torch.full_like(s, 0xAB)
+        if k >= 2:  # layers 1 and 2 read, layer 0 not
+            want[torch.from_numpy(dst).cuda()] = s[torch.from_numpy(src).cuda()]
+        assert torch.equal(d, want), k
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("engines, decode_gpu", [((1,), 1), ((2,), 0)])
 def test_lane_reads_owners_on_other_gpus(engines, decode_gpu):

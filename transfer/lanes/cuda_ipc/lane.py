@@ -32,7 +32,6 @@ from transfer.lanes.cuda_ipc.export import NO_SECRET
 from transfer.lanes.cuda_ipc.fd_pass import close_fds, fetch_fds
 from transfer.lanes.cuda_ipc.gather import Gatherer
 from transfer.lanes.cuda_ipc.plan import (
-    GatherPlan,
     GatherTable,
     gather_plan,
     gather_table,
@@ -226,10 +225,6 @@ class CudaIpcLane:
             pair.local_addr, addr, pair.item_len, pair.local_items, pair.remote_items, pair.local_dev, pair.local_dev
         )
 
-    @staticmethod
-    def plan(peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray) -> GatherPlan:
-        return gather_plan(peer.table(layers), [src], dst)
-
     def _merged_table(self, tables: list[GatherTable], shared_pages: bool) -> GatherTable:
         return _cached(self._merged, (tuple(tables), shared_pages), lambda: merge_gather_tables(tables, shared_pages))
 
@@ -251,10 +246,16 @@ class CudaIpcLane:
         self, peer: IpcPeer, layers: range, src: np.ndarray, dst: np.ndarray, deadline: Deadline | None = None
     ) -> ReadStats:
         """Gather `src` pages of `layers` from `peer` into `dst` pages; returns once in place.
-        (A launch cannot be stopped, nor can it hang: its bytes are on this host.)"""
-        plan = self.plan(peer, layers, src, dst)
+        (A launch cannot be stopped, nor can it hang: its bytes are on this host.) As a
+        batch's read: the ids are checked vectorised and go to the kernel as they are, the
+        table of `layers` kept on the GPU; no plan is built. The destinations are checked
+        against the table's items here (a single owner's read has no pool bound to trust)."""
+        table = peer.table(layers)
+        src, dst = route_pages(table, src, dst)
         _check_open((peer,))  # checked on the loop's thread, then awaited at once: no race with close()
-        return ReadStats(plan.nbytes, 0, await self._gather.run(plan))
+        if src.size == 0 or table.buffers == 0:
+            return ReadStats(0, 0, 0.0)
+        return ReadStats(table.page_bytes * dst.size, 0, await self._gather.run_pages(table, src, dst))
 
     async def close(self, peer: IpcPeer) -> None:
         """Drop `peer`'s mappings once no kernel can still read them (frees a dead owner's memory)."""

@@ -137,10 +137,13 @@ def gather_plan(
     return GatherPlan(table, src, dst)
 
 
-def route_pages(table: GatherTable, src: np.ndarray, dst: np.ndarray, dst_below: int) -> tuple[np.ndarray, np.ndarray]:
+def route_pages(
+    table: GatherTable, src: np.ndarray, dst: np.ndarray, dst_below: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """One source page list and its destinations for `table` (a route's: one list), checked
     as `gather_plan` checks them, without building a plan: int64 arrays of one shape, each
-    id below its side's items (`dst_below`: the destinations already lie below it)."""
+    id below its side's items (`dst_below`: the destinations already lie below it; None:
+    check them too)."""
     src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
     if dst.ndim != 1 or src.shape != dst.shape:
         raise PageRangeError(f"{src.size} source pages but {dst.size} destination pages of shape {dst.shape}")
@@ -148,7 +151,7 @@ def route_pages(table: GatherTable, src: np.ndarray, dst: np.ndarray, dst_below:
         raise ValueError(f"one source page list for a table of {table.lists}")
     if table.buffers and dst.size:
         check_pages(src, table.src_limits[0], "source")
-        if dst_below > table.dst_items:
+        if dst_below is None or dst_below > table.dst_items:
             check_pages(dst, table.dst_items, "destination")
     return src, dst
 
