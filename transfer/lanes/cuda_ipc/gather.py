@@ -11,9 +11,10 @@ rate, which UCX cuda_ipc, posting one descriptor at a time, stays far from
 (docs/benchmarks.md). The kernel and its launch through the driver:
 `transfer.lanes.cuda_ipc.kernel`.
 
-Every pointer and page id in a plan is validated on the host before the launch
-(`transfer.lanes.cuda_ipc.plan.gather_plan`, `IpcMapping.translate`): a bad one would fault the
-decode's GPU context and with it every request on that GPU.
+Every pointer and page id is validated on the host before the launch (a table's addresses by
+`IpcMapping.translate`, a read's ids by `transfer.lanes.cuda_ipc.plan.route_pages` or
+`gather_plan`, one vectorised reduction a side): a bad one would fault the decode's GPU
+context and with it every request on that GPU.
 """
 
 from __future__ import annotations
