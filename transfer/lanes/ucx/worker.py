@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
+from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError, TransferError
 from transfer.deadline import Deadline
 from transfer.lanes.ucx.nixl import ucx_backend_params
 from transfer.lanes.ucx.plan import ReadPlan
@@ -131,8 +131,9 @@ class Worker:
 
     def _drop(self, peer: str, lost: bool) -> None:
         """Destroy the agent, abandoning what it has in flight: no byte of it lands later.
-        `lost`: `peer` made no end (a cut link, most likely): it is not loaded again, since
-        loading waits for its TCP connect, on this thread, until the transport connects it anew."""
+        `lost`: `peer` made no end or its endpoint failed (a cut link, most likely): it is not
+        loaded again, since loading waits for its TCP connect on this thread, until the
+        transport connects it anew."""
         agent, self._agent = self._agent, None
         self._registrations, self._loaded = [], set()
         if lost:
@@ -170,7 +171,7 @@ class Worker:
         else:
             return time.perf_counter() - t0
         # Out of the except block, whose exception would still hold the agent.
-        self._drop(peer, lost=isinstance(error, PeerLostError))
+        self._drop(peer, lost=isinstance(error, PeerLostError) or not isinstance(error, PdkvError))
         raise error
 
     def _read_parts(
