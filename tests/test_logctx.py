@@ -90,10 +90,10 @@ def test_json_lines_through_the_standard_logging_configuration(tmp_path):
 def test_sglangs_failed_transfer_is_a_warning_naming_its_room_engine_rank_and_peer(caplog):
     """The SGLang adapter's outcome of a failed transfer (was INFO, with no room unless the
     error's text had it)."""
-    from transfer.sglang.conn import _Outcome
+    from transfer.sglang.outcome import Outcome
 
-    outcome = _Outcome(lambda: {"room": 17, "engine": "dp1"})  # a receiver's: the lost owner names its rank
-    with caplog.at_level(logging.INFO, logger="transfer.sglang.conn"):
+    outcome = Outcome(lambda: {"room": 17, "engine": "dp1"})  # a receiver's: the lost owner names its rank
+    with caplog.at_level(logging.INFO, logger="transfer.sglang.outcome"):
         outcome.fail(PeerLostError("owner lost", "dp1.cp2.abc", ("dp1", 2)))
         outcome.fail(PeerLostError("a second failure is not logged"))
     (record,) = caplog.records
