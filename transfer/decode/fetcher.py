@@ -6,9 +6,10 @@
 A fetch looks the engine up (cached, `owners`) and checks that its owners cover every
 layer once and match the local layout. With the room's ticket (a finished room, handed
 over by its prefill) it then reads every owner at once and checks each owner's pin word
-after the data, asking nobody (`tickets`). Without one it claims the room on each owner and
-reads layers as they become ready, releasing each owner's claim once its layers are read
-(`claims`).
+after the data, asking nobody (`tickets`). Without one it claims the room on each owner
+(`claims`); a room the claims found whole is then read as a ticket's and released by
+notifications, one still being written layer by layer as it becomes ready, then proved by
+the pin words or released over HTTP (`RoomLease.fetch`).
 
 The guarantee: a fetch that returns delivered exactly the bytes of its room into
 `dst_pages`. A claim pins the room's source pages on its owner; a release succeeds only
