@@ -204,6 +204,6 @@ def test_ucx_environment_and_no_warning_on_cpu():
     """
     out = _run(code)
     assert "UCX  WARN" not in out, out  # the CPU build has no cuda_ipc to read a variable for it
-    assert "'UCX_MODULES', 'UCX_TCP_KEEPCNT', 'UCX_TCP_KEEPIDLE', 'UCX_TCP_KEEPINTVL'" in out
+    assert "'UCX_MODULES', 'UCX_TCP_CONN_NB', 'UCX_TCP_KEEPCNT', 'UCX_TCP_KEEPIDLE', 'UCX_TCP_KEEPINTVL'" in out
     assert "[]" in _run(code, PDKV_UCX_ENV="0")  # pdkv leaves the environment alone
     assert "'UCX_TCP_KEEPIDLE'" in _run(code, UCX_TCP_KEEPIDLE="5s")  # an operator's value stands

@@ -77,6 +77,10 @@ def configure_ucx_environment() -> None:
         os.environ["UCX_MODULES"] = "^ib"
     if torch.cuda.is_available():
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    # A blocking TCP connect to a cut host held a worker's thread, and every READ queued on
+    # it, for 73 s (SYN retries): connect in the background; a READ on an endpoint that never
+    # connects ends at `read_stall`.
+    os.environ.setdefault("UCX_TCP_CONN_NB", "y")
     os.environ.setdefault("UCX_TCP_KEEPIDLE", "1s")
     os.environ.setdefault("UCX_TCP_KEEPINTVL", "1s")
     os.environ.setdefault("UCX_TCP_KEEPCNT", "2")

@@ -131,9 +131,9 @@ class Worker:
 
     def _drop(self, peer: str, lost: bool) -> None:
         """Destroy the agent, abandoning what it has in flight: no byte of it lands later.
-        `lost`: `peer` made no end or its endpoint failed (a cut link, most likely): it is not
-        loaded again, since loading waits for its TCP connect on this thread, until the
-        transport connects it anew."""
+        `lost`: `peer` made no end or its endpoint failed (a cut link, most likely): refused,
+        rather than loaded again for READs that would only stall, until the transport
+        connects it anew."""
         agent, self._agent = self._agent, None
         self._registrations, self._loaded = [], set()
         if lost:
@@ -177,6 +177,8 @@ class Worker:
     def _read_parts(
         self, peer: str, local: np.ndarray, remote: np.ndarray, mem: str, deadline: Deadline, stop: threading.Event
     ) -> None:
+        if stop.is_set():  # before the agent: a new one would load `peer` first, for nothing
+            raise TransferError(f"READ from {peer} stopped: its fetch was cancelled")
         agent = self._agent_for(peer)
         posted: deque[Any] = deque()
         whole = True  # every part posted: a stop came after the last one, if at all
