@@ -129,7 +129,7 @@ class Worker:
         self._loaded.add(peer)
         return agent
 
-    def _drop(self, peer: str, lost: bool) -> None:
+    def _drop(self, peer: str, why: BaseException, lost: bool) -> None:
         """Destroy the agent, abandoning what it has in flight: no byte of it lands later.
         `lost`: `peer` made no end or its endpoint failed (a cut link, most likely): refused,
         rather than loaded again for READs that would only stall, until the transport
@@ -143,13 +143,15 @@ class Worker:
         core = getattr(agent, "agent", None)  # NIXL's C++ agent, under its Python one
         del agent
         if core is not None and sys.getrefcount(core) > 2:
-            gc.collect()  # a cycle may still hold a transfer handle, which holds the agent
+            gc.collect(1)  # a young cycle may hold a transfer handle, which holds the agent; a full one took 1.4 s
         held = sys.getrefcount(core) - 2 if core is not None else 0
-        del core  # destroyed here unless still held
         if held > 0:
-            logger.error("%s: an abandoned UCX agent is still held (%d): its READs may land", self.name, held)
+            holders = sorted({type(r).__name__ for r in gc.get_referrers(core)} - {"frame"})
+            logger.error("%s: an abandoned UCX agent is still held (%d, by %s)", self.name, held, holders)
+        del core  # destroyed here unless still held
         took_ms = (time.perf_counter() - t0) * 1e3
-        logger.warning("%s: UCX agent dropped, a READ from %s unfinished (%.1f ms)", self.name, peer, took_ms)
+        what = repr(why)  # a string: a record kept by a handler must not hold the error and its frames
+        logger.warning("%s: UCX agent dropped, a READ from %s unfinished: %s (%.1f ms)", self.name, peer, what, took_ms)
 
     # ---- READs ---------------------------------------------------------------------------------
     def read_blocking(
@@ -171,7 +173,7 @@ class Worker:
         else:
             return time.perf_counter() - t0
         # Out of the except block, whose exception would still hold the agent.
-        self._drop(peer, lost=isinstance(error, PeerLostError) or not isinstance(error, PdkvError))
+        self._drop(peer, error, lost=isinstance(error, PeerLostError) or not isinstance(error, PdkvError))
         raise error
 
     def _read_parts(
