@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import traceback
@@ -10,6 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+from tests import children
 
 GROUP_TIMEOUT_S = 120
 
@@ -37,7 +38,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init_file: str, result
 
 def run_group(fn: Callable[..., Any], world: int, *args: Any) -> dict[int, Any]:
     """Run `fn(rank, world, *args)` on `world` spawned ranks; return each rank's result."""
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")

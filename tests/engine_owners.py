@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pdkv.sharding import get_layer_shard_range
+from tests import children
 
 KV_TOKEN, INDEX_TOKEN = 656, 132  # DeepSeek-V3.2's fp8 latent and indexer bytes a token
 
@@ -129,7 +130,7 @@ def start_owners(  # type: ignore[no-untyped-def]
 ):
     """Spawn `cp_size` owners (see `run_owner`); returns (processes, stop event,
     {cp_rank: (slabs, pins)})."""
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     out, stop = ctx.Queue(), ctx.Event()
     rest = (unpinned, device, partial)
     procs = [

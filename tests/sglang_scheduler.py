@@ -41,7 +41,6 @@ import importlib.abc
 import importlib.machinery
 import json
 import logging
-import multiprocessing as mp
 import os
 import queue
 import sys
@@ -53,6 +52,8 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
+
+from tests import children
 
 LAYERS, PAGE, POOL_PAGES = 4, 64, 24  # DSA needs 64-token physical pages
 KV_DIM = 576  # 512 lora + 64 rope, bf16
@@ -848,7 +849,7 @@ class Registry:
     """`registry_main` in a process, on `host` inside `netns`."""
 
     def __init__(self, netns: str | None, host: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = children.context()
         self.outbox, self.stop = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=registry_main, args=(netns, host, self.outbox, self.stop), daemon=True)
         self.proc.start()
@@ -865,7 +866,7 @@ class Side:
     """The scheduler processes of one prefill (its CP ranks) or one decode (its TP ranks)."""
 
     def __init__(self, mode: str, size: int, registry: str, **kwargs: Any) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = children.context()
         self.mode, self.size = mode, size
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.rendezvous = tempfile.NamedTemporaryFile(prefix=f"pdkv-{mode}-gloo-", delete=False).name

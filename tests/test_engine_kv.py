@@ -11,6 +11,7 @@ import torch
 from pdkv import DSAKVPool, IncompatibleLayoutError, dsa_v32
 from pdkv.errors import LayoutError
 from pdkv.layout import BufferKind
+from tests import children
 from transfer.decode import DecodeFetcher
 from transfer.engine_kv import EngineKV, buffer_infos
 from transfer.metadata import OwnerPin, RoomTicket, decode, encode
@@ -110,7 +111,7 @@ def _exporter_process(
 async def test_a_room_moves_between_engine_tensors_of_two_processes_byte_exact(device):
     registry = RegistryServer()
     url = await registry.start()
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     out, stop = ctx.Queue(), ctx.Event()
     rooms = {1: [3, 17, 4, 39, 5], 2: [30, 31, 32, 2]}
     child = ctx.Process(target=_exporter_process, args=(url, rooms, device, out, stop), daemon=True)

@@ -23,6 +23,7 @@ import torch
 
 from pdkv import DSAKVPool, tiny
 from pdkv.sharding import get_layer_shard_range
+from tests import children
 from transfer.decode import DecodeFetcher
 from transfer.lanes.ucx.transport import NOTIFY_FAULTS_ENV, NotifyFaults
 from transfer.metadata import OwnerPin, RoomTicket
@@ -120,7 +121,7 @@ class Owner:
 
 class Engine:
     def __init__(self, name: str, registry_url: str, faults: str, remember: int = 0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = children.context()
         self.name, self.owners = name, []
         for rank in range(CP):
             here, there = ctx.Pipe()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import children
 from tests.sglang_fixtures import _own_environment, bootstrap, sglang_conn  # noqa: F401  (fixtures)
 
 conn = sglang_conn()
@@ -181,7 +182,7 @@ def test_a_prefill_and_a_decode_drive_pdkv_through_kvpoll(bootstrap, cp_size, de
         103: ([[13, 14], [15], [16]], True),  # aborted by the prefill after its first chunk
     }
     dst = {101: [30, 1, 2, 29, 28, 27], 102: [6, 17, 18, 19, 22], 103: [23, 24, 25, 26]}
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     ranks = [
         ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, cp_size, rooms, results, 0, (0, 1), device))
@@ -268,14 +269,13 @@ def _prefill_then_stall(registry: str, room: int, started: mp.Queue) -> None:
 
 
 def test_a_prefill_killed_mid_room_fails_the_receiver_with_a_typed_error(bootstrap):  # noqa: F811
-    import signal
 
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from pdkv.errors import PeerLostError
     from transfer.sglang.conn import PdkvKVManager, PdkvKVReceiver
 
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     started = ctx.Queue()
     prefill = ctx.Process(target=_prefill_then_stall, args=(bootstrap.url, 301, started))
     prefill.start()
@@ -295,7 +295,8 @@ def test_a_prefill_killed_mid_room_fails_the_receiver_with_a_typed_error(bootstr
                 receiver.send_metadata(np.array([1, 2, 3, 4], dtype=np.int32), aux_index=1)
             if state == KVPoll.Transferring and prefill.is_alive():
                 time.sleep(0.3)  # the first chunk is read; then the prefill dies mid-room
-                os.kill(prefill.pid, signal.SIGKILL)
+                prefill.kill()
+                prefill.join(10)  # a forkserver's child reads alive until the server reports it
             if state in (KVPoll.Success, KVPoll.Failed):
                 break
             time.sleep(0.002)
@@ -344,7 +345,7 @@ def test_the_secret_guards_every_service_sglang_starts(monkeypatch):
     monkeypatch.setenv("PDKV_SECRET", "right-secret")
     server = PdkvKVBootstrapServer("127.0.0.1", 0)
     rooms = {401: ([[3, 4, 5]], False)}
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     prefill = ctx.Process(target=_prefill_rank, args=(server.url, 0, 1, rooms, results))
     prefill.start()
@@ -428,7 +429,7 @@ def test_mtp_a_draft_models_layers_travel_with_the_room(bootstrap):  # noqa: F81
 
     rooms = {501: ([[3, 4, 5], [9, 20]], False)}
     dst = [30, 1, 2, 29, 28]
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     ranks = [ctx.Process(target=_prefill_rank, args=(bootstrap.url, r, 2, rooms, results, 1)) for r in range(2)]
     for p in ranks:
@@ -474,7 +475,7 @@ def test_attention_tp_on_either_side_every_decode_rank_reads_the_whole_room(boot
     room = 600 + 10 * prefill_tp + decode_tp
     rooms = {room: ([[3, 4], [5, 9]], False)}
     dst = [7, 1, 30, 2]
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     ranks = [
         ctx.Process(target=_prefill_rank, args=(bootstrap.url, cp, 2, rooms, results, 0, (tp, prefill_tp)))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import children
 from tests.sglang_fixtures import _own_environment, bootstrap, sglang_conn  # noqa: F401  (fixtures)
 
 conn = sglang_conn()
@@ -198,7 +199,7 @@ def _until_final(receiver, limit: float = 60.0):
 
 
 def _start_prefill(bootstrap, rooms):  # noqa: F811
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     aborts, results = ctx.Queue(), ctx.Queue()
     prefill = ctx.Process(target=_prefill, args=(bootstrap.url, rooms, aborts, results))
     prefill.start()

@@ -13,7 +13,6 @@ Skipped, with the reason, where namespaces cannot be made (no root, no iproute2)
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import children
 from tests.netns import HostNet, enter_netns, unavailable
 
 if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather than skips
@@ -94,7 +94,7 @@ class Hosts:
     decode on "decode"; every one is killed at the end."""
 
     def __init__(self, net: HostNet, bind: str = "0.0.0.0", ipv6: bool = False) -> None:
-        self.net, self.ctx = net, mp.get_context("spawn")
+        self.net, self.ctx = net, children.context()
         self.procs: list[Any] = []
         self.stop = self.ctx.Event()
         ports = self.ctx.Queue()

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from tests import children
+
 if os.environ.get("PDKV_REQUIRE_SGLANG"):  # CI: a missing install fails rather than skips
     import sglang.srt.disaggregation.base.conn  # noqa: F401
 pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang 0.5.23 is not installed")
@@ -38,7 +40,7 @@ ABORT_BOUND_S = 0.1  # docs/protocol.md: a prefill's abort reaches its decode's 
 
 
 def _start_small_prefill(url: str, rooms: dict, cp_size: int = 2) -> tuple[list, mp.Queue]:
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     ranks = [ctx.Process(target=small._prefill_rank, args=(url, r, cp_size, rooms, results)) for r in range(cp_size)]
     for p in ranks:
@@ -207,7 +209,7 @@ def _timed_prefill(registry: str, rooms: list[int], aborts: mp.Queue, results: m
 
 
 def start_timed_prefill(url: str, rooms: list[int]) -> tuple[mp.Process, mp.Queue, mp.Queue]:
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     aborts, results = ctx.Queue(), ctx.Queue()
     prefill = ctx.Process(target=_timed_prefill, args=(url, rooms, aborts, results))
     prefill.start()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import children
 from tests.test_sglang import (  # noqa: F401  (fixtures: the bootstrap server, a clean environment)
     AUX_ITEMS,
     AUX_ROWS,
@@ -73,7 +74,7 @@ def test_a_decode_with_a_prefix_reads_only_the_pages_past_it(bootstrap):  # noqa
     }
     prefix = {201: 2 * page, 202: 3 * page}  # the decode's radix cache holds these tokens
     dst = {201: [30, 1, 2, 29], 202: [6, 17]}  # the pages past the prefix
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     prefill = ctx.Process(target=_prefill_rank, args=(bootstrap.url, 0, 1, rooms, results))
     prefill.start()
@@ -112,7 +113,7 @@ def test_a_prefix_that_is_not_whole_pages_fails_typed(bootstrap):  # noqa: F811
     from transfer.sglang.conn import PdkvKVReceiver
 
     rooms = {211: ([[3, 4, 5]], False)}
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     prefill = ctx.Process(target=_prefill_rank, args=(bootstrap.url, 0, 1, rooms, results))
     prefill.start()
@@ -175,7 +176,7 @@ def test_pp2_by_cp2_prefill_to_one_decode_byte_exact(bootstrap):  # noqa: F811
 
     rooms = {221: [3, 4, 9], 222: [12, 13, 14, 15]}
     dst = {221: [20, 1, 2], 222: [6, 7, 30, 31]}
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     results = ctx.Queue()
     ranks = [
         ctx.Process(target=_stage_rank, args=(bootstrap.url, pp, cp, rooms, results)) for pp in (0, 1) for cp in (0, 1)

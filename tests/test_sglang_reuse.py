@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import children
 from tests.test_sglang import (  # noqa: F401  (fixtures: the bootstrap server, a clean environment)
     AUX_ITEMS,
     AUX_ROWS,
@@ -147,7 +148,7 @@ def _run_receiver(
 def test_a_reused_room_id_never_reaches_the_room_in_flight(bootstrap, order):  # noqa: F811
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     go, results = ctx.Event(), ctx.Queue()
     prefill = ctx.Process(target=_prefill, args=(bootstrap.url, order, go, results))
     prefill.start()
@@ -206,7 +207,7 @@ def _bad_sender(registry: str, pages: list[int], go: mp.Event, reading: mp.Event
 def test_a_sender_that_fails_on_a_bad_page_ends_its_room_at_once(bootstrap, bad):  # noqa: F811
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     go, reading, results = ctx.Event(), ctx.Event(), ctx.Queue()
     pages = [3, 4, bad]
     prefill = ctx.Process(target=_bad_sender, args=(bootstrap.url, pages, go, reading, results))

@@ -25,6 +25,7 @@ from pdkv import (
     UnknownRoomError,
     tiny,
 )
+from tests import children
 from tests.http_probe import rss_bytes, send_big
 from tests.rooms_helpers import fetch_in_own_process, fragmented_pages, kv_is_exact, prefill
 from tests.wire_helpers import rank_descriptor
@@ -253,12 +254,10 @@ async def test_each_owner_is_freed_by_exactly_one_of_a_rooms_consumers(deploymen
     each is exact, each proves its read by the pin words and releases by notification (so
     none knows whether its release was the last there: `freed_on` is empty), and every CP
     rank frees the room once, after the three."""
-    import multiprocessing as mp
-
     engine, n, room = deployment.engines[3], 900, 7_350_000
     await prefill(deployment, engine, room, n, consumers=3)
     before = [await deployment.client.get_json(f"{c}/v1/stats") for c in engine.controls]
-    ctx = mp.get_context("spawn")
+    ctx = children.context()
     out = ctx.Queue()
     decodes = [
         ctx.Process(target=fetch_in_own_process, args=(deployment.registry_url, "prefill3", room, n, 20 + i, out))
