@@ -264,6 +264,7 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
     if lane is not None and tickets:
         b2b = await _back_to_back(d, engine, lane, alloc, n, runs)
         samples["lane_b2b"], samples["lane_b2b_read"], samples["path_b2b"] = b2b
+        samples["stream_handed"], samples["stream_done"] = await _on_stream(d, engine, lane, alloc, n, runs)
     return n, nbytes, desc_unmerged, desc_merged, samples
 
 
@@ -279,6 +280,30 @@ async def _back_to_back(d, engine, lane, alloc, n: int, runs: int) -> tuple[list
         alloc.free(dst)
     paths = sorted({o.lane for r in results for o in r.owners})
     return [r.seconds for r in results], [r.read_seconds for r in results], paths
+
+
+async def _on_stream(d, engine, lane, alloc, n: int, runs: int) -> tuple[list[float], list[float]]:
+    """As `_back_to_back`, each fetch ordered on a consumer's stream (`fetch(stream=...)`):
+    seconds until the handle is back (the consumer's kernels may queue behind its event) and
+    until its completion (the pin words proved). Its rooms are prefilled once the back-to-back
+    ones are released."""
+    await asyncio.sleep(0.2)  # the back-to-back rooms' releases land and free their pages
+    tickets = [(await _prefill(d, engine, (n << 20) + (1 << 17) + i, n, 1, True)).ticket for i in range(runs)]
+    dst, consumer = alloc.alloc(len(tickets[0].src_pages)), torch.cuda.Stream()
+    handed, done = [], []
+    try:
+        for t in tickets:
+            t0 = time.perf_counter()
+            handle = await lane.fetch("prefill0", t.room, dst, ticket=t, stream=consumer)
+            t1 = time.perf_counter()
+            await handle
+            handed.append(t1 - t0)
+            done.append(time.perf_counter() - t0)
+            assert handle.ordered
+    finally:
+        consumer.synchronize()
+        alloc.free(dst)
+    return handed, done
 
 
 def print_table(rows, args) -> None:
@@ -339,6 +364,13 @@ def print_table(rows, args) -> None:
             rates = (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat, b2b, b2b / g["bandwidth"], b2b_p50)
             _row((n, nbytes / 1e6), rates, statistics.median(s["ctl_lane"]))
         print("b2b: the lane's fetches back to back, rooms prefilled beforehand (the others: one after each prefill)")
+        print("the same, ordered on a consumer's stream (fetch(stream=...)), p50 ms: handle back; completion proved")
+        print("".join(f"{h:>12}" for h in ("tokens", "b2b p50 ms", "handed p50", "done p50", "handed/b2b")))
+        for n, _, _, _, s in rows:
+            if s.get("stream_handed"):
+                keys = ("lane_b2b", "stream_handed", "stream_done")
+                b2b, handed, done = (1e3 * statistics.median(s[k]) for k in keys)
+                print(f"{n:>12}" + "".join(f"{v:>12.3f}" for v in (b2b, handed, done, handed / b2b)))
 
 
 def _rates(nbytes: int, samples: dict, timed: str) -> tuple[dict, tuple[float, float]]:

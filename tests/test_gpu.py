@@ -609,13 +609,21 @@ def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
     bg = BackgroundLoop("test-registry")
     registry = RegistryServer()
     url = bg.run(registry.start(), 10)
-    procs, stop, reports = start_owners(url, "eng1", 4, shape, {5: src})
+    procs, stop, reports = start_owners(url, "eng1", 4, shape, {4: src, 5: src})
     held, free = threading.Event(), threading.Event()
     try:
         bufs = engine_buffers(shape, range(shape.layers), fill=False)
-        ticket = RoomTicket(engine_id="eng1", room=5, src_pages=src, pins=[reports[r][1][5] for r in range(4)])
+        ticket, warm = (
+            RoomTicket(engine_id="eng1", room=room, src_pages=src, pins=[reports[r][1][room] for r in range(4)])
+            for room in (5, 4)
+        )
         fetcher = SyncFetcher(engine_kv(shape, range(shape.layers), bufs), url, lane="cuda_ipc")
         try:
+            # Looked up, mapped and its gather table uploaded: a first read's upload waits for the lane's stream.
+            fetcher.fetch("eng1", 4, dst, ticket=warm).result(timeout=60)
+            for b in bufs:
+                b.zero_()
+            torch.cuda.synchronize()
             lane = fetcher.fetcher._owners.lanes[0]
             with torch.cuda.stream(lane._gather.stream):
                 torch.cuda._sleep(2_000_000_000)  # ~1 s: the gather queues behind it, ending after the loop is held
@@ -640,3 +648,88 @@ def test_a_scheduler_sees_a_lane_read_land_while_pdkvs_loop_is_held():
         stop_owners(procs, stop)
         bg.run(registry.aclose(), 10)
         bg.stop()
+
+
+def test_a_consumer_stream_ordered_behind_a_lane_fetch_sees_exactly_the_rooms_bytes_and_a_failed_proof_raises():
+    """`fetch(stream=...)`: with the lane's stream held back, the handle comes before the gather
+    has run (its event not passed); a copy queued on the consumer's stream after it sees
+    exactly the room's bytes, and the completion reports the proved read. A room aborted on
+    one owner while its gather is held back (its pin word cleared) fails the completion with
+    `ClaimLostError`, never success. Owners read over UCX complete on the host first
+    (`ordered` False), the event then the consumer's own; byte-exact too."""
+    from pdkv.errors import ClaimLostError
+    from tests.engine_owners import Shape, engine_buffers, engine_kv, layer_pattern, start_owners, stop_owners
+    from transfer.control import ControlClient
+    from transfer.metadata import RoomTicket
+    from transfer.registry.server import RegistryServer
+
+    shape = Shape(layers=11, page_size=64, pages=257)
+    src, dst = list(range(0, 256, 2)), list(range(1, 257, 2))
+    rooms = {5: src, 6: src, 7: src, 8: src}
+
+    def seen_on(consumer: torch.cuda.Stream, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.cuda.stream(consumer):  # the consumer's kernels, queued behind the handed event
+            index = torch.as_tensor(dst, device="cuda")
+            return [b[index] for b in bufs]
+
+    def exact(seen: list[torch.Tensor]) -> bool:
+        index, n = torch.as_tensor(src, device="cuda"), shape.layers
+        return all(
+            torch.equal(seen[kind * n + layer], layer_pattern(shape, layer, kind)[index])
+            for layer in range(n)
+            for kind in (0, 1)
+        )
+
+    async def run():
+        registry = RegistryServer()
+        url = await registry.start()
+        procs, stop, reports = await asyncio.to_thread(start_owners, url, "eng5", 4, shape, rooms)
+        client = ControlClient(Timeouts())
+        tickets = {
+            r: RoomTicket(engine_id="eng5", room=r, src_pages=src, pins=[reports[k][1][r] for k in range(4)])
+            for r in rooms
+        }
+        try:
+            bufs = engine_buffers(shape, range(shape.layers), fill=False)
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), bufs), url, lane="cuda_ipc") as fetcher:
+                ranks = await fetcher.describe("eng5")
+                # A first read uploads its gather table, which waits for the lane's stream.
+                await fetcher.fetch("eng5", 8, dst, ticket=tickets[8])
+                lane_stream, consumer = fetcher._owners.lanes[0]._gather.stream, torch.cuda.Stream()
+                for b in bufs:
+                    b.zero_()
+                torch.cuda.synchronize()
+                with torch.cuda.stream(lane_stream):
+                    torch.cuda._sleep(400_000_000)  # ~0.2 s: the gather queues behind it
+                handle = await fetcher.fetch("eng5", 5, dst, ticket=tickets[5], stream=consumer)
+                assert handle.ordered and not handle.event.query() and not handle.done()
+                seen = seen_on(consumer, bufs)
+                result = await handle
+                assert {o.lane for o in result.owners} == {"cuda_ipc"} and result.control_messages == 0
+                consumer.synchronize()
+                assert exact(seen)
+
+                with torch.cuda.stream(lane_stream):
+                    torch.cuda._sleep(1_000_000_000)  # ~0.5 s
+                handle = await fetcher.fetch("eng5", 6, dst, ticket=tickets[6], stream=consumer.cuda_stream)
+                assert handle.ordered and not handle.done()
+                await client.request("POST", f"{ranks[2].control_url}/v1/rooms/6/abort")
+                assert not handle.event.query()  # aborted while the gather was still held back
+                with pytest.raises(ClaimLostError, match="cp rank 2"):
+                    await handle
+                with pytest.raises(ClaimLostError):
+                    handle.result()
+            ubufs = engine_buffers(shape, range(shape.layers), fill=False)
+            async with DecodeFetcher(engine_kv(shape, range(shape.layers), ubufs), url, lane="ucx") as fetcher:
+                handle = await fetcher.fetch("eng5", 7, dst, ticket=tickets[7], stream=consumer)
+                assert not handle.ordered and handle.done()
+                assert {o.lane for o in (await handle).owners} == {"ucx"}
+                seen = seen_on(consumer, ubufs)
+                consumer.synchronize()
+                assert exact(seen)
+        finally:
+            await client.aclose()
+            await asyncio.to_thread(stop_owners, procs, stop)
+            await registry.aclose()
+
+    asyncio.run(run())

@@ -31,13 +31,16 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import overload
+
+import torch
 
 from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError
 from pdkv.pages import PageIds, page_ids
 from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
-from transfer.decode.landing import Landing
+from transfer.decode.landing import Landing, StreamFetch, StreamLanding, consumer_stream
 from transfer.decode.lease import RoomLease
 from transfer.decode.owners import Owner, Owners, ticket_readable
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
@@ -162,6 +165,7 @@ class DecodeFetcher:
         await self._owners.forget(engine_id)
 
     # ---- the fetch -----------------------------------------------------------------------------
+    @overload
     async def fetch(
         self,
         engine_id: str,
@@ -173,7 +177,36 @@ class DecodeFetcher:
         ticket: RoomTicket | None = None,
         readers: int = 1,
         landing: Landing | None = None,
-    ) -> FetchResult:
+        stream: None = None,
+    ) -> FetchResult: ...
+
+    @overload
+    async def fetch(
+        self,
+        engine_id: str,
+        room: int,
+        dst_pages: PageIds,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        ticket: RoomTicket | None = None,
+        readers: int = 1,
+        stream: torch.cuda.Stream | int,
+    ) -> StreamFetch: ...
+
+    async def fetch(
+        self,
+        engine_id: str,
+        room: int,
+        dst_pages: PageIds,
+        *,
+        deadline: Deadline | None = None,
+        timeout: float | None = None,
+        ticket: RoomTicket | None = None,
+        readers: int = 1,
+        landing: Landing | None = None,
+        stream: torch.cuda.Stream | int | None = None,
+    ) -> FetchResult | StreamFetch:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
         `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or GPU
@@ -189,7 +222,21 @@ class DecodeFetcher:
         each reading it whole by claims): the room grants at least that many claims.
         `landing`: for a caller polling from another thread (`transfer.sync`), where a
         ticket's read is one batch on a lane that hears it land, that thread may see it land.
+
+        `stream` (a `torch.cuda.Stream`, or a `cudaStream_t` as an int): returns a `StreamFetch`
+        once the read is queued, its event behind the bytes and waited on by `stream`; await
+        it for the result, proved (or the failure). Work on `stream` may run on bytes that the
+        proof rejects: use none of it unless that returned (docs/gpu-lane.md#stream-ordered-completion).
         """
+        if stream is not None:
+            if landing is not None:
+                raise ValueError("give a landing or a stream, not both")
+            order = StreamLanding(consumer_stream(stream, self.pool.device))
+            read = self.fetch(
+                engine_id, room, dst_pages, deadline=deadline, timeout=timeout, ticket=ticket, readers=readers,
+                landing=order,
+            )  # fmt: skip
+            return await order.hand_over(asyncio.ensure_future(read))
         started = time.perf_counter()
         self._activity.check()
         if ticket is not None:

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -144,6 +145,16 @@ def _tell(watch: Watch) -> bool:
     except Exception:
         logger.exception("a read's watch failed as its kernel ended; its loop reports the read")
         return False
+
+
+class Ordered(Watch, Protocol):
+    """A `Watch` whose caller is a CUDA stream (`DecodeFetcher.fetch(stream=...)`): told on the
+    loop's thread as soon as a read's launches are queued, before their end is awaited."""
+
+    def queued(self, stream: torch.cuda.Stream) -> None:
+        """The read's kernels are queued on `stream` (the lane's): what is recorded on it now
+        passes once they have ended. Never raises."""
+        ...
 
 
 _Wait = tuple[Launch, asyncio.AbstractEventLoop, asyncio.Future[float | None], Watch | None]
@@ -302,15 +313,21 @@ class Gatherer:
     async def run_pages(
         self, table: GatherTable, src: np.ndarray, dst: np.ndarray, watch: Watch | None = None
     ) -> float:
-        """`run` for pages already checked against `table` (`launch_pages`), none empty."""
+        """`run` for pages already checked against `table` (`launch_pages`), none empty. An
+        `Ordered` watch is told once they are queued (`queued`), before this task first yields;
+        its read's end is then seen as one without a watch's (its caller proves it on the loop)."""
         launched = time.perf_counter()
         launch = self.launch_pages(table, src, dst)
-        if watch is None and self.polls():
+        if (queued := getattr(watch, "queued", None)) is not None:
+            queued(self.stream)
+        if (watch is None or queued is not None) and self.polls():
             seconds = await _polled(launch, self._waiter)
         else:
             # The loop stays free while the GPU copies; the waiting thread wakes this task
             # directly (no executor future in between: each future hop is a turn of the loop).
             try:
+                if queued is not None:  # its caller first: the waiting thread, once woken, takes the GIL
+                    await asyncio.sleep(0)
                 seconds = await self._waiter.ended(launch, watch)
             except asyncio.CancelledError:
                 # Bytes must not land in pages that may be handed out again: wait for the kernel.
