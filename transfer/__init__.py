@@ -5,7 +5,8 @@ each is loaded on first use, so importing one module of the package (the SGLang 
 say, which every SGLang process loads) does not load NIXL, torch or aiohttp with it.
 
     prefill:  PrefillExporter (async), SyncExporter (a synchronous scheduler's)
-    decode:   DecodeFetcher, RoomLease, FetchResult (async); SyncFetcher, Handle, HandleStatus
+    decode:   DecodeFetcher, RoomLease, FetchResult, StreamFetch (async); SyncFetcher, Handle,
+              HandleStatus
     tickets:  RoomTicket (a finished room, handed from prefill to decode), OwnerPin
     bounds:   Timeouts, Deadline
     registry: RegistryServer (the bootstrap registry), registry_client
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transfer.deadline import Deadline
-    from transfer.decode import DecodeFetcher, RoomLease
+    from transfer.decode import DecodeFetcher, RoomLease, StreamFetch
     from transfer.metadata import OwnerPin, RoomTicket
     from transfer.prefill import PrefillExporter
     from transfer.registry import registry_client
@@ -39,6 +40,7 @@ _HOMES = {
     "Deadline": "transfer.deadline",
     "DecodeFetcher": "transfer.decode",
     "RoomLease": "transfer.decode",
+    "StreamFetch": "transfer.decode",
     "FetchResult": "transfer.results",
     "OwnerPin": "transfer.metadata",
     "RoomTicket": "transfer.metadata",
@@ -63,6 +65,7 @@ __all__ = [
     "RegistryServer",
     "RoomLease",
     "RoomTicket",
+    "StreamFetch",
     "SyncExporter",
     "SyncFetcher",
     "Timeouts",

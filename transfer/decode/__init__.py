@@ -9,7 +9,8 @@ claim across reads.
 """
 
 from transfer.decode.fetcher import DecodeFetcher
+from transfer.decode.landing import StreamFetch
 from transfer.decode.lease import RoomLease
 from transfer.results import FetchResult, OwnerStats
 
-__all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease"]
+__all__ = ["DecodeFetcher", "FetchResult", "OwnerStats", "RoomLease", "StreamFetch"]
