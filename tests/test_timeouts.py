@@ -10,8 +10,10 @@ worker's agent (dropped, its peers loaded again) is shown through the same fake.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
@@ -147,6 +149,64 @@ def test_a_stopped_reads_parts_in_flight_are_abandoned_after_a_short_grace():
     finally:
         worker.executor.shutdown()
     assert time.monotonic() - t0 < 5 and worker.drops == 1
+
+
+class _Core:
+    """NIXL's C++ agent under its Python one: what must be gone once a READ is abandoned."""
+
+
+class _HeldHandle(_StuckHandle):
+    """A part whose handle holds its agent in a cycle that is old by the time it is
+    abandoned, and whose state check fails deep in the agent, as NIXL's raise from C++."""
+
+    def __init__(self, agent: _FailingAgent) -> None:
+        super().__init__()
+        self.agent, self.cycle = agent, self
+
+
+class _FailingAgent(_StuckAgent):
+    def __init__(self) -> None:
+        super().__init__()
+        self.agent = _Core()
+        self.checks = 0
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, peer: str) -> _StuckHandle:
+        self.handles.append(_HeldHandle(self))
+        return self.handles[-1]
+
+    def check_xfer_state(self, handle: _StuckHandle) -> str:
+        self.checks += 1
+        if self.checks < 3:
+            gc.collect()  # while the READ runs, its handle (and the agent) ages into the oldest generation
+            return "PROC"
+        return self._state(handle)
+
+    def _state(self, handle: _StuckHandle) -> str:
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")  # this frame holds the agent
+
+
+def test_an_abandoned_agent_is_gone_when_the_read_raises_whatever_held_it():
+    """Frames of the agent's own error and an old cycle through a handle held the agent; the
+    drop frees it anyway (over RDMA a live agent's READ could still land)."""
+    agents: list[_FailingAgent] = []
+
+    def make(name: str, conf: Any) -> _FailingAgent:
+        agents.append(_FailingAgent())
+        return agents[-1]
+
+    worker = Worker(SimpleNamespace(nixl_agent=make, nixl_agent_config=lambda **kw: None), "failing", Timeouts())  # type: ignore[arg-type]
+    rows = np.array([[4096, 4096, 0]], dtype=np.int64)
+    try:
+        worker.register(["pool"])
+        worker.load_peer(b"owner")
+        core = weakref.ref(agents[0].agent)
+        del agents[0]
+        with pytest.raises(Exception, match="REMOTE_DISCONNECT"):
+            worker.read_blocking("owner", rows, rows.copy(), "DRAM", Deadline.after(60), threading.Event())
+        assert worker.drops == 1
+        assert core() is None
+    finally:
+        worker.executor.shutdown()
 
 
 def test_a_transport_gives_its_workers_its_timeouts():

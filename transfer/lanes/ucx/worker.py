@@ -13,7 +13,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -144,10 +144,11 @@ class Worker:
         del agent
         if core is not None and sys.getrefcount(core) > 2:
             gc.collect(1)  # a young cycle may hold a transfer handle, which holds the agent; a full one took 1.4 s
+            if sys.getrefcount(core) > 2:
+                gc.collect()  # an older one, rarely: over RDMA a held agent's READs could still land
         held = sys.getrefcount(core) - 2 if core is not None else 0
         if held > 0:
-            holders = sorted({type(r).__name__ for r in gc.get_referrers(core)} - {"frame"})
-            logger.error("%s: an abandoned UCX agent is still held (%d, by %s)", self.name, held, holders)
+            logger.error("%s: an abandoned UCX agent is still held (%d, by %s)", self.name, held, _holders(core))
         del core  # destroyed here unless still held
         took_ms = (time.perf_counter() - t0) * 1e3
         what = repr(why)  # a string: a record kept by a handler must not hold the error and its frames
@@ -212,6 +213,18 @@ class _Abandoned(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _holders(obj: Any) -> list[str]:
+    """What refers to `obj` (a frame by its function and line), for a log line."""
+    caller, found = sys._getframe(1), []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, FrameType):
+            if ref is not caller:  # whose local names it
+                found.append(f"frame {ref.f_code.co_name}:{ref.f_lineno}")
+        else:
+            found.append(type(ref).__name__)
+    return sorted(found)
 
 
 def _post(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray, mem: str) -> Any:
