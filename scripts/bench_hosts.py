@@ -7,7 +7,9 @@ pair without RDMA has (`--tls`, default tcp). `--mbit` caps each host's sending 
 token bucket) to stand in for a slower NIC; `--loss P` drops P% of each host's packets at
 random (a tc BPF program: the kernel here has no netem); `--delay MS` holds every packet MS
 milliseconds each way (a user-space link, `tests/delay_link.py`, for the same reason; with
-it, `--loss` is that link's) and prints what packets were actually held. `--cuts N` then cuts the link under N fetches
+it, `--loss` is that link's) and prints what packets were actually held. First, plain TCP from
+the prefill host to the decode host on one stream and on four (`scripts/tcp_line.py`): each
+size's pdkv GB/s then prints against four streams' too. `--cuts N` then cuts the link under N fetches
 (`tests/link_cut.py`) and prints how long each took to fail, and what followed. Needs root.
 
     sudo .venv/bin/python scripts/bench_hosts.py [--sizes 1024,8192,32768] [--runs 3] [--mbit 10000] [--loss 1]
@@ -63,6 +65,11 @@ def run_on_decode(net: HostNet, args: argparse.Namespace, cmd: list[str], note: 
     """Run `cmd` (a script that puts its prefill on `net.where("prefill")`) on the decode host
     with UCX held to `--tls`; print a line of the link, its output, and what the delayed
     link held; its exit status."""
+    return run_on_decode_output(net, args, cmd, note)[0]
+
+
+def run_on_decode_output(net: HostNet, args: argparse.Namespace, cmd: list[str], note: str = "") -> tuple[int, str]:
+    """`run_on_decode`, with the command's output as well."""
     cap = f"{args.mbit:g} Mbit/s a host" if args.mbit else "no rate cap"
     cap += f", {args.loss:g}% of packets lost each way" if args.loss else ""
     cap += f", {args.delay:g} ms added each way" if args.delay else ""
@@ -79,7 +86,38 @@ def run_on_decode(net: HostNet, args: argparse.Namespace, cmd: list[str], note: 
             f"held ms: "
             f"min {held['held_min_ms']:.3f}, p50 {held['held_p50_ms']:.3f}, p99 {held['held_p99_ms']:.3f}"
         )
-    return run.returncode
+    return run.returncode, run.stdout
+
+
+def plain_tcp(net: HostNet, streams: int, seconds: float = 3.0) -> float:
+    """GB/s of plain TCP from the prefill host to the decode host over `streams` connections."""
+    script, port = str(ROOT / "scripts/tcp_line.py"), 5201
+    receiver = subprocess.Popen(
+        [*net.exec_prefix("decode"), sys.executable, script, "receive", "--port", str(port), "--streams", str(streams)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        json.loads(receiver.stdout.readline())  # listening
+        sender = [sys.executable, script, "send", "--host", net.address("decode"), "--port", str(port)]
+        sender += ["--streams", str(streams), "--seconds", str(seconds)]
+        subprocess.run([*net.exec_prefix("prefill"), *sender], check=True, timeout=seconds + 60)
+        out, _ = receiver.communicate(timeout=60)
+        return float(json.loads(out.splitlines()[-1])["gbps"])
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+
+
+def pdkv_rates(output: str) -> dict[int, float]:
+    """Tokens -> pdkv GB/s, read off `bench_fetch.py`'s table."""
+    rates = {}
+    for line in output.splitlines():
+        cells = line.split()
+        if len(cells) > 4 and cells[0].isdigit():
+            rates[int(cells[0])] = float(cells[4])
+    return rates
 
 
 def main() -> None:
@@ -97,7 +135,11 @@ def main() -> None:
         if args.owner_progress_ms is not None:
             cmd += ["--owner-progress-ms", str(args.owner_progress_ms)]
         note = f", owners progress every {args.owner_progress_ms:g} ms" if args.owner_progress_ms else ""
-        returncode = run_on_decode(net, args, cmd, note)
+        lines = {n: plain_tcp(net, n) for n in (1, 4)}
+        returncode, output = run_on_decode_output(net, args, cmd, note)
+        print(f"plain TCP, prefill -> decode: {lines[1]:.2f} GB/s on one stream, {lines[4]:.2f} on four")
+        ratios = ", ".join(f"{n}: {gbps / lines[4]:.2f}" for n, gbps in pdkv_rates(output).items())
+        print(f"pdkv / four streams of plain TCP, by tokens: {ratios}")
         if returncode or not args.cuts:
             sys.exit(returncode)
         sys.exit(_cuts(net, {**os.environ, "UCX_TLS": args.tls}, args))

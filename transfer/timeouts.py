@@ -40,7 +40,7 @@ class Timeouts:
     # ... while a ticket it issued is unreleased. Over TCP between hosts a READ waits for the
     # owner's progress (UCX emulates a GET), so deployments that read so may lower it; on one
     # host and over RDMA a READ needs no owner, and faster polling only costs cores
-    # (docs/benchmarks.md#between-stand-in-hosts-owners-progress).
+    # (docs/benchmarks.md#between-stand-in-hosts-throughput).
     ticket_progress_interval: float = 0.01
     header: float = 10.0  # a service: from connect to a complete request head
     idle: float = 30.0  # a service: from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
