@@ -10,7 +10,6 @@ worker's agent (dropped, its peers loaded again) is shown through the same fake.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import time
 import weakref
@@ -156,8 +155,7 @@ class _Core:
 
 
 class _HeldHandle(_StuckHandle):
-    """A part whose handle holds its agent in a cycle that is old by the time it is
-    abandoned, and whose state check fails deep in the agent, as NIXL's raise from C++."""
+    """A part whose handle holds its agent in a cycle, as NIXL's Python handle may."""
 
     def __init__(self, agent: _FailingAgent) -> None:
         super().__init__()
@@ -165,6 +163,8 @@ class _HeldHandle(_StuckHandle):
 
 
 class _FailingAgent(_StuckAgent):
+    """Its READ's state check fails deep in the agent, as NIXL's raise from C++."""
+
     def __init__(self) -> None:
         super().__init__()
         self.agent = _Core()
@@ -176,17 +176,14 @@ class _FailingAgent(_StuckAgent):
 
     def check_xfer_state(self, handle: _StuckHandle) -> str:
         self.checks += 1
-        if self.checks < 3:
-            gc.collect()  # while the READ runs, its handle (and the agent) ages into the oldest generation
-            return "PROC"
-        return self._state(handle)
+        return "PROC" if self.checks < 3 else self._state(handle)
 
     def _state(self, handle: _StuckHandle) -> str:
         raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")  # this frame holds the agent
 
 
 def test_an_abandoned_agent_is_gone_when_the_read_raises_whatever_held_it():
-    """Frames of the agent's own error and an old cycle through a handle held the agent; the
+    """Frames of the agent's own error and a young cycle through a handle held the agent; the
     drop frees it anyway (over RDMA a live agent's READ could still land)."""
     agents: list[_FailingAgent] = []
 

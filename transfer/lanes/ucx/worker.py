@@ -144,8 +144,6 @@ class Worker:
         del agent
         if core is not None and sys.getrefcount(core) > 2:
             gc.collect(1)  # a young cycle may hold a transfer handle, which holds the agent; a full one took 1.4 s
-            if sys.getrefcount(core) > 2:
-                gc.collect()  # an older one, rarely: over RDMA a held agent's READs could still land
         held = sys.getrefcount(core) - 2 if core is not None else 0
         if held > 0:
             logger.error("%s: an abandoned UCX agent is still held (%d, by %s)", self.name, held, _holders(core))
@@ -215,15 +213,20 @@ class _Abandoned(Exception):
         self.error = error
 
 
-def _holders(obj: Any) -> list[str]:
-    """What refers to `obj` (a frame by its function and line), for a log line."""
-    caller, found = sys._getframe(1), []
-    for ref in gc.get_referrers(obj):
-        if isinstance(ref, FrameType):
-            if ref is not caller:  # whose local names it
-                found.append(f"frame {ref.f_code.co_name}:{ref.f_lineno}")
-        else:
-            found.append(type(ref).__name__)
+def _holders(core: Any) -> list[str]:
+    """What holds NIXL's agent `core`, and what holds each of those (frames by function and
+    line), for a log line: the next thing to free where one outlives its drop."""
+    caller = sys._getframe(1)  # whose local names it
+
+    def name(ref: Any) -> str:
+        return f"frame {ref.f_code.co_name}:{ref.f_lineno}" if isinstance(ref, FrameType) else type(ref).__name__
+
+    found = []
+    for ref in gc.get_referrers(core):
+        if ref is caller:
+            continue
+        above = [name(r) for r in gc.get_referrers(ref) if not isinstance(r, list)]  # not get_referrers' own list
+        found.append(f"{name(ref)} <- {sorted(above)}")
     return sorted(found)
 
 
