@@ -18,8 +18,12 @@ pool's 41 KB chunks came from the reused glibc heap, and a stale value with IOV'
 sent it through a garbage `dt_reg`. With `--owner-env MALLOC_MMAP_THRESHOLD_=32768` the
 chunks are fresh zeroed mmaps (the field reads CONTIG, the memh the handler cleared, so the
 purge has nothing to release): 0 of 10 kills against 2 of 10 without (2026-12-01).
-`--owner-env PDKV_HEAP_GUARD=1` has the owner set pdkv's guard (`protect_owner_heap`: the
-threshold for the whole process; `=ucx` UCX's own allocations zeroed instead).
+`--owner-env PDKV_HEAP_GUARD=1` has the owner set pdkv's guard (`protect_owner_heap`: UCX's
+own allocations zeroed; `=process` the threshold for the whole process instead). The pool's
+chunks come from libucs's `ucs_mpool_hugetlb_malloc` -> `ucs_malloc` -> `malloc` through
+libucs's own GOT slot, the one the guard points at `calloc`: 0 of 10 kills and 0 of 10 cuts
+crashed under it, against 1 of 10 and 7 of 10 without, alternately (2026-12-03). A trial
+whose owner dies by any signal prints it, with what UCX's error handler said.
 
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py [--trials 8] [--mode kill|cut]
     sudo .venv/bin/python scripts/repro_ucx_tcp_crash.py --owner-env MALLOC_MMAP_THRESHOLD_=32768 --gdb /tmp/g
@@ -154,7 +158,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 chunk = str(int(args.chunk_mb * (1 << 20)) // ITEM)
                 me = [sys.executable, __file__, "--workdir", tmp, "--chunk-items", chunk, "--role"]
-                own_env = {**env, **dict(kv.split("=", 1) for kv in args.owner_env)}
+                own_env = {"UCX_HANDLE_ERRORS": "bt", **env, **dict(kv.split("=", 1) for kv in args.owner_env)}
                 gdb: list[str] = []
                 if args.gdb:  # the crash's frames and the request's fields, then the exit code gdb reports
                     args.gdb.mkdir(parents=True, exist_ok=True)
@@ -162,7 +166,8 @@ def main() -> None:
                     gdb = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGPIPE nostop noprint"]
                     gdb += ["-ex", "run", "-ex", "bt 12", "-ex", "info registers", "-ex", "x/8i $pc-16"]
                     gdb += ["-ex", "frame 1", "-ex", "info registers", "-ex", "kill", "--args"]
-                out = open(args.gdb / f"owner{len(codes)}.txt", "wb") if args.gdb else subprocess.DEVNULL  # noqa: SIM115
+                log = args.gdb / f"owner{len(codes)}.txt" if args.gdb else Path(tmp) / "owner.log"
+                out = open(log, "wb")  # noqa: SIM115
                 own_cmd = [*net.exec_prefix("owner"), *gdb, *me, "owner"]
                 own = subprocess.Popen(own_cmd, env=own_env, stdout=out, stderr=out)
                 cut = ["--cut", net.netns("owner")] if args.mode == "cut" else []
@@ -170,14 +175,28 @@ def main() -> None:
                 read_env = {**env, **dict(kv.split("=", 1) for kv in args.reader_env)}
                 subprocess.run(run, env=read_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
                 codes.append(own.wait(timeout=90))
+                out.close()
+                text = log.read_text(errors="replace")
                 if args.gdb:
-                    text = (args.gdb / f"owner{len(codes) - 1}.txt").read_text(errors="replace")
-                    codes[-1] = -11 if "SIGSEGV" in text else codes[-1]
+                    codes[-1] = -11 if "SIGSEGV" in text else -6 if "SIGABRT" in text else codes[-1]
+                if codes[-1] < 0:
+                    print(f"trial {len(codes) - 1}: owner died by signal {-codes[-1]}: {_signature(text)}", flush=True)
     how = f"{args.chunk_mb:g} MiB READs one at a time" if args.chunk_mb else "one READ"
     extra = f"; owner env {args.owner_env}" if args.owner_env else ""
     extra += f"; reader env {args.reader_env}" if args.reader_env else ""
     print(f"owner exit codes ({args.mode}, {ITEM}-byte descriptors, {how}, UCX over TCP{extra}): {codes}")
     print(f"crashed (SIGSEGV): {sum(c == -11 for c in codes)} of {len(codes)}")
+    print(f"crashed (any signal): {sum(c < 0 for c in codes)} of {len(codes)}")
+
+
+def _signature(log: str) -> str:
+    """What a dead owner's log says of its end: UCX's error line and its first UCX frames."""
+    lines = log.splitlines()
+    said = [ln.strip() for ln in lines if any(k in ln for k in ("Caught signal", "Assertion", "Fatal", "free()"))]
+    frames = [ln.split("(")[1].split(")")[0] for ln in lines if ln.lstrip()[:2].strip().isdigit() and "(" in ln]
+    frames = [f for f in frames if f.startswith(("ucp_", "uct_", "ucs_", "ucm_"))][:6]
+    found = "; ".join(said[:2]) + (" | " + " < ".join(frames) if frames else "")
+    return found or "(no UCX report) " + " / ".join(ln.strip() for ln in lines[-3:])
 
 
 if __name__ == "__main__":
