@@ -45,6 +45,23 @@ _PROBE = """
             dirty += any(ctypes.string_at(q, n))
             ucs.ucs_free(ctypes.c_void_p(q))
         return dirty
+    def pool_dirty(n=41_044, times=50):
+        # UCP's request pool takes its chunks from ucs_mpool_hugetlb_malloc (a SysV huge
+        # page, else ucs_malloc). A stand-in pool whose every field points at its name.
+        ucs = ctypes.CDLL(str(nixl._libucs_path()))
+        name = ctypes.c_char_p(b"probe")
+        data = (ctypes.c_void_p * 32)(*[ctypes.cast(name, ctypes.c_void_p).value] * 32)
+        mp = (ctypes.c_void_p * 2)(None, ctypes.addressof(data))
+        dirty = 0
+        for _ in range(times):
+            p = libc.malloc(n)
+            ctypes.memset(p, 0xFF, n)
+            libc.free(ctypes.c_void_p(p))
+            size, chunk = ctypes.c_size_t(n), ctypes.c_void_p()
+            assert ucs.ucs_mpool_hugetlb_malloc(mp, ctypes.byref(size), ctypes.byref(chunk)) == 0
+            dirty += any(ctypes.string_at(chunk.value, size.value))
+            ucs.ucs_mpool_hugetlb_free(mp, chunk)
+        return dirty
     guard = nixl.protect_owner_heap("cpu", "0.0.0.0")
 """
 
@@ -66,19 +83,21 @@ def _run(code: str, **env: str) -> str:
 @pytest.mark.parametrize(
     ("setting", "guard", "heap_mmapped", "ucx_zeroed"),
     [
+        ("1", "ucx", False, True),  # the default guard: UCX's allocations zeroed
         ("ucx", "ucx", False, True),  # UCX's allocations zeroed, and only those
-        ("1", "process", True, False),  # the default guard: the whole process's threshold
         ("process", "process", True, False),  # the whole process's threshold; a freed heap block still serves UCX
         ("0", "None", False, False),
     ],
 )
 def test_the_guard_zeroes_ucx_allocations_and_leaves_the_heap_alone(setting, guard, heap_mmapped, ucx_zeroed):
-    out = _run('print("guard", guard, "mmapped", mmapped(), "dirty", ucx_dirty())', PDKV_HEAP_GUARD=setting)
-    words = out.split()
-    got = words[words.index("guard") + 1], int(words[words.index("mmapped") + 1]), int(words[words.index("dirty") + 1])
-    assert got[0] == guard, out
-    assert (got[1] > 25) == heap_mmapped, out  # glibc's default threshold is 128 KiB
-    assert (got[2] == 0) == ucx_zeroed, out  # 50 blocks dirtied, freed, then asked for by UCX
+    code = 'print("guard", guard, "mmapped", mmapped(), "dirty", ucx_dirty(), "pool", pool_dirty())'
+    words = _run(code, PDKV_HEAP_GUARD=setting).split()
+    got = {k: words[words.index(k) + 1] for k in ("guard", "mmapped", "dirty", "pool")}
+    assert got["guard"] == guard, got
+    assert (int(got["mmapped"]) > 25) == heap_mmapped, got  # glibc's default threshold is 128 KiB
+    assert (int(got["dirty"]) == 0) == ucx_zeroed, got  # 50 blocks dirtied, freed, then asked for by UCX
+    if ucx_zeroed or Path("/proc/sys/vm/nr_hugepages").read_text().strip() == "0":  # a huge page comes zeroed
+        assert (int(got["pool"]) == 0) == ucx_zeroed, got  # the same, asked for as a request pool's chunk
 
 
 def test_a_ucx_read_through_the_guarded_libucs_moves_its_bytes():

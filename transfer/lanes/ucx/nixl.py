@@ -4,7 +4,7 @@ What this module changes in the process that hosts pdkv (docs/sglang.md, "What p
 changes in SGLang's processes"), each with its switch:
 
     UCX_* variables   set (where unset) before NIXL loads UCX      PDKV_UCX_ENV=0: none set
-    mallopt(M_MMAP_THRESHOLD, 32 KiB) in an owner read over TCP    PDKV_HEAP_GUARD=0|1|auto|process|ucx
+    libucs's malloc made calloc in an owner read over TCP          PDKV_HEAP_GUARD=0|1|auto|ucx|process
 """
 
 from __future__ import annotations
@@ -152,12 +152,14 @@ def protect_owner_heap(device: str = "cpu", bind_host: str | None = None) -> str
     that field, and heap garbage left in the request pool's chunks (41 KB) segfaulted the
     owner. A chunk that comes zeroed reads as a plain buffer with nothing to release.
 
-    "process", the default: see below. "ucx", only where PDKV_HEAP_GUARD=ucx asks for it (owners
-    still died under it, SIGABRT in the TCP endpoint's pending purge): the pool's chunks come
-    from libucs's `malloc` (ucs_malloc), so that one GOT slot of
-    libucs is pointed at `calloc(1, size)`: every allocation UCX makes through libucs is
-    zeroed, and nothing else in the process changes (x86-64, libucs found beside NIXL).
-    "process", otherwise or where "ucx" cannot be done: glibc's
+    "ucx", the default: the pool's chunks come from libucs's `malloc` (ucs_mpool_hugetlb_malloc
+    -> ucs_malloc, in libucs), so that one GOT slot of libucs is pointed at `calloc(1, size)`:
+    every allocation UCX makes through libucs is zeroed, and nothing else in the process
+    changes (x86-64, libucs found beside NIXL). Nothing else a NIXL owner asks of UCX writes
+    that field (proto v2 sends leave it; NIXL posts no receive and no worker flush, whose
+    fields share its place), so a request reused from the pool still reads CONTIG (no owner
+    crash in 50 kills and 50 cuts, `scripts/bench_owner_faults.py`, 2026-12-03).
+    "process", where PDKV_HEAP_GUARD=process asks for it or "ucx" cannot be done: glibc's
     `M_MMAP_THRESHOLD` at 32 KiB for the whole process, so every allocation of 32 KiB or more
     is a fresh mmap; it costs every tensor and array of the engine a syscall and fresh pages
     (a `MALLOC_MMAP_THRESHOLD_` in the environment wins: glibc then has it already).
@@ -172,9 +174,7 @@ def protect_owner_heap(device: str = "cpu", bind_host: str | None = None) -> str
     if reason is None:
         logger.debug("no owner heap guard: no READ of this owner goes over UCX's tcp")
         return None
-    # The zeroing guard only where asked for: owners still died under it (SIGABRT in the
-    # TCP endpoint's pending purge) in faults where the threshold kept them alive.
-    if setting == "ucx":
+    if setting != "process":
         if (why := _zero_ucx_allocations()) is None:
             logger.info("owner heap guard set (UCX's allocations zeroed): %s; PDKV_HEAP_GUARD=0 turns it off", reason)
             return "ucx"
