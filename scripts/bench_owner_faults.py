@@ -23,8 +23,8 @@ control: a huge one stands in for the unbounded READs of before commit 15765c2.
 `--owner-env KEY=VAL` (repeatable) sets an environment variable for the prefill host's
 processes (the owners, and the registry) and not for the decodes; `--decode-env` the reverse.
 See `repro_ucx_tcp_crash.py` for the crash the owners' heap guard is for. pdkv's guard
-(`protect_owner_heap`) is the mmap threshold; `--owner-env PDKV_HEAP_GUARD=ucx` zeroes UCX's
-own allocations instead, `=0` sets none. Figures: docs/benchmarks.md, "Owner crashes under
+(`protect_owner_heap`) zeroes UCX's own allocations; `--owner-env PDKV_HEAP_GUARD=process`
+sets the whole process's mmap threshold instead, `=0` sets none. Figures: docs/benchmarks.md, "Owner crashes under
 faults".
 """
 
