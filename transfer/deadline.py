@@ -64,5 +64,5 @@ async def wait_until(ready: Callable[[], bool], changed: Callable[[], asyncio.Ev
         if left <= 0:
             return False
         with contextlib.suppress(asyncio.TimeoutError):
-            await within(changed().wait(), left)
+            await asyncio.wait_for(changed().wait(), left)
     return True

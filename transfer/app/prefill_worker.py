@@ -52,7 +52,7 @@ from transfer.app.synthetic import (
     token_locations,
 )
 from transfer.control import HttpService, health, make_app, path_int, read_body, reply
-from transfer.deadline import Deadline, within
+from transfer.deadline import Deadline
 from transfer.logctx import request_context
 from transfer.metadata import OwnerPin, RoomTicket
 from transfer.prefill.exporter import INCARNATION_HEX, PrefillExporter
@@ -257,7 +257,7 @@ class PrefillEngineRank:
         deadline = Deadline.after(self.timeouts.prefill) if budget is None else Deadline.from_wire(budget)
         self.queue.append(pending)
         try:
-            return reply(await within(asyncio.shield(pending.done), deadline.left()))
+            return reply(await asyncio.wait_for(asyncio.shield(pending.done), deadline.left()))
         except asyncio.TimeoutError as exc:
             raise DeadlineExceeded(f"room {pending.request.room} not prefilled by its deadline") from exc
 

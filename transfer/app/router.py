@@ -29,7 +29,7 @@ from transfer.app.api import DecodeReply, DecodeRequest, PrefillReply, PrefillRe
 from transfer.app.supervisor import DecoderEndpoint, EngineEndpoints, Supervisor
 from transfer.app.supervisor import DeploymentSpec as DeploymentSpec
 from transfer.control import ControlClient
-from transfer.deadline import Deadline, within
+from transfer.deadline import Deadline
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class TokenBudget:
         if self.free < tokens:  # no await on the fast path: wait_for may swallow a cancel
             async with self._changed:
                 try:
-                    await within(self._changed.wait_for(lambda: self.free >= tokens), timeout)
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= tokens), timeout)
                 except asyncio.TimeoutError as exc:
                     raise CapacityError(f"no room for {tokens} tokens within {timeout:.0f}s") from exc
         self.free -= tokens

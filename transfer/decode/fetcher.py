@@ -38,7 +38,7 @@ import torch
 from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError
 from pdkv.pages import PageIds, page_ids
 from transfer.control import ControlClient
-from transfer.deadline import Deadline, within
+from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
 from transfer.decode.landing import Landing, StreamFetch, StreamLanding, consumer_stream
 from transfer.decode.lease import RoomLease
@@ -132,7 +132,7 @@ class DecodeFetcher:
             self._owners.cancel()
         self._ctx.tasks.cancel_all()
         try:
-            await within(activity.idle.wait(), self.timeouts.request)
+            await asyncio.wait_for(activity.idle.wait(), self.timeouts.request)
         except asyncio.TimeoutError:
             logger.warning("closing with %d fetches still in flight", activity.active)
         await self._ctx.feed.aclose()

@@ -25,7 +25,7 @@ from pdkv.errors import (
     UnknownRoomError,
 )
 from pdkv.layout import BufferKind
-from transfer.deadline import Deadline, within
+from transfer.deadline import Deadline
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.base import Lane, Pairs, Peer, Signals
 from transfer.lanes.runs import BufferPair, device_id
@@ -90,7 +90,7 @@ class Owners:
             task = self._lookups[engine_id] = asyncio.create_task(self._resolve(engine_id))
             task.add_done_callback(lambda _: self._lookups.pop(engine_id, None))
         try:
-            return await within(asyncio.shield(task), deadline.left(self.timeouts.lookup))
+            return await asyncio.wait_for(asyncio.shield(task), deadline.left(self.timeouts.lookup))
         except asyncio.TimeoutError as exc:
             raise DeadlineExceeded(f"engine {engine_id}: lookup did not finish by the deadline") from exc
         except asyncio.CancelledError:

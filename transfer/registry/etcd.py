@@ -42,7 +42,7 @@ from pdkv.errors import (
     TransferError,
     UnknownEngineError,
 )
-from transfer.deadline import Deadline, retry_until, within
+from transfer.deadline import Deadline, retry_until
 from transfer.metadata import EngineDescriptor, RankDescriptor, decode, encode
 from transfer.registry.base import assemble
 from transfer.timeouts import Timeouts
@@ -172,7 +172,7 @@ class EtcdRegistry:
             share = min(remaining, max(remaining / (members - tried + 1), self.timeouts.attempt))
             client = self._client
             try:
-                return await within(self._authenticated(call, client), share)
+                return await asyncio.wait_for(self._authenticated(call, client), share)
             except asyncio.TimeoutError as exc:
                 if tried == members:
                     raise DeadlineExceeded(f"{what} on {self.where}: no answer in {limit:.1f}s") from exc
@@ -269,14 +269,14 @@ class EtcdRegistry:
                 return
 
         try:
-            await within(first_event(), deadline.remaining())
+            await asyncio.wait_for(first_event(), deadline.remaining())
         except asyncio.TimeoutError:
             raise type(pending)(f"{pending} (watched until the deadline)") from None
         except (aetcd.exceptions.ClientError, rpc.AioRpcError) as exc:
             raise self._translate(exc, "watch") from exc
         finally:
             try:
-                await within(watch.cancel(), self.timeouts.request)
+                await asyncio.wait_for(watch.cancel(), self.timeouts.request)
             except Exception as exc:  # the stream may already be gone with etcd
                 logger.debug("cancelling a watch on %s: %s", self.where, exc)
 
@@ -289,7 +289,7 @@ class EtcdRegistry:
 async def _close_quietly(client: aetcd.Client, what: str, timeout: float) -> None:
     """Close an etcd client, bounded; closing must not fail a shutdown, etcd may be gone."""
     try:
-        await within(client.close(), timeout)
+        await asyncio.wait_for(client.close(), timeout)
     except Exception as exc:
         logger.warning("closing the etcd client of %s: %s", what, exc)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdkv.errors import AuthError, DeadlineExceeded, PdkvError, PeerLostError, TransferError
-from transfer.deadline import Deadline, within
+from transfer.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _left(deadline: Deadline) -> float:
 
 async def _bounded(aw: Awaitable[bytes], deadline: Deadline) -> bytes:
     try:
-        return await within(aw, _left(deadline))
+        return await asyncio.wait_for(aw, _left(deadline))
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded("fd exchange past its deadline") from exc
 
@@ -142,7 +142,7 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, dead
 
 async def _send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, body: bytes, deadline: Deadline) -> None:
     try:
-        await within(loop.sock_sendall(sock, _LEN.pack(len(body)) + body), _left(deadline))
+        await asyncio.wait_for(loop.sock_sendall(sock, _LEN.pack(len(body)) + body), _left(deadline))
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded("fd exchange past its deadline") from exc
 
@@ -158,7 +158,7 @@ async def _wait_io(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: 
     fd = sock.fileno()
     (loop.add_writer if write else loop.add_reader)(fd, wake)
     try:
-        await within(ready, _left(deadline))
+        await asyncio.wait_for(ready, _left(deadline))
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded("fd exchange past its deadline") from exc
     finally:
@@ -405,7 +405,7 @@ async def fetch_fds(
     try:
         sock.setblocking(False)
         try:
-            await within(loop.sock_connect(sock, _sockaddr(address)), _left(deadline))
+            await asyncio.wait_for(loop.sock_connect(sock, _sockaddr(address)), _left(deadline))
         except asyncio.TimeoutError as exc:
             raise DeadlineExceeded(f"connecting to fd server {address}") from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pdkv.errors import DeadlineExceeded, PeerLostError, TransferError
-from transfer.deadline import Deadline, within
+from transfer.deadline import Deadline
 from transfer.lanes.base import ReadStats
 from transfer.lanes.ucx.nixl import load_nixl, quietly, translate
 from transfer.lanes.ucx.plan import ReadPlan
@@ -187,7 +187,7 @@ class UcxTransport:
                 loaded.append(worker)
                 # Wire up now rather than inside the first READ, which would wait for it.
                 connect = worker.call(functools.partial(worker.connect, agent_name))
-                await within(connect, self.timeouts.connect)
+                await asyncio.wait_for(connect, self.timeouts.connect)
         except Exception as exc:
             for worker in loaded:
                 with contextlib.suppress(Exception):
