@@ -1,4 +1,3 @@
-import asyncio
 import time
 
 import pytest
@@ -41,19 +40,3 @@ async def test_wait_until_wakes_on_a_change_and_gives_up_at_its_timeout():
     asyncio.get_running_loop().call_later(0.02, bump)
     assert await wait_until(lambda: state["n"] >= 2, lambda: state["event"], 5.0)
     assert not await wait_until(lambda: state["n"] >= 3, lambda: state["event"], 0.05)
-
-
-async def test_within_keeps_a_cancellation_that_comes_as_its_awaitable_ends():
-    """The awaitable ends (here with an error, as a refused connection does) in the same turn
-    as its caller is cancelled: the caller still ends cancelled, not with the result or error,
-    so a retry loop around it stops (3.11's wait_for swallowed it: a renewal task ran on
-    after its exporter's close)."""
-    from transfer.deadline import within
-
-    inner: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    caller = asyncio.ensure_future(within(inner, 10))
-    await asyncio.sleep(0)  # the caller now waits on `inner`
-    inner.set_exception(ConnectionRefusedError())
-    caller.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await caller

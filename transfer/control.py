@@ -35,7 +35,6 @@ from prometheus_client import REGISTRY, generate_latest
 from pdkv import errors
 from pdkv.errors import AuthError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
 from transfer.addresses import http_url, is_wildcard
-from transfer.deadline import within
 from transfer.http_guard import MAX_CONNECTIONS, ConnectionGuard
 from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode, error_from, error_reply
@@ -132,7 +131,7 @@ async def read_body(request: web.Request, kind: type[T], fingerprint: str | None
 
     limit = request.config_dict[_TIMEOUTS].body
     try:
-        data = await within(receive(), limit)
+        data = await asyncio.wait_for(receive(), limit)
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded(f"request body not received within {limit:g}s") from exc
     return decode(data, kind, fingerprint)
@@ -298,7 +297,7 @@ class ControlClient:
 async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) -> R:
     """One HTTP exchange under `limit` seconds, its failures as pdkv errors."""
     try:
-        return await within(exchange, limit)
+        return await asyncio.wait_for(exchange, limit)
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded(f"{what}: no answer within {limit:.1f}s") from exc
     except aiohttp.ClientError as exc:

@@ -9,28 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from pdkv.deadline import Deadline
 
-__all__ = ["Deadline", "retry_until", "wait_until", "within"]
+__all__ = ["Deadline", "retry_until", "wait_until"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-async def within(aw: Awaitable[T], seconds: float) -> T:
-    """`aw`'s result within `seconds`, else `TimeoutError`. Through `asyncio.timeout` where
-    there is one: 3.11's `wait_for` returns the result of an awaitable that ends as its caller
-    is cancelled, swallowing the cancellation, and a retry loop around it then runs on (an
-    exporter's lease renewal outlived its close so, its close awaiting it forever)."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await aw
-    return await asyncio.wait_for(aw, seconds)  # pragma: no cover  (3.10)
 
 
 async def retry_until(
