@@ -1,3 +1,4 @@
+import asyncio
 import time
 
 import pytest
@@ -40,3 +41,25 @@ async def test_wait_until_wakes_on_a_change_and_gives_up_at_its_timeout():
     asyncio.get_running_loop().call_later(0.02, bump)
     assert await wait_until(lambda: state["n"] >= 2, lambda: state["event"], 5.0)
     assert not await wait_until(lambda: state["n"] >= 3, lambda: state["event"], 0.05)
+
+
+async def test_a_retry_loop_ends_on_a_cancel_that_wait_for_swallowed():
+    """The awaited exchange fails (a refused connection) in the same turn as its task is
+    cancelled: 3.11's wait_for raises the refusal, not the cancel; retry_until still ends
+    cancelled rather than retrying on (an exporter's renewal once outlived its close so)."""
+    from transfer.deadline import retry_until
+
+    loop = asyncio.get_running_loop()
+    inners: list[asyncio.Future[None]] = []
+
+    async def attempt() -> None:
+        inners.append(loop.create_future())
+        await asyncio.wait_for(inners[-1], 10)
+
+    caller = asyncio.ensure_future(retry_until(attempt, Deadline.after(60), ConnectionRefusedError, "test"))
+    await asyncio.sleep(0)  # the caller now waits on its first attempt
+    inners[0].set_exception(ConnectionRefusedError())
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, 5)
+    assert len(inners) == 1

@@ -14,11 +14,22 @@ from typing import TypeVar
 
 from pdkv.deadline import Deadline
 
-__all__ = ["Deadline", "retry_until", "wait_until"]
+__all__ = ["Deadline", "raise_if_cancelled", "retry_until", "wait_until"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def raise_if_cancelled() -> None:
+    """Raise `CancelledError` where this task was cancelled though what it awaited ended
+    otherwise: 3.11's `wait_for` hands back the result or error of an awaitable that ends as
+    its caller is cancelled, and a retry loop would then run on (an exporter's lease renewal,
+    cancelled by its close as a PUT to a gone registry was refused, retried forever)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # 3.11+
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
 
 
 async def retry_until(
@@ -36,6 +47,7 @@ async def retry_until(
         try:
             return await attempt()
         except retry_on as exc:
+            raise_if_cancelled()
             if deadline.remaining() < delay:
                 raise
             logger.debug("%s: %s; retrying", what, exc)

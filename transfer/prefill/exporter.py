@@ -24,7 +24,7 @@ from pdkv.errors import PdkvError
 from pdkv.layout import BufferKind
 from transfer.addresses import advertised_for
 from transfer.control import HttpService, make_app
-from transfer.deadline import Deadline
+from transfer.deadline import Deadline, raise_if_cancelled
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.cuda_ipc.export import IpcExporter
 from transfer.lanes.runs import device_id, mem_type
@@ -314,6 +314,7 @@ class PrefillExporter:
                 pause = self.timeouts.renew_interval
                 self._registered = time.monotonic()
             except PdkvError as exc:  # the registry may be restarting: keep trying at register_until's pace
+                raise_if_cancelled()
                 logger.warning("lease renewal failed: %s", exc)
                 pause = 0.0
 
