@@ -40,6 +40,9 @@ Schema history:
      each owner where its read starts (a UCX notification), so the owner frees the pages
      below every reader's start ahead of the release. ReleaseNotice.abort is named give_up:
      a consumer gives up; only a prefill aborts.
+ 15: ClaimAll, OwnerRef, OwnerClaim, ClaimAllReply: a decode asks the arbiter (the lowest CP
+     rank) for its claim on every owner at once; the arbiter grants its own first (it
+     decides a race) and relays the claim to the other owners: one round trip for the decode.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ __all__ = [
     "RoomTicket",
     "TicketRelease",
     "ClaimRequest",
+    "ClaimAll",
+    "OwnerRef",
+    "OwnerClaim",
+    "ClaimAllReply",
     "ClaimRelease",
     "ReadFrom",
     "ReleaseNotice",
@@ -83,7 +90,7 @@ __all__ = [
     "decode_any",
 ]
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -388,6 +395,42 @@ class ClaimRequest(_Wire, frozen=True):
     consumer_id: Name
     claim: ClaimToken
     readers: Annotated[int, Meta(ge=1, le=1024)] = 1
+
+
+class OwnerRef(_Wire, frozen=True):
+    """An owner as the decode looked it up: a claim relayed to it must reach that incarnation."""
+
+    cp_rank: Count
+    incarnation: Name
+
+
+class ClaimAll(_Wire, frozen=True):
+    """`ask` on every owner, asked of the arbiter (the engine's lowest CP rank): it grants its
+    own claim first, then relays `ask` to each of `others` at once and answers all of them
+    within `budget_ms` (what is left of the decode's wait)."""
+
+    ask: ClaimRequest
+    others: Annotated[list[OwnerRef], Meta(max_length=1024)]
+    budget_ms: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+
+
+class OwnerClaim(_Wire, frozen=True):
+    """One owner's answer to a relayed claim: the room as the claim found it, or why not."""
+
+    cp_rank: Count
+    state: RoomState | None = None
+    error: ErrorReply | None = None
+
+    def __post_init__(self) -> None:
+        if (self.state is None) == (self.error is None):
+            raise ValueError("an owner's claim answers a state or an error")
+
+
+class ClaimAllReply(_Wire, frozen=True):
+    """The arbiter's answer to `ClaimAll`: its own claim's state, then each relayed owner's."""
+
+    arbiter: RoomState
+    others: Annotated[list[OwnerClaim], Meta(max_length=1024)]
 
 
 class ReleaseNotice(_Wire, frozen=True):
