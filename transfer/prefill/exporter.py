@@ -39,6 +39,7 @@ from transfer.metadata import (
     RoomState,
 )
 from transfer.metrics import track_exporter, untrack_exporter
+from transfer.prefill.peers import Peers
 from transfer.prefill.pins import PinWords
 from transfer.prefill.rooms import OnEnd, RoomTable
 from transfer.prefill.service import PrefillService
@@ -103,6 +104,8 @@ class PrefillExporter:
         self._readiness = ReadinessHub(lambda consumer: self.rooms.give_up_consumer(consumer), timeouts.heartbeat)
         self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._pushed)
         self._ipc = IpcExporter(secret, timeouts)
+        # As its engine's arbiter (the lowest rank) it relays decodes' claims to the other ranks.
+        self._peers = Peers(self._registry, engine_id, cp_rank, pool.layout.fingerprint, timeouts, secret)
         self._service = PrefillService(
             self.rooms,
             self._readiness,
@@ -111,6 +114,7 @@ class PrefillExporter:
             cp_rank=cp_rank,
             incarnation=self.incarnation,
             engine_id=engine_id,
+            relay=self._peers.relay,
         )
         app = make_app(secret, engine=engine_id, rank=cp_rank)
         self._service.add_routes(app, self.readiness, self._stats)
@@ -176,6 +180,7 @@ class PrefillExporter:
         self._pins.clear()  # from now on no read proves itself by a word of this owner
         untrack_exporter(self)
         self._readiness.close()  # event streams end before the HTTP server stops
+        await self._service.close()  # and claim channels
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -184,6 +189,7 @@ class PrefillExporter:
             await self._registry.leave(self.engine_id, self.cp_rank)
         await self._registry.aclose()
         await self._http.aclose()
+        await self._peers.aclose()
         if self.transport is not None:
             await self.transport.aclose()
             self.transport = None

@@ -1,6 +1,10 @@
 """What decodes ask of a prefill rank: its HTTP routes and its release notifications.
 
     POST /v1/rooms/{room}/claim      ClaimRequest -> RoomState, once published (long-poll)
+    GET  /v1/claims                  a channel (`transfer.control.serve_channel`) of calls
+                                     ClaimAll -> ClaimAllReply: a claim here (as POST .../claim)
+                                     and, asked of the arbiter (the lowest CP rank), relayed to
+                                     the other ranks it names (`transfer.prefill.peers`)
     GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
     GET  /v1/rooms/{room}?after=N&after_pages=P&claim=T
                                      RoomState once layers beyond N (or, for a room sent
@@ -23,19 +27,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import msgspec
 from aiohttp import web
 
-from pdkv.errors import MetadataError, PdkvError
-from transfer.control import health, path_int, query_int, read_body, reply
+from pdkv.errors import MetadataError, NotReadyError, PdkvError
+from transfer.control import health, path_int, query_int, read_body, reply, serve_channel
+from transfer.deadline import Deadline
 from transfer.logctx import request_context
 from transfer.metadata import (
+    ClaimAll,
+    ClaimAllReply,
     ClaimRelease,
     ClaimRequest,
+    OwnerClaim,
     OwnerPin,
+    OwnerRef,
     ReadFrom,
     ReleaseNotice,
     RoomState,
@@ -43,7 +52,9 @@ from transfer.metadata import (
     TicketRelease,
     claim_token,
     consumer_name,
+    decode,
     decode_any,
+    encode,
 )
 from transfer.prefill.rooms import RoomTable
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
@@ -55,6 +66,8 @@ Readiness = Callable[[], tuple[bool, str]]
 """(ready, why): whether decodes can find and read this rank (`PrefillExporter.readiness`)."""
 Stats = Callable[[], dict[str, int]]
 """What `/v1/stats` reports (the rooms' counters and the registered bytes)."""
+Relay = Callable[[ClaimRequest, list[OwnerRef], Deadline], Awaitable[list[OwnerClaim]]]
+"""A claim relayed to the engine's other ranks, each one's answer (`Peers.relay`)."""
 
 
 class PrefillService:
@@ -73,9 +86,14 @@ class PrefillService:
         cp_rank: int,
         incarnation: str,
         engine_id: str,
+        relay: Relay | None = None,
     ) -> None:
+        """`relay`: how this rank, as its engine's arbiter, relays a claim to the other
+        ranks (`ClaimAll`); None: it refuses such requests (`NotReadyError`)."""
         self.rooms, self._hub, self._fp, self._timeouts = rooms, hub, fingerprint, timeouts
         self._cp_rank, self._incarnation, self._engine_id = cp_rank, incarnation, engine_id
+        self._relay = relay
+        self._channels: set[web.WebSocketResponse] = set()
 
     def add_routes(self, app: web.Application, readiness: Readiness, stats: Stats) -> None:
         """Serve the routes above on `app`; `/ready` answers `readiness()`, `/v1/stats` `stats()`."""
@@ -91,6 +109,7 @@ class PrefillService:
         app.router.add_get("/v1/rooms/{room}", self._wait)
         app.router.add_get("/v1/events", self._events)
         app.router.add_post("/v1/rooms/{room}/claim", self._claim)
+        app.router.add_get("/v1/claims", self._channel)
         app.router.add_post("/v1/rooms/{room}/release", self._release)
         app.router.add_post("/v1/rooms/{room}/abort", self._abort)
         app.router.add_get("/v1/stats", stats_route)
@@ -183,6 +202,38 @@ class PrefillService:
         await self.rooms.wait(room, -1, self._timeouts.poll)  # until it is published
         state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
         return reply(self.with_pin(state), self._fp)
+
+    async def _channel(self, request: web.Request) -> web.StreamResponse:
+        return await serve_channel(request, self._claim_all, self._channels)
+
+    async def _claim_all(self, data: bytes) -> bytes:
+        """A claim here, then on every other rank the call names: one call for the decode.
+
+        Granted here first: a claimant refused here (another won the room) is refused before
+        any other rank is asked, so of two racing for a room one holds it everywhere. Every
+        claimant asks the same rank first (the lowest), so a rank refuses to arbitrate for a
+        lower one."""
+        asked = decode(data, ClaimAll, self._fp)
+        ask, others, room = asked.ask, asked.others, asked.ask.room
+        ranks = [o.cp_rank for o in others]
+        if len(set(ranks)) != len(ranks) or any(r <= self._cp_rank for r in ranks):
+            raise MetadataError(f"cp rank {self._cp_rank} arbitrates only for distinct higher ranks, asked {ranks}")
+        if self._relay is None and others:
+            raise NotReadyError(f"cp rank {self._cp_rank} relays no claims")
+        deadline = Deadline.from_wire(asked.budget_ms)
+        with self.about(room):
+            await self.rooms.wait(room, -1, deadline.left(self._timeouts.poll))  # until it is published
+            state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
+            relayed: list[OwnerClaim] = []
+            if state.status is not RoomStatus.UNKNOWN and others:  # unpublished here: nothing granted, ask again
+                assert self._relay is not None
+                relayed = await self._relay(ask, list(others), deadline)
+        return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed), self._fp)
+
+    async def close(self) -> None:
+        """End the open channels (a closing service must not wait for their peers)."""
+        for ws in list(self._channels):
+            await ws.close()
 
     async def _release(self, request: web.Request) -> web.Response:
         room = path_int(request, "room")

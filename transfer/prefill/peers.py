@@ -1,0 +1,96 @@
+"""The arbiter's relay: a decode's claim on every owner (`ClaimAll`), asked of the engine's
+lowest CP rank, relayed from there to the engine's other ranks.
+
+The arbiter grants its own claim first (that decides a race: every claimant asks it first),
+then asks each other rank for the same claim (the same token) at once, on the channels its
+own client keeps open to them (`ControlClient.call`), and answers the decode with every rank's answer: the decode
+makes one round trip instead of two steps. The other ranks' control URLs come from the
+registry (the decode names only ranks and incarnations, so a request cannot make the
+arbiter send anything anywhere else); the lookup is cached and asked again when a decode
+names an incarnation the cache does not hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdkv.errors import PdkvError, PeerLostError
+from transfer.control import ControlClient
+from transfer.deadline import Deadline
+from transfer.metadata import ClaimAll, ClaimAllReply, ClaimRequest, OwnerClaim, OwnerRef, error_reply
+from transfer.registry import RegistryClient
+from transfer.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+
+class Peers:
+    """The other ranks of this rank's engine, as the arbiter relays claims to them."""
+
+    def __init__(
+        self,
+        registry: RegistryClient,
+        engine_id: str,
+        cp_rank: int,
+        fingerprint: str,
+        timeouts: Timeouts,
+        secret: str | None = None,
+    ) -> None:
+        self._registry, self._engine_id, self._cp_rank, self._fp = registry, engine_id, cp_rank, fingerprint
+        self._client = ControlClient(timeouts, secret)
+        self._known: dict[int, tuple[str, str]] = {}  # cp rank -> (incarnation, control URL)
+        self._lookup: asyncio.Lock = asyncio.Lock()
+
+    async def relay(self, ask: ClaimRequest, others: list[OwnerRef], deadline: Deadline) -> list[OwnerClaim]:
+        """`ask` on each of `others` at once: each one's state, or the error that refused it,
+        all within `deadline` (a rank not answering by then answers `DeadlineExceeded`)."""
+        try:
+            urls = await self._urls(others, deadline)
+        except PdkvError as exc:  # the registry is away: every rank answers why (the decode asks them itself)
+            return [OwnerClaim(cp_rank=o.cp_rank, error=error_reply(exc)) for o in others]
+        return list(await asyncio.gather(*(self._one(ask, o, urls.get(o.cp_rank), deadline) for o in others)))
+
+    async def _one(self, ask: ClaimRequest, owner: OwnerRef, url: str | None, deadline: Deadline) -> OwnerClaim:
+        try:
+            if url is None:
+                why = f"cp rank {owner.cp_rank} incarnation {owner.incarnation} is not registered"
+                raise PeerLostError(f"{self._engine_id}: {why}", owner.incarnation)
+            call = ClaimAll(ask=ask, others=[], budget_ms=max(1, deadline.to_wire()))
+            answer = await self._client.call(
+                f"{url}/v1/claims",
+                call,
+                ClaimAllReply,
+                fingerprint=self._fp,
+                expect_fingerprint=self._fp,
+                timeout=deadline.left(),
+            )
+            return OwnerClaim(cp_rank=owner.cp_rank, state=answer.arbiter)
+        except PdkvError as exc:
+            logger.debug("room %d: relaying a claim to cp rank %d: %s", ask.room, owner.cp_rank, exc)
+            return OwnerClaim(cp_rank=owner.cp_rank, error=error_reply(exc))
+
+    async def _urls(self, others: list[OwnerRef], deadline: Deadline) -> dict[int, str]:
+        """The control URL of each of `others` that is registered as that incarnation; the
+        registry is asked again (once) where the cache does not hold one."""
+
+        def found() -> dict[int, str]:
+            held = ((o.cp_rank, self._known.get(o.cp_rank)) for o in others)
+            names = {o.cp_rank: o.incarnation for o in others}
+            return {r: k[1] for r, k in held if k is not None and k[0] == names[r]}
+
+        urls = found()
+        if len(urls) == len(others):
+            return urls
+        async with self._lookup:
+            urls = found()  # another request may have looked it up meanwhile
+            if len(urls) == len(others):
+                return urls
+            engine = await self._registry.lookup(self._engine_id, deadline)
+            self._known = {
+                r.cp_rank: (r.incarnation, r.control_url) for r in engine.ranks if r.cp_rank != self._cp_rank
+            }
+            return found()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
