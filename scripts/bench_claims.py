@@ -42,7 +42,7 @@ Sent = tuple[str, float, float]  # (what: claim, release, poll...), sent, answer
 
 def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
     """Time every control request to an owner's rooms (`/v1/rooms/...`) into `log`; returns the undo."""
-    original = ControlClient.request
+    original, original_call = ControlClient.request, ControlClient.call
 
     async def timed(self: ControlClient, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         sent = time.perf_counter()
@@ -53,10 +53,20 @@ def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
                 tail = url.rsplit("/", 1)[-1].split("?")[0]
                 log.append((tail if tail in ("claim", "release", "abort") else "poll", sent, time.perf_counter()))
 
+    async def timed_call(self: ControlClient, url: str, *args: Any, **kwargs: Any) -> Any:
+        sent = time.perf_counter()
+        try:
+            return await original_call(self, url, *args, **kwargs)
+        finally:
+            if url.endswith("/v1/claims"):  # a claim on the owners' channel (the arbiter's: on every owner)
+                log.append(("claim", sent, time.perf_counter()))
+
     ControlClient.request = timed  # type: ignore[method-assign]
+    ControlClient.call = timed_call  # type: ignore[method-assign]
 
     def undo() -> None:
         ControlClient.request = original  # type: ignore[method-assign]
+        ControlClient.call = original_call  # type: ignore[method-assign]
 
     return undo
 

@@ -8,10 +8,22 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from pdkv.errors import RoomAbortedError
+from pdkv.errors import PdkvError, RoomAbortedError
 from tests.fakes.memory import FP, ROOM
 from tests.fakes.timeline import Awaits, Timeline
-from transfer.metadata import ClaimRequest, OwnerPin, RankDescriptor, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
+from transfer.metadata import (
+    ClaimAll,
+    ClaimAllReply,
+    ClaimRequest,
+    OwnerClaim,
+    OwnerPin,
+    RankDescriptor,
+    ReleaseNotice,
+    ReleaseReply,
+    RoomState,
+    RoomStatus,
+    error_reply,
+)
 
 
 @dataclass
@@ -127,8 +139,36 @@ class FakeClient:
         self.timeline.add("answer", op, owner.cp)
         return answer
 
+    async def call(
+        self, url: str, body: Any, kind: type, *, fingerprint: str, expect_fingerprint: str, timeout: float
+    ) -> Any:
+        """`ControlClient.call` on an owner's claim channel: a claim there, then (the arbiter)
+        relayed to the ranks it names, each recorded as a claim of its own."""
+        assert fingerprint == expect_fingerprint == FP and timeout > 0 and url.endswith("/v1/claims")
+        assert isinstance(body, ClaimAll) and kind is ClaimAllReply
+        base = url.removesuffix("/v1/claims")
+        state = await self.request("POST", f"{base}/v1/rooms/{ROOM}/claim", RoomState, body.ask, **_fp(timeout))
+        if state.status is RoomStatus.UNKNOWN or not body.others:
+            return ClaimAllReply(arbiter=state, others=[])
+        urls = {o.rank.cp_rank: url for url, o in self.by_url.items()}
+
+        async def relay(cp: int) -> OwnerClaim:
+            claimed = f"{urls[cp]}/v1/rooms/{ROOM}/claim"
+            try:
+                got = await self.request("POST", claimed, RoomState, body.ask, **_fp(timeout))
+                return OwnerClaim(cp_rank=cp, state=got)
+            except PdkvError as exc:
+                return OwnerClaim(cp_rank=cp, error=error_reply(exc))
+
+        others = await asyncio.gather(*(relay(o.cp_rank) for o in body.others))
+        return ClaimAllReply(arbiter=state, others=list(others))
+
     def of(self, cp: int, *ops: str) -> list[Request]:
         return [r for r in self.requests if r.cp == cp and r.op in ops]
+
+
+def _fp(timeout: float) -> dict[str, Any]:
+    return {"fingerprint": FP, "expect_fingerprint": FP, "timeout": timeout}
 
 
 class FakeFeed:

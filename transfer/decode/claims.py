@@ -22,13 +22,24 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from pdkv.errors import PeerLostError, UnknownRoomError
+from pdkv.errors import ClaimLostError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError, UnknownRoomError
 from transfer.deadline import Deadline
 from transfer.decode.batches import BatchSlot, ReadBatch
 from transfer.decode.owners import Owner, lost_peer, peers_of
 from transfer.decode.tasks import DecodeContext, Fetch
 from transfer.lanes.base import Lane, ReadStats
-from transfer.metadata import ClaimRequest, ReleaseNotice, ReleaseReply, RoomState, RoomStatus
+from transfer.metadata import (
+    ClaimAll,
+    ClaimAllReply,
+    ClaimRequest,
+    OwnerClaim,
+    OwnerRef,
+    ReleaseNotice,
+    ReleaseReply,
+    RoomState,
+    RoomStatus,
+    error_from,
+)
 from transfer.metrics import observe_read
 from transfer.readiness import ReadinessFeed
 from transfer.results import FetchResult, OwnerStats
@@ -36,6 +47,14 @@ from transfer.results import FetchResult, OwnerStats
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=msgspec.Struct)
+
+_MARGIN = 0.2  # seconds of a claim-all's wait kept for the arbiter's answer to come back
+
+
+def _unreached(error: PdkvError) -> bool:
+    """An error of the arbiter's relay that says nothing of the room (the rank was not
+    reached in time): the decode asks that rank itself."""
+    return isinstance(error, (PeerLostError, DeadlineExceeded))
 
 
 @dataclass
@@ -98,11 +117,89 @@ class ClaimProtocol:
         return FetchResult(job.engine_id, claim.room, nbytes, seconds, tuple(stats), freed, messages, freed_on)
 
     async def claim_all(self, owners: dict[int, Owner], claim: Claim, deadline: Deadline) -> None:
-        """Take `claim` on every owner: the arbiter (lowest rank) first, then the others at once."""
-        tasks = self.ctx.tasks
-        await tasks.run(self.claim_arbiter(owners, claim, deadline))
-        pending = [self.claim_owner(o, claim, deadline) for r, o in owners.items() if r not in claim.granted]
-        await tasks.run(asyncio.gather(*pending))
+        """Take `claim` on every owner in one round trip: the arbiter (lowest rank) grants its
+        own, relays it to the others and answers for all (`ClaimAll`). A rank the arbiter
+        could not reach, or where the room is not published yet, is claimed directly.
+
+        The owners' readiness streams are opened first (the caller forgets the room on
+        failure): a stream opened only once the claims are held can come up after the room
+        moved (an abort), and an owner pushes nothing to a consumer not listening yet."""
+        for o in owners.values():
+            self.ctx.feed.want(o.rank.control_url, claim.room)
+        arbiter = min(owners)
+        others = {r: o for r, o in owners.items() if r != arbiter and r not in claim.granted}
+        if arbiter in claim.granted or not others:
+            await self.ctx.tasks.run(self.claim_arbiter(owners, claim, deadline))
+            rest = [self.claim_owner(o, claim, deadline) for r, o in others.items()]
+            await self.ctx.tasks.run(asyncio.gather(*rest))
+            return
+        _, answers = await self.ctx.tasks.run(self._claim_through(owners[arbiter], others, claim, deadline))
+        direct: list[Awaitable[RoomState]] = []
+        refused: list[PdkvError] = []
+        for r, answer in answers.items():
+            if answer.state is not None and answer.state.status is not RoomStatus.UNKNOWN:
+                claim.granted.add(r)
+                claim.states[r] = answer.state
+            elif answer.error is None or _unreached(error := error_from(answer.error, f"cp rank {r}")):
+                direct.append(self.claim_owner(others[r], claim, deadline))  # not published there yet, or not reached
+            else:
+                refused.append(error)
+        if refused:  # a rank refused the claim the arbiter granted: the room ended there, or another holds it
+            raise refused[0]
+        await self.ctx.tasks.run(asyncio.gather(*direct))
+
+    async def _claim_through(
+        self, arbiter: Owner, others: dict[int, Owner], claim: Claim, deadline: Deadline
+    ) -> tuple[RoomState, dict[int, OwnerClaim]]:
+        """A claim on `arbiter`'s channel, relayed from there to `others`, asked again while the
+        room is not published there (bounded by `Timeouts.publish`): its state and each other
+        rank's answer."""
+        r, timeouts = arbiter.rank, self.ctx.timeouts
+        url = f"{r.control_url}/v1/claims"
+        ask = ClaimRequest(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, readers=claim.readers)
+        refs = [OwnerRef(cp_rank=o.rank.cp_rank, incarnation=o.rank.incarnation) for o in others.values()]
+        unknown_until = Deadline.after(timeouts.publish)
+        claim.asked.add(r.cp_rank)  # from here on it may be granted there, answered or not
+        while True:
+            limit = deadline.left(timeouts.poll + timeouts.request)
+            # The arbiter answers within what is left less a margin, so that an owner that
+            # never answers its relay is reported (and the fetch fails typed) before this
+            # request's own bound.
+            budget = ClaimAll(ask=ask, others=refs, budget_ms=max(1, int(1e3 * (limit - min(_MARGIN, limit / 4)))))
+            try:
+                claim.messages += 1
+                fp = self.ctx.fingerprint
+                reply = await self.ctx.client.call(
+                    url, budget, ClaimAllReply, fingerprint=fp, expect_fingerprint=fp, timeout=limit
+                )
+            except (PeerLostError, DeadlineExceeded):  # the arbiter may have granted and relayed, unheard
+                if others:
+                    await self._unheard(arbiter, others, claim)
+                raise
+            if reply.arbiter.status is RoomStatus.UNKNOWN:
+                if unknown_until.passed:
+                    raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
+                continue
+            claim.granted.add(r.cp_rank)
+            claim.states[r.cp_rank] = reply.arbiter
+            claim.asked.update(others)  # relayed: each may hold the claim now
+            claim.messages += len(reply.others)  # the arbiter's relays, each a claim as if sent from here
+            answers = {a.cp_rank: a for a in reply.others}
+            if set(answers) != set(others):
+                raise MetadataError(f"the arbiter answered for cp ranks {sorted(answers)}, asked {sorted(others)}")
+            return reply.arbiter, answers
+
+    async def _unheard(self, arbiter: Owner, others: dict[int, Owner], claim: Claim) -> None:
+        """A claim-all whose answer was lost: give the claim up on the arbiter, and on the
+        others only if this claimant held the arbiter's (a give-up there refused says another
+        holds the room: its relays must not lose a claim to this claimant's give-ups)."""
+        try:
+            await self._give_up(arbiter, claim, Deadline.after(self.ctx.timeouts.request))
+        except ClaimLostError:
+            return
+        except PdkvError as exc:  # unreachable: its pins expire; the others may hold ours
+            logger.debug("giving up room %d on the arbiter after a lost answer: %s", claim.room, exc)
+        claim.asked.update(others)
 
     async def claim_arbiter(self, owners: dict[int, Owner], claim: Claim, deadline: Deadline) -> dict[int, RoomState]:
         """Claim on the lowest CP rank before any other: every claimant asks it first, so of
@@ -115,20 +212,8 @@ class ClaimProtocol:
 
     async def claim_owner(self, owner: Owner, claim: Claim, deadline: Deadline) -> RoomState:
         """Take one of the room's claims on `owner`, waiting (bounded) for it to be published."""
-        r, timeouts = owner.rank, self.ctx.timeouts
-        url = f"{r.control_url}/v1/rooms/{claim.room}/claim"
-        ask = ClaimRequest(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, readers=claim.readers)
-        unknown_until = Deadline.after(timeouts.publish)
-        claim.asked.add(r.cp_rank)  # from here on it may be granted there, answered or not
-        while True:
-            limit = deadline.left(timeouts.poll + timeouts.request)
-            state = await self._control(claim, "POST", url, RoomState, ask, limit)
-            if state.status is not RoomStatus.UNKNOWN:
-                claim.granted.add(r.cp_rank)
-                claim.states[r.cp_rank] = state
-                return state
-            if unknown_until.passed:
-                raise UnknownRoomError(f"room {claim.room} never appeared on cp rank {r.cp_rank}")
+        state, _ = await self._claim_through(owner, {}, claim, deadline)
+        return state
 
     async def _poll(
         self, owner: Owner, claim: Claim, after: int, deadline: Deadline, after_pages: int = -1

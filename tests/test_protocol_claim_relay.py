@@ -1,0 +1,169 @@
+"""Claims in one round trip (issue 44): a decode asks the arbiter (the lowest CP rank) on its
+claim channel, and the arbiter grants its own claim, relays it to the other ranks and
+answers for all. Real processes (a registry, an engine of CP=3) and real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import pytest_asyncio
+import torch
+
+from pdkv import DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
+from pdkv.errors import DeadlineExceeded, MetadataError, PeerLostError
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from transfer.app.router import Deployment, DeploymentSpec
+from transfer.control import ControlClient, _Channel
+from transfer.deadline import Deadline
+from transfer.decode import DecodeFetcher, FetchResult
+from transfer.metadata import ClaimAll, ClaimAllReply, ClaimRequest, OwnerRef, encode
+from transfer.timeouts import Timeouts
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SPEC = DeploymentSpec(
+    engines=(3,), decoders=0, preset="tiny", prefill_pool_tokens=4096, decode_pool_tokens=8192, start_timeout=180
+)
+ENGINE = "prefill0"
+UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def deployment():  # type: ignore[no-untyped-def]
+    async with Deployment(SPEC) as d:
+        yield d
+
+
+async def _until_unpinned(deployment: Deployment, within: float = 10.0) -> None:
+    end = time.monotonic() + within
+    controls = deployment.engines[0].controls
+    while True:
+        stats = [await deployment.client.get_json(f"{c}/v1/stats") for c in controls]
+        if all(s["pinned_pages"] == 0 for s in stats):
+            return
+        assert time.monotonic() < end, stats
+        await asyncio.sleep(0.05)
+
+
+def _record(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The URLs of the control calls and requests this process makes to the owners' rooms."""
+    sent: list[str] = []
+    request, call = ControlClient.request, ControlClient.call
+
+    async def on_request(self: ControlClient, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        if "/v1/rooms/" in url:
+            sent.append(url)
+        return await request(self, method, url, *args, **kwargs)
+
+    async def on_call(self: ControlClient, url: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(url)
+        return await call(self, url, *args, **kwargs)
+
+    monkeypatch.setattr(ControlClient, "request", on_request)
+    monkeypatch.setattr(ControlClient, "call", on_call)
+    return sent
+
+
+async def test_a_fetch_by_claims_makes_one_call_to_the_arbiter(deployment, monkeypatch):  # type: ignore[no-untyped-def]
+    """The decode's only control message is its call to the lowest rank; the claims on the
+    others are the arbiter's relays (still counted, one an owner), the read is proved by the
+    pin words and released by notification."""
+    n, room = 300, 9_000_000
+    await prefill(deployment, deployment.engines[0], room, n)
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        await fetcher.describe(ENGINE)  # looked up before: the lookup is not what is counted
+        sent = _record(monkeypatch)
+        result = await fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 1))
+    assert sent == [f"{deployment.engines[0].controls[0]}/v1/claims"]
+    assert result.control_messages == 3 and kv_is_exact(pool, ENGINE, room, n, fragmented_pages(pool, n, 1))
+    await _until_unpinned(deployment)
+
+
+async def test_two_consumers_racing_for_a_room_one_wins_and_the_loser_gets_no_byte(deployment):  # type: ignore[no-untyped-def]
+    """Two decodes fetch a single-consumer room by claims at once, as it is being prefilled:
+    one reads it exact, the other is refused typed and its pool holds none of the room."""
+    n = 300
+    pools = [DSAKVPool(tiny(size=8192)) for _ in range(2)]
+    async with (
+        DecodeFetcher(pools[0], deployment.registry_url, ucx_workers=1) as a,
+        DecodeFetcher(pools[1], deployment.registry_url, ucx_workers=1) as b,
+    ):
+        for i in range(6):
+            room = 9_100_000 + i
+            for pool in pools:
+                pool.slab.fill_(UNTOUCHED)
+            pages = [fragmented_pages(pool, n, 2 + i) for pool in pools]
+            order = [1, 0] if i % 2 else [0, 1]  # either fetcher asks first
+            tasks = {k: asyncio.create_task((a, b)[k].fetch(ENGINE, room, pages[k], timeout=30)) for k in order}
+            written = prefill(deployment, deployment.engines[0], room, n)
+            outcomes = await asyncio.gather(tasks[0], tasks[1], written, return_exceptions=True)
+            won = [k for k in (0, 1) if isinstance(outcomes[k], FetchResult)]
+            assert len(won) == 1, outcomes
+            lost = 1 - won[0]
+            assert isinstance(outcomes[lost], (RoomClaimedError, UnknownRoomError)), outcomes
+            assert kv_is_exact(pools[won[0]], ENGINE, room, n, pages[won[0]])
+            assert bool(torch.all(pools[lost].slab == UNTOUCHED)), f"room {room}: bytes landed in the loser's pool"
+    await _until_unpinned(deployment)
+
+
+async def test_a_call_of_another_schema_version_is_refused_typed(deployment):  # type: ignore[no-untyped-def]
+    """A peer of another schema version gets a `MetadataError` naming the version, on the
+    channel it opened (which stays open for its later calls); a rank asked to arbitrate for a
+    lower one refuses, since every claimant must ask the same rank first."""
+    controls = deployment.engines[0].controls
+    fp = DSAKVPool(tiny(size=8192)).layout.fingerprint  # the engine's: a decode of its layout
+    ask = ClaimRequest(room=9_200_000, consumer_id="old-decode", claim=secrets.token_hex(16))
+    call = ClaimAll(ask=ask, others=[], budget_ms=2000)
+    raw = msgspec.msgpack.decode(encode(call, fp))
+    older = msgspec.msgpack.encode([raw[0] - 1, *raw[1:]])
+    channel = _Channel(f"{controls[0]}/v1/claims", close_timeout=2.0)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(MetadataError, match="schema version"):
+            await channel.call(older, lambda: session, Deadline.after(5))
+        lower = ClaimAll(ask=ask, others=[OwnerRef(cp_rank=0, incarnation="abc")], budget_ms=2000)
+        with pytest.raises(MetadataError, match="arbitrates only for distinct higher ranks"):
+            await channel.call(encode(lower, fp), lambda: session, Deadline.after(5))
+        await channel.aclose()
+    client = ControlClient(Timeouts())
+    try:  # the room was never published: UNKNOWN, nothing granted, nothing relayed
+        reply = await client.call(f"{controls[0]}/v1/claims", call, ClaimAllReply, fingerprint=fp, timeout=5)
+        assert reply.arbiter.status.value == "unknown" and reply.others == []
+    finally:
+        await client.aclose()
+
+
+async def test_an_owner_that_never_answers_the_relay_fails_the_fetch_typed_in_time(deployment):  # type: ignore[no-untyped-def]
+    """A non-arbiter rank stopped (its kernel takes connections, it answers nothing): the
+    arbiter answers for it by the budget the decode gave, the decode's own try runs out with
+    the fetch's deadline, and the fetch fails typed, its give-ups bounded by
+    `Timeouts.request`, with no byte read. A give-up that could not reach the rank leaves the
+    room pinned there (until its pin expires, as before); resumed, the rank takes the decode's
+    `give_up_room`, and the room ends on every owner."""
+    n, room, deadline, request = 300, 9_300_000, 1.5, 1.0
+    await prefill(deployment, deployment.engines[0], room, n)
+    stopped = next(c for c in deployment.launcher.children if c.name == f"{ENGINE}-cp2")
+    pool = DSAKVPool(tiny(size=8192))
+    pool.slab.fill_(UNTOUCHED)
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1, timeouts=Timeouts(request=request)) as f:
+        await f.describe(ENGINE)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises((DeadlineExceeded, PeerLostError)):
+                await f.fetch(ENGINE, room, fragmented_pages(pool, n, 9), timeout=deadline)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        await f.give_up_room(ENGINE, room, timeout=10)
+    assert took < deadline + request + 1.0, took
+    assert bool(torch.all(pool.slab == UNTOUCHED))
+    await _until_unpinned(deployment)
