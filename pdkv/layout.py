@@ -13,12 +13,34 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdkv.errors import IncompatibleLayoutError, LayoutError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["BufferKind", "KVLayout", "dsa_v32", "tiny", "PRESETS", "INDEX_SCALE_BYTES", "geometry_fingerprint"]
+
+# Bytes an element of each torch dtype a layout may name takes, by the dtype's name in torch:
+# a layout is read by processes that never load torch (the registry, the router), and
+# tests/test_layout.py holds the table to torch's own itemsize.
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+}
 
 # One fp32 quantisation scale per indexer key.
 INDEX_SCALE_BYTES = 4
@@ -78,16 +100,20 @@ class KVLayout:
         if self.size % self.page_size:
             raise LayoutError(f"size ({self.size}) must be a multiple of page_size ({self.page_size})")
         for name in ("store_dtype", "dtype"):
-            if not isinstance(getattr(torch, getattr(self, name), None), torch.dtype):
-                raise LayoutError(f"{name} {getattr(self, name)!r} is not a torch dtype")
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise LayoutError(f"{name} {getattr(self, name)!r} is not a torch dtype a KV cache is kept in")
 
     # ---- derived geometry -------------------------------------------------------------
     @property
     def torch_store_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.store_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
@@ -96,7 +122,7 @@ class KVLayout:
 
     @property
     def kv_token_bytes(self) -> int:
-        return self.kv_cache_dim * self.torch_store_dtype.itemsize
+        return self.kv_cache_dim * DTYPE_BYTES[self.store_dtype]
 
     @property
     def kv_page_bytes(self) -> int:

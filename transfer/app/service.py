@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from pdkv.layout import PRESETS
 from transfer.logctx import RequestFilter
 
@@ -114,6 +112,8 @@ class Service(Protocol):
 
 def run_service(args: argparse.Namespace, make: Callable[[argparse.Namespace], Service]) -> None:
     """A service process's main: logging and parent watch first, one torch thread, serve."""
+    import torch  # here: the registry and the router, which share this module, never load it
+
     setup_process(args)
     torch.set_num_threads(1)  # CP ranks and decodes share the host's cores
     asyncio.run(make(args).run())
