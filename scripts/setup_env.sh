@@ -10,20 +10,24 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH=torch==2.13.0+cpu
 TORCH_INDEX=${PDKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# PDKV_PIP_COMPILE=0: leave bytecode to the first import (scripts/test.sh, whose processes
+# write it), rather than compile every file of torch and SGLang, most of which nothing imports.
+PIP=(.venv/bin/pip install -q)
+if [ "${PDKV_PIP_COMPILE:-1}" = 0 ]; then PIP+=(--no-compile); fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  if [ -z "${PDKV_TORCH_INDEX:-}" ] && .venv/bin/pip install -q --dry-run --no-deps "$TORCH" >/dev/null 2>&1; then
-    .venv/bin/pip install -q "$TORCH"
+  if [ -z "${PDKV_TORCH_INDEX:-}" ] && "${PIP[@]}" --dry-run --no-deps "$TORCH" >/dev/null 2>&1; then
+    "${PIP[@]}" "$TORCH"
   else
-    .venv/bin/pip install -q "$TORCH" --extra-index-url "$TORCH_INDEX"
+    "${PIP[@]}" "$TORCH" --extra-index-url "$TORCH_INDEX"
   fi
 fi
-.venv/bin/pip install -q -e ".[test]"
+"${PIP[@]}" -e ".[test]"
 # With `sglang` (the tests): SGLang for its conformance test, without its dependencies
 # (they would replace the CPU torch): the pinned wheel and what importing its
 # transfer-backend classes needs. The main job does not need it.
 if [ "${1:-}" = sglang ] && ! .venv/bin/python -c "import sglang.srt.disaggregation.base.conn" 2>/dev/null; then
-  .venv/bin/pip install -q --no-deps -r scripts/sglang-cpu.txt
+  "${PIP[@]}" --no-deps -r scripts/sglang-cpu.txt
 fi

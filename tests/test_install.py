@@ -11,6 +11,7 @@ from the configured package index (pdkv's, NIXL, msgspec, aiohttp and the rest).
 not symbolic ones: an uninstall in the fresh venv removes its own names, never this venv's files.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -62,11 +63,21 @@ def _link(dist: metadata.Distribution, site: Path) -> None:
         if not source.is_relative_to(SITE) or not source.is_file():
             continue  # scripts in bin/ and the like: not needed to import it
         target = site / source.relative_to(SITE)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(source, target)
-        except OSError:  # another file system: a copy
-            shutil.copy2(source, target)
+        _link_file(source, target)
+        if source.suffix == ".py":  # with its bytecode, where written here since: not compiled again
+            cached = Path(importlib.util.cache_from_source(str(source)))
+            if cached.is_file():
+                _link_file(cached, Path(importlib.util.cache_from_source(str(target))))
+
+
+def _link_file(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        pass
+    except OSError:  # another file system: a copy
+        shutil.copy2(source, target)
 
 
 @pytest.fixture(scope="module")
