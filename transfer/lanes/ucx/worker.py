@@ -169,6 +169,11 @@ class Worker:
             # Their frames hold the parts' handles, which hold the agent: `_drop` must free it.
             traceback.clear_frames(abandoned.__traceback__)
             traceback.clear_frames(error.__traceback__)
+        except BaseException as exc:
+            # A READ stopped or failed whole: its error, kept by whoever reports it, must not
+            # keep the agent alive through the frames' locals when a later READ drops it.
+            traceback.clear_frames(exc.__traceback__)
+            raise
         else:
             return time.perf_counter() - t0
         # Out of the except block, whose exception would still hold the agent.
