@@ -206,6 +206,59 @@ def test_an_abandoned_agent_is_gone_when_the_read_raises_whatever_held_it():
         worker.executor.shutdown()
 
 
+class _StoppedThenFailingAgent(_FailingAgent):
+    """Its first READ's two parts end DONE, the second's post stopping the READ (its fetch
+    cancelled) before a third; every later part fails deep in the agent."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__()
+        self.stop, self.posts = stop, 0
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, peer: str) -> _StuckHandle:
+        self.handles.append(_StuckHandle())
+        return self.handles[-1]
+
+    def transfer(self, handle: _StuckHandle) -> str:
+        self.posts += 1
+        if self.posts == 2:
+            self.stop.set()
+        return "PROC"
+
+    def check_xfer_state(self, handle: _StuckHandle) -> str:
+        return "DONE" if self.posts <= 2 else self._state(handle)
+
+
+def test_an_agent_is_gone_at_its_drop_though_an_earlier_stopped_reads_error_is_kept():
+    """A READ stopped between its parts raises with its frames, whose locals held the agent;
+    its error kept by a caller (a fetch's outcome, a log record) must not keep that agent alive
+    when a later READ abandons it."""
+    stop = threading.Event()
+    agents: list[_StoppedThenFailingAgent] = []
+
+    def make(name: str, conf: Any) -> _StoppedThenFailingAgent:
+        agents.append(_StoppedThenFailingAgent(stop))
+        return agents[-1]
+
+    worker = Worker(SimpleNamespace(nixl_agent=make, nixl_agent_config=lambda **kw: None), "stopped", Timeouts())  # type: ignore[arg-type]
+    rows = np.array([[4096 * i, 16, 0] for i in range(3 * 4096)], dtype=np.int64)  # three parts by rows
+    try:
+        worker.register(["pool"])
+        worker.load_peer(b"owner")
+        core = weakref.ref(agents[0].agent)
+        with pytest.raises(TransferError, match="stopped") as stopped:
+            worker.read_blocking("owner", rows, rows.copy(), "DRAM", Deadline.after(60), stop)
+        kept = stopped.value  # as the fetch that reports it keeps it
+        assert agents[0].posts == 2 and worker.drops == 0
+        del agents[0]
+        one = rows[:1]
+        with pytest.raises(Exception, match="REMOTE_DISCONNECT"):
+            worker.read_blocking("owner", one, one.copy(), "DRAM", Deadline.after(60), threading.Event())
+        assert worker.drops == 1
+        assert core() is None, kept
+    finally:
+        worker.executor.shutdown()
+
+
 def test_a_transport_gives_its_workers_its_timeouts():
     from transfer.lanes.ucx.transport import UcxTransport
 
