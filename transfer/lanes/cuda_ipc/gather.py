@@ -76,7 +76,8 @@ class Launch:
 
     def __init__(self, start: DriverEvent | None, done: DriverEvent) -> None:
         self.start, self.done = start, done
-        self.ended_at = 0.0  # when the waiting thread saw it end (perf_counter)
+        self.launched = 0.0  # when its launch call began (perf_counter)
+        self.ended_at = 0.0  # when the host saw it end (perf_counter)
 
     def wait(self) -> None:
         """Block this thread until the kernel has ended."""
@@ -239,14 +240,18 @@ class Gatherer:
         self._spare: list[Launch] = []  # launches whose events have passed: free to record again
 
     def _table_on_device(self, table: GatherTable, block: int) -> tuple[int, int]:
-        """The table's kernel argument (address, task count), uploaded once per table."""
+        """The table's kernel argument (address, task count), uploaded once per table: queued on
+        the lane's stream from pinned memory, ahead of its kernels, so that the host does not
+        wait behind the launches already queued there (a synchronous copy would)."""
         key = (self.index, block)
         uploaded = table.on_device.get(key)
         if uploaded is None:
             meta, n_tasks = _meta(table, block)
+            host = torch.from_numpy(meta).pin_memory()
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # ordered before its kernels
-                tensor = torch.from_numpy(meta).to(self.device, non_blocking=False)
-            uploaded = table.on_device[key] = (tensor.data_ptr(), n_tasks, tensor)  # the tensor keeps it alive
+                tensor = host.to(self.device, non_blocking=True)
+            # Both tensors kept: the pinned one must outlive its copy, which nothing here waits for.
+            uploaded = table.on_device[key] = (tensor.data_ptr(), n_tasks, tensor, host)
         return uploaded[0], uploaded[1]
 
     def prime(self) -> None:
@@ -277,6 +282,7 @@ class Gatherer:
         args = self._args[capacity]
         ids, one_list = args.ids, src.ndim == 1
         launch = self._spare.pop() if self._spare else self._new_launch()
+        launch.ended_at = 0.0
         pushed = self.kernel.enter()
         try:
             meta, n_tasks = self._table_on_device(table, block)
@@ -316,17 +322,31 @@ class Gatherer:
         """`run` for pages already checked against `table` (`launch_pages`), none empty. An
         `Ordered` watch is told once they are queued (`queued`), before this task first yields;
         its read's end is then seen as one without a watch's (its caller proves it on the loop)."""
+        return await self.landed(self.start(table, src, dst, watch), watch)
+
+    def start(self, table: GatherTable, src: np.ndarray, dst: np.ndarray, watch: Watch | None = None) -> Launch:
+        """Queue the copy now (`launch_pages`) and tell an `Ordered` watch; then `landed` for its
+        end. Whatever the caller does between the two, it must await `landed` or `settle`: no
+        byte may land after its read's outcome is reported."""
         launched = time.perf_counter()
         launch = self.launch_pages(table, src, dst)
+        launch.launched = launched
         if (queued := getattr(watch, "queued", None)) is not None:
             queued(self.stream)
-        if (watch is None or queued is not None) and self.polls():
+        return launch
+
+    async def landed(self, launch: Launch, watch: Watch | None = None) -> float:
+        """Once `launch` (from `start`, with the same `watch`) has ended: its seconds on the GPU if
+        timed, else from its launch call to the host seeing its end. Cancelled, it raises only
+        once the kernel has ended."""
+        ordered = watch is not None and hasattr(watch, "queued")
+        if (watch is None or ordered) and self.polls():
             seconds = await _polled(launch, self._waiter)
         else:
             # The loop stays free while the GPU copies; the waiting thread wakes this task
             # directly (no executor future in between: each future hop is a turn of the loop).
             try:
-                if queued is not None:  # its caller first: the waiting thread, once woken, takes the GIL
+                if ordered:  # its caller first: the waiting thread, once woken, takes the GIL
                     await asyncio.sleep(0)
                 seconds = await self._waiter.ended(launch, watch)
             except asyncio.CancelledError:
@@ -334,7 +354,17 @@ class Gatherer:
                 await asyncio.wait([self._waiter.ended(launch)])
                 raise
         self._spare.append(launch)
-        return launch.ended_at - launched if seconds is None else seconds
+        return launch.ended_at - launch.launched if seconds is None else seconds
+
+    async def settle(self, launch: Launch) -> None:
+        """Return once `launch` has ended, for a caller that failed between `start` and
+        `landed` (its read's outcome must come after the kernel's end). Raises nothing of the
+        kernel's: the read has failed already."""
+        if not launch.ended_at:
+            try:
+                await asyncio.wait([self._waiter.ended(launch)])
+            except ClosedError:  # the waiting thread is gone: wait on this one
+                launch.wait()
 
     def polls(self) -> bool:
         """Whether the calling loop asks for its launches' ends rather than parking (`poll`)."""

@@ -30,7 +30,7 @@ from transfer.lanes.base import Pairs, ReadStats, Watch, host_id
 from transfer.lanes.cuda_ipc.driver import CudaDriver, IpcMapping
 from transfer.lanes.cuda_ipc.export import NO_SECRET
 from transfer.lanes.cuda_ipc.fd_pass import close_fds, fetch_fds
-from transfer.lanes.cuda_ipc.gather import Gatherer
+from transfer.lanes.cuda_ipc.gather import Gatherer, Launch
 from transfer.lanes.cuda_ipc.plan import (
     GatherTable,
     gather_plan,
@@ -121,6 +121,26 @@ class GatherBatch:
         if src.size == 0 or table.buffers == 0:  # nothing to launch
             return self.gather.run(gather_plan(table, [src], dst), watch)
         return self.gather.run_pages(table, src, dst, watch)
+
+    def start(self, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None) -> Launch | None:
+        """`read`, launched now: its ids checked (a bad one raises before any launch), its
+        launch queued and an `Ordered` watch told; None where there is nothing to launch.
+        Then `landed` (or `settle`) with the same watch: the caller's bookkeeping runs while
+        the kernel copies."""
+        table = self.table
+        src, dst = route_pages(table, src, dst, dst_below)
+        _check_open(self.peers)
+        if src.size == 0 or table.buffers == 0:
+            return None
+        return self.gather.start(table, src, dst, watch)
+
+    def landed(self, started: Launch, watch: Watch | None = None) -> Awaitable[float]:
+        """The seconds of a read `start`ed, once it has ended (`Gatherer.landed`)."""
+        return self.gather.landed(started, watch)
+
+    def settle(self, started: Launch) -> Awaitable[None]:
+        """Return once a read `start`ed has ended (`Gatherer.settle`)."""
+        return self.gather.settle(started)
 
 
 def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
