@@ -44,7 +44,7 @@ from transfer.decode.landing import Landing, StreamFetch, StreamLanding, consume
 from transfer.decode.lease import RoomLease
 from transfer.decode.owners import Owner, Owners, ticket_readable
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
-from transfer.decode.tickets import TicketProtocol
+from transfer.decode.tickets import Express, TicketProtocol
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.base import Signals, Transport
 from transfer.lanes.choice import LANES, check_lane, lanes_for
@@ -240,23 +240,40 @@ class DecodeFetcher:
         started = time.perf_counter()
         self._activity.check()
         if ticket is not None:
+            # A read follows within a fraction of a millisecond: the GPU, idle or busy with
+            # another process's context, wakes while the host checks the pages.
             for lane in self._owners.lanes:
-                lane.prime()  # a read follows within a fraction of a millisecond
+                lane.prime()
         dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
-        job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
+        if deadline is not None and timeout is not None:  # refused before any launch (`budget`)
+            raise ValueError("give a deadline or a timeout, not both")
         if ticket is not None and (ticket.engine_id, ticket.room) != (engine_id, room):
             raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
+        express: Express | None = None
         try:
+            if ticket is not None:
+                # A finished room whose owners are one lane's batch (cached) is launched next:
+                # the bookkeeping below then runs while its kernel copies, not before it.
+                express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, dst, landing)
+            job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
             with (
                 self._activity.call(),
                 request_context(engine=engine_id, room=room, consumer=self.consumer_id),
                 fetching(engine_id),
             ):
-                result = await self._fetch(job, ticket, readers)
-        except PdkvError as exc:
-            observe_fetch_failure(engine_id, exc)
-            fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
-            logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
+                if express is not None:
+                    result = await self._tickets.land(express, job)
+                else:
+                    result = await self._fetch(job, ticket, readers)
+        except BaseException as exc:
+            if express is not None:
+                await self._tickets.abandon(express)  # no byte lands after the outcome
+                if isinstance(exc, PeerLostError):
+                    await self._owners.forget(engine_id)  # a failed connection serves no later fetch
+            if isinstance(exc, PdkvError):
+                observe_fetch_failure(engine_id, exc)
+                fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
+                logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
             raise
         # Recorded once the caller has its result: a fetch of a finished room through a lane
         # of this host takes well under a millisecond, and on a CPU just woken each step costs more.

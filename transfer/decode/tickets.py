@@ -16,9 +16,9 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -28,10 +28,10 @@ from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, owner_urls, read_layers
 from transfer.decode.landing import Landing
-from transfer.decode.owners import Owner, lost_peer, peers_of
+from transfer.decode.owners import Owner, lost_peer, peers_of, pinned
 from transfer.decode.releases import Releases
 from transfer.decode.tasks import DecodeContext, Fetch
-from transfer.lanes.base import Batch, Lane, Peer, Signals
+from transfer.lanes.base import Batch, Lane, Peer, Signals, Watch
 from transfer.metadata import ClaimRelease, OwnerPin, ReadFrom, RoomTicket, TicketRelease, encode
 from transfer.metrics import observe_read
 from transfer.results import FetchResult, OwnerStats
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 PIN_WINDOW = 2048  # words of an owner's pin table READ around a slot (16 KiB)
 PIN_WINDOWS = 64  # such READs in flight at once (reused in turn: a clash can only fail a check)
+_ROUTES_KEPT = 64  # owner sets whose ticket route is kept
 
 PinRelease = Callable[[list[tuple[Owner, OwnerPin]], int], None]  # how a proved room is released
 
@@ -60,6 +61,48 @@ class PreparedTicket:
     aux: bytes | None = None  # the request's auxiliary bytes, where the owners' states carried them
 
 
+class Launching(Batch[Peer], Protocol):
+    """A batch whose read is launched by a synchronous call and awaited apart (the same-host
+    GPU lane's `GatherBatch`): a ticket's read then goes out before its bookkeeping."""
+
+    def start(self, src: np.ndarray, dst: np.ndarray, dst_below: int, watch: Watch | None = None) -> Any:
+        """Check the ids and launch the read now; None where there is nothing to launch."""
+        ...
+
+    def landed(self, started: Any, watch: Watch | None = None) -> Awaitable[float]:
+        """Its seconds once the read has ended (raises only once it has, cancelled too)."""
+        ...
+
+    def settle(self, started: Any) -> Awaitable[None]:
+        """Return once the read has ended, for a caller that failed before `landed`."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class _Route:
+    """How a ticket's read over one set of owners goes: one lane's batch over every owner
+    that launches (`Launching`), else None (the read is prepared as any other)."""
+
+    owners: dict[int, Owner]  # kept: the routes are cached by its identity
+    lane: Lane[Any] | None = None
+    batch: Launching | None = None
+    incarnations: dict[int, str] | None = None  # each owner's, where every one is pinned (`ticket_readable`)
+
+
+@dataclass(eq=False)
+class Express:
+    """A ticket's read launched as the fetch's first step (`TicketProtocol.launch`); the
+    fetch then owes it `land` (or `abandon`, where it failed before)."""
+
+    route: _Route
+    ticket: RoomTicket
+    src: np.ndarray
+    started: Any  # the batch's launch; None: nothing was launched
+    watch: Landing | None  # the fetch's landing, where every pin table is mapped
+    t0: float  # when its launch began
+    entered: bool = False  # `land` has taken over
+
+
 class TicketProtocol:
     """Reads rooms by their tickets. `signals` READs remote pin words and sends the releases.
 
@@ -77,6 +120,84 @@ class TicketProtocol:
         self.releases = Releases(signals, ctx.timeouts, self.pin_windows[PIN_WINDOWS])
         self._next_window = 0
         self._deferred: dict[asyncio.TimerHandle, Callable[[], None]] = {}  # releases waiting out the delay
+        self._routes: dict[int, _Route] = {}  # by the identity of an owners' dict (`_Route.owners`)
+
+    def launch(
+        self, owners: dict[int, Owner] | None, ticket: RoomTicket, dst: np.ndarray, landing: Landing | None = None
+    ) -> Express | None:
+        """Launch `ticket`'s read into `dst` (checked by `page_ids`) now, before the fetch's
+        bookkeeping, where `owners` (cached, None if not) are one batch of a lane that launches
+        and the ticket is theirs; else None, and nothing was launched. The source ids are
+        checked first: a bad one raises before any launch. Owed `land` or `abandon`."""
+        if owners is None:
+            return None
+        route = self._routes.get(id(owners))
+        if route is None or route.owners is not owners:
+            route = self._route(owners)
+        batch = route.batch
+        if batch is None or {p.cp_rank: p.incarnation for p in ticket.pins} != route.incarnations:
+            return None  # not every owner pinned, or the ticket is of another incarnation: `ticket_readable`
+        src = np.asarray(ticket.src_pages, dtype=np.int64)
+        if src.size != dst.size:
+            raise MetadataError(f"room {ticket.room}: {src.size} source pages but {dst.size} destination pages")
+        # Told of the read's end on the lane's thread only where every proof is a load there.
+        watch = landing if landing is not None and all(o.pins is not None for o in owners.values()) else None
+        t0 = time.perf_counter()
+        try:
+            started = batch.start(src, dst, self.ctx.pool.layout.num_pages, watch)
+        except PeerLostError as exc:
+            pins = {p.cp_rank: p for p in ticket.pins}
+            raise _lost_among([(o, pins[r]) for r, o in owners.items()], exc) from exc
+        return Express(route, ticket, src, started, watch, t0)
+
+    def _route(self, owners: dict[int, Owner]) -> _Route:
+        try:
+            batches = _batches(owners)
+        except PeerLostError:  # not cached: the usual path reports it
+            return _Route(owners)
+        route = _Route(owners)
+        if len(batches) == 1:
+            lane, (group, batch) = next(iter(batches.items()))
+            if len(group) == len(owners) and callable(getattr(batch, "start", None)) and pinned(owners):
+                incarnations = {r: o.rank.incarnation for r, o in owners.items()}
+                route = _Route(owners, lane, batch, incarnations)  # type: ignore[arg-type]
+        if len(self._routes) >= _ROUTES_KEPT:  # owner sets come and go with engines
+            self._routes.clear()
+        self._routes[id(owners)] = route
+        return route
+
+    async def land(self, express: Express, job: Fetch) -> FetchResult:
+        """The rest of a read `launch`ed: await its end, prove each owner's pin word, release
+        the room as `read` does; returns only once its kernel has ended, whatever happens."""
+        express.entered = True
+        route, ticket = express.route, express.ticket
+        assert route.lane is not None and route.batch is not None
+        pins = {p.cp_rank: p for p in ticket.pins}
+        pinned = [(o, pins[r]) for r, o in route.owners.items()]
+        try:
+            stats = await self._launched(
+                route.lane, pinned, route.batch, express.started, ticket.room, express.src, job, express.watch,
+                None, express.t0,
+            )  # fmt: skip
+        except BaseException:  # the read has ended: release at once
+            self.release_pins(pinned, ticket.room, "give_up")
+            raise
+        proved = express.watch.proved_result() if express.watch is not None else None
+        send = functools.partial(self.release_pins, pinned, ticket.room)
+        self._release_later(send, 0.0 if proved is not None else self.release_delay)
+        return proved if proved is not None else _result(job, ticket.room, stats, None)
+
+    async def abandon(self, express: Express) -> None:
+        """A fetch that failed between `launch` and `land`: return once its read has ended,
+        and give the room up (as a failed read does)."""
+        if express.entered:
+            return
+        express.entered = True
+        batch = express.route.batch
+        if express.started is not None and batch is not None:
+            await batch.settle(express.started)
+        pins = {p.cp_rank: p for p in express.ticket.pins}
+        self.release_pins([(o, pins[r]) for r, o in express.route.owners.items()], express.ticket.room, "give_up")
 
     def prepare(self, owners: dict[int, Owner], ticket: RoomTicket, aux: bytes | None = None) -> PreparedTicket:
         """`ticket`'s read over `owners`, laid out before its destination pages are known
@@ -175,6 +296,13 @@ class TicketProtocol:
         own thread may prove the bytes as they land and leave the result for a polling caller
         (`Landing`); the proof is made once."""
         t0 = time.perf_counter()
+        start = getattr(batch, "start", None)
+        if start is not None:  # launched first: the rest runs while it copies
+            try:
+                started = start(src, job.dst, self.ctx.pool.layout.num_pages, landing)
+            except PeerLostError as exc:
+                raise _lost_among(pinned, exc) from exc
+            return await self._launched(lane, pinned, batch, started, room, src, job, landing, aux, t0)  # type: ignore[arg-type]
         if landing is not None:
             prove = functools.partial(_prove_all_mapped, pinned, room)
 
@@ -186,6 +314,40 @@ class TicketProtocol:
         try:
             # `dst` came through `page_ids` against this pool: the plan need not check it again.
             seconds = await batch.read(src, job.dst, self.ctx.pool.layout.num_pages, landing)
+            if landing is not None:
+                landing.check(prove)
+            elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
+                await self._prove_read_pins(unmapped, room, job.deadline)
+        except PeerLostError as exc:
+            raise _lost_among(pinned, exc) from exc
+        asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
+        return _batch_stats(lane, batch, src.size, time.perf_counter() - t0, seconds)
+
+    async def _launched(
+        self,
+        lane: Lane[Any],
+        pinned: list[tuple[Owner, OwnerPin]],
+        batch: Launching,
+        started: Any,
+        room: int,
+        src: np.ndarray,
+        job: Fetch,
+        landing: Landing | None,
+        aux: bytes | None,
+        t0: float,
+    ) -> list[OwnerStats]:
+        """`_read_batch_with_pins` once its read was launched (`started`): everything else
+        runs while the kernel copies; then its end is awaited and each pin proved."""
+        if landing is not None:  # armed before the lane's thread can be told (in `landed`)
+            prove = functools.partial(_prove_all_mapped, pinned, room)
+
+            def proved_result() -> FetchResult:  # the result as the lane's thread reports it
+                elapsed = time.perf_counter() - t0  # the read's seconds too: the GPU's own are read on the loop
+                return _result(job, room, _batch_stats(lane, batch, src.size, elapsed, elapsed), aux)
+
+            landing.arm(prove, proved_result)
+        try:
+            seconds = 0.0 if started is None else await batch.landed(started, landing)
             if landing is not None:
                 landing.check(prove)
             elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
