@@ -1,14 +1,22 @@
-"""The gather lane's host logic, without a GPU: how a plan is cut into launches, and the
-waiting thread that turns a launch's end into a future of the loop."""
+"""The gather lane's host logic, without a GPU: how a plan is cut into launches, the
+waiting thread that turns a launch's end into a future of the loop, and a ticket's read
+launched before its bookkeeping (over the fakes of tests/fakes/)."""
 
 import asyncio
 import threading
 import time
 
+import msgspec
+import numpy as np
 import pytest
 
-from pdkv.errors import ClosedError
+from pdkv.errors import ClaimLostError, ClosedError, MetadataError, PageRangeError
+from tests.fakes.lane import FakeBatch
+from tests.fakes.memory import LAYERS, NUM_PAGES, PAGE, ROOM, SPANS, expected
+from tests.fakes.world import SLOT, assert_nothing_after, nonce, reported, settle, ticket_world
 from transfer.lanes.cuda_ipc.gather import _polled, _Waiter, launch_split
+from transfer.lanes.runs import check_pages
+from transfer.metadata import TicketRelease
 from transfer.timeouts import CALLER_YIELD_SECONDS
 
 
@@ -210,3 +218,108 @@ async def test_a_cancelled_poll_returns_only_once_the_kernel_has_ended():
         assert waited and waited[0] <= time.perf_counter()
     finally:
         waiter.close()
+
+
+# ---- a ticket's read launched first (`TicketProtocol.launch`, then `land` or `abandon`) ---------
+
+
+class _LaunchingBatch(FakeBatch):
+    """A batch launched by a call, as the GPU lane's `GatherBatch.start`: its copy runs from
+    then on as a task, as a kernel does, whatever its caller does meanwhile."""
+
+    def start(self, src, dst, dst_below, watch=None):  # type: ignore[no-untyped-def]
+        check_pages(src, NUM_PAGES, "source")
+        self.lane.timeline.add("launch")
+        return asyncio.ensure_future(self.lane.read_batch(self, src, dst, dst_below, watch))
+
+    async def landed(self, started, watch=None):  # type: ignore[no-untyped-def]
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            await asyncio.wait([started])
+            raise
+
+    async def settle(self, started):  # type: ignore[no-untyped-def]
+        await asyncio.wait([started])
+
+
+async def _launching(merged=(0, 1, 2)):  # type: ignore[no-untyped-def]
+    w, ucx, tickets, ticket = await ticket_world(merged=merged, mapped=(0, 1, 2))
+    w.merging.batch = lambda peers: _LaunchingBatch(w.merging, peers)  # type: ignore[method-assign]
+    gate = asyncio.Event()
+    for cp in SPANS:
+        w.merging.gates[cp] = gate
+    return w, ucx, tickets, ticket, gate
+
+
+async def test_a_ticket_read_is_launched_before_its_bookkeeping_and_proved_after_its_data():
+    w, ucx, tickets, ticket, gate = await _launching()
+    express = tickets.launch(w.owners, ticket, w.dst)
+    assert express is not None and w.timeline.where("launch")  # out before the caller first awaits
+    read = asyncio.create_task(reported(w, tickets.land(express, w.job())))
+    await settle(5)
+    assert not read.done()
+    gate.set()
+    result = await read
+    outcome = w.timeline.first("outcome")
+    await settle(5)
+    t = w.timeline
+    assert all(t.last("landed", cp) < t.first("pin_word", cp) < outcome < t.first("notify") for cp in SPANS)
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))
+    assert result.nbytes == LAYERS * len(w.dst) * PAGE and [s.cp_rank for s in result.owners] == list(SPANS)
+    assert ucx.releases() == {cp: TicketRelease(room=ROOM, slot=SLOT, nonce=nonce(cp)) for cp in SPANS}
+
+
+async def test_a_bad_source_id_or_another_incarnation_launches_nothing():
+    w, _, tickets, ticket, _ = await _launching()
+    bad = msgspec.structs.replace(ticket, src_pages=[*ticket.src_pages[:-1], NUM_PAGES + 3])
+    with pytest.raises(PageRangeError):
+        tickets.launch(w.owners, bad, w.dst)
+    pins = [msgspec.structs.replace(p, incarnation="restarted") for p in ticket.pins]
+    assert tickets.launch(w.owners, msgspec.structs.replace(ticket, pins=pins), w.dst) is None
+    short = msgspec.structs.replace(ticket, src_pages=ticket.src_pages[:-1])
+    with pytest.raises(MetadataError):
+        tickets.launch(w.owners, short, w.dst)
+    assert not w.timeline.where("launch") and not w.timeline.where("read")
+    w2, _, tickets2, ticket2, _ = await _launching(merged=(0, 2))  # not every owner on one batch: the usual path
+    assert tickets2.launch(w2.owners, ticket2, w2.dst) is None and not w2.timeline.where("launch")
+
+
+async def test_a_fetch_failing_between_launch_and_land_reports_only_once_its_read_ended_and_gives_the_room_up():
+    w, ucx, tickets, ticket, gate = await _launching()
+    express = tickets.launch(w.owners, ticket, w.dst)
+    assert express is not None
+    abandoned = asyncio.create_task(reported(w, tickets.abandon(express)))
+    await settle(5)
+    assert not abandoned.done() and not ucx.notified  # the read is still copying
+    gate.set()
+    await abandoned
+    assert_nothing_after(w, w.timeline.first("outcome"))
+    assert ucx.releases() == {cp: TicketRelease(room=ROOM, slot=SLOT, nonce=nonce(cp)) for cp in SPANS}  # given up
+    await tickets.abandon(express)  # once only
+    assert len(ucx.notified) == len(SPANS)
+
+
+async def test_a_launched_read_whose_pin_word_was_cleared_fails_and_a_cancel_waits_for_the_copy():
+    w, ucx, tickets, ticket, gate = await _launching()
+    w.owners[1].pins.words[SLOT] = 0  # type: ignore[union-attr]
+    express = tickets.launch(w.owners, ticket, w.dst)
+    assert express is not None
+    gate.set()
+    with pytest.raises(ClaimLostError, match="cp rank 1 "):
+        await reported(w, tickets.land(express, w.job()))
+    assert_nothing_after(w, w.timeline.first("outcome"))
+    assert len(ucx.releases()) == len(SPANS)  # given up at once
+
+    w, ucx, tickets, ticket, gate = await _launching()
+    express = tickets.launch(w.owners, ticket, w.dst)
+    assert express is not None
+    read = asyncio.create_task(reported(w, tickets.land(express, w.job())))
+    await settle(5)
+    read.cancel()
+    await settle(5)
+    assert not read.done()  # the copy is still running: the cancel waits for it
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    assert_nothing_after(w, w.timeline.first("outcome"))
