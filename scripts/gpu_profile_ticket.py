@@ -1,8 +1,9 @@
 """Where the time of a same-host GPU lane fetch with a ticket goes (one GPU, CP=4 owners).
 
-Stamps the fetch's steps and prints medians: the whole fetch, the kernel's GPU time, and
-the host time between steps (entering the ticket path, the lane's read, the launch call,
-the kernel and the wake-up, the pins' proof, the fetch's return). Needs a GPU.
+Stamps the fetch's steps (entry and exit of the ticket protocol's, the batch's and the
+gatherer's methods, where they exist) and prints each one's median time from the fetch's
+call, the lane's read (launch to wake, or the kernel's GPU time) and how many callbacks the
+loop had queued as the fetch began. Needs a GPU.
 
     python3 scripts/gpu_profile_ticket.py [--tokens 32768] [--runs 6] [--b2b] [--time-kernels] [--cprofile 25]
 
@@ -43,7 +44,7 @@ class Stamps:
     def wrap(self, obj, name: str, label: str = "") -> None:  # type: ignore[no-untyped-def]
         """Stamp `name`'s entry, and its exit once what it returns is awaited where it is an
         awaitable (a coroutine, or the lane's launch handed back by `GatherBatch.read`)."""
-        fn = getattr(obj, name)
+        fn, attr = getattr(obj, name), name
         at, name = self.at, label or name
 
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -61,19 +62,15 @@ class Stamps:
 
             return landed()
 
-        setattr(obj, name, timed)
+        setattr(obj, attr, timed)
 
 
-# The steps of a lane fetch with a ticket, in the order they happen.
-STEPS = (
-    "fetch in",
-    "tickets.fetch in",
-    "batch.read in",
-    "launch in",
-    "launch out",
-    "run out",
-    "batch.read out",
-    "fetch out",
+# What is stamped where it exists (a version without one of them still runs): the ticket
+# protocol's steps, the batch's and the gatherer's.
+WRAPPED = (
+    ("tickets", ("launch", "land", "fetch", "read")),
+    ("batch", ("start", "read")),
+    ("gather", ("prime", "launch_pages", "landed", "run_pages")),
 )
 
 
@@ -84,6 +81,13 @@ async def main() -> None:
     ap.add_argument("--b2b", action="store_true", help="prefill every room first, then fetch back to back")
     ap.add_argument("--time-kernels", action="store_true", help="time the kernels on the GPU")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N")
+    ap.add_argument(
+        "--prime-ahead",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="queue the lane's empty kernel this long before each fetch (how much of a fetch is the GPU waking)",
+    )
     args = ap.parse_args()
     from transfer.lanes.cuda_ipc.lane import GatherBatch  # needs CUDA: imported once a GPU run is asked
 
@@ -94,41 +98,49 @@ async def main() -> None:
         alloc = fragmented_allocator(pool.layout.num_pages, 1)
         async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
             stamps = Stamps()
-            stamps.wrap(fetcher._tickets, "fetch", "tickets.fetch")
-            stamps.wrap(GatherBatch, "read", "batch.read")  # the class: batches are made per owner set
-            stamps.wrap(fetcher._owners.lanes[0]._gather, "launch")
-            stamps.wrap(fetcher._owners.lanes[0]._gather, "run")
-            rows = []
+            objs = {"tickets": fetcher._tickets, "batch": GatherBatch, "gather": fetcher._owners.lanes[0]._gather}
+            for what, names in WRAPPED:
+                for name in names:
+                    if hasattr(objs[what], name):
+                        stamps.wrap(objs[what], name, f"{what}.{name}")
+            rows: list[dict[str, float]] = []
             prof = cProfile.Profile()
 
             async def prefill(room: int) -> PrefillReply:
                 ask = PrefillRequest(room=room, num_tokens=args.tokens)
                 return await d.client.request("POST", f"{d.engines[0].intake}/v1/prefill", PrefillReply, ask)
 
+            loop = asyncio.get_running_loop()
             ready = [await prefill(9_000 + i) for i in range(args.runs + 1)] if args.b2b else []
             for i in range(args.runs + 1):
                 reply = ready[i] if args.b2b else await prefill(9_000 + i)
                 dst = alloc.alloc(len(reply.ticket.src_pages))
                 if i and args.cprofile:
                     prof.enable()
-                stamps.at["fetch in"] = time.perf_counter()
+                stamps.at.clear()
+                if args.prime_ahead:
+                    fetcher._owners.lanes[0].prime()
+                    until = time.perf_counter() + args.prime_ahead / 1e6
+                    while time.perf_counter() < until:
+                        pass
+                pending = len(getattr(loop, "_ready", ()))  # callbacks the loop runs before this fetch's next turn
+                t0 = stamps.at["fetch in"] = time.perf_counter()
                 result = await fetcher.fetch("prefill0", reply.ticket.room, dst, ticket=reply.ticket)
                 stamps.at["fetch out"] = time.perf_counter()
                 prof.disable()
                 alloc.free(dst)
                 if i:
-                    gpu = sum(o.read_seconds for o in result.owners)
-                    at = stamps.at
-                    steps = [at[b] - at[a] for a, b in zip(STEPS, STEPS[1:])]
-                    rows.append((at["fetch out"] - at["fetch in"], gpu, *steps))
+                    row = {k: 1e6 * (v - t0) for k, v in stamps.at.items()}
+                    row["read (GPU)" if args.time_kernels else "read, launch to wake"] = 1e6 * result.read_seconds
+                    row["callbacks pending at fetch in"] = pending
+                    rows.append(row)
     mode = "back to back, rooms prefilled first" if args.b2b else "each right after its prefill"
     print(f"{args.tokens} tokens, CP=4 owners and the decode on one GPU, ticket fetches through the lane ({mode})")
-    print("ms, medians")
-    names = ["fetch", "kernel (GPU)" if args.time_kernels else "read, launch to wake"] + [
-        f"{a} -> {b}" for a, b in zip(STEPS, STEPS[1:])
-    ]
-    for k, name in enumerate(names):
-        print(f"{name:<36}{1e3 * statistics.median(r[k] for r in rows):>10.3f}")
+    print(f"us from the fetch's call, medians of {len(rows)}")
+    keys = {k for r in rows for k in r}
+    medians = {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
+    for k in sorted(keys, key=lambda k: (k.startswith(("read", "callbacks")), medians[k])):
+        print(f"{k:<36}{medians[k]:>10.1f}")
     if args.cprofile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(args.cprofile)
