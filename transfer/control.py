@@ -472,6 +472,9 @@ async def serve_channel(
             out = _OK + await answer(data)
         except PdkvError as exc:
             out = _ERROR + encode(error_reply(exc))
+        except Exception:  # a bug: the caller hears of it now, not at its deadline
+            logger.exception("a call on %s failed", request.path)
+            out = _ERROR + encode(error_reply(PdkvError("the call failed on the serving side (see its log)")))
         if not ws.closed:
             with contextlib.suppress(ConnectionError):
                 await ws.send_bytes(call + out)

@@ -146,7 +146,8 @@ class ClaimProtocol:
                 refused.append(error)
         if refused:  # a rank refused the claim the arbiter granted: the room ended there, or another holds it
             raise refused[0]
-        await self.ctx.tasks.run(asyncio.gather(*direct))
+        if direct:
+            await self.ctx.tasks.run(asyncio.gather(*direct))
 
     async def _claim_through(
         self, arbiter: Owner, others: dict[int, Owner], claim: Claim, deadline: Deadline
