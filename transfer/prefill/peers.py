@@ -86,7 +86,9 @@ class Peers:
             urls = found()  # another request may have looked it up meanwhile
             if len(urls) == len(others):
                 return urls
-            engine = await self._registry.lookup(self._engine_id, deadline)
+            # Half the budget at most: with the registry away, the decode still has time to
+            # claim the ranks itself.
+            engine = await self._registry.lookup(self._engine_id, deadline.within(deadline.remaining() / 2))
             self._known = {
                 r.cp_rank: (r.incarnation, r.control_url) for r in engine.ranks if r.cp_rank != self._cp_rank
             }
