@@ -386,6 +386,7 @@ class _Channel:
         try:
             return await asyncio.wait_for(asyncio.shield(self._opening), deadline.left(what=what))
         except asyncio.TimeoutError as exc:
+            self.closed = True  # an opening that hangs (a peer stopped, a cut link) is not waited on again
             raise DeadlineExceeded(f"{what}: not open in time") from exc
         except aiohttp.WSServerHandshakeError as exc:  # refused (a wrong secret), or not served there
             why = f"{what}: HTTP {exc.status} {exc.message}"
@@ -396,6 +397,10 @@ class _Channel:
     def _opened(self, opening: asyncio.Future[aiohttp.ClientWebSocketResponse[bool]]) -> None:
         if opening.cancelled() or opening.exception() is not None:
             self.closed = True  # the next call opens another
+            return
+        if self.closed:  # given up on while it opened (replaced, or closed here): nobody will use it
+            _BEHIND.add(closing := asyncio.ensure_future(opening.result().close()))
+            closing.add_done_callback(_BEHIND.discard)
             return
         self._ws = opening.result()
         self._reader = asyncio.ensure_future(self._read(self._ws))
