@@ -254,7 +254,11 @@ class DecodeFetcher:
             if ticket is not None:
                 # A finished room whose owners are one lane's batch (cached) is launched next:
                 # the bookkeeping below then runs while its kernel copies, not before it.
-                express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, dst, landing)
+                try:
+                    express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, dst, landing)
+                except PeerLostError:  # a mapping dropped: launched nothing
+                    await self._owners.forget(engine_id)  # a failed connection serves no later fetch
+                    raise
             job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
             with (
                 self._activity.call(),
