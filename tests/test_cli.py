@@ -125,11 +125,54 @@ def _pid_of(ready_file) -> int:
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if str(ready_file).encode() in f.read().split(b"\0"):
+                if str(ready_file).encode() in f.read().replace(b"\0", b" ").split():  # exec'd or titled
                     return int(entry)
         except (OSError, ValueError):
             continue
     raise AssertionError(f"no process has {ready_file}")
+
+
+def _pids_under(work) -> list[int]:
+    """Processes whose command line names a file under `work` (the services of a job there)."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if str(work).encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_a_job_killed_outright_takes_its_services_with_it(tmp_path):
+    """SIGKILL runs no cleanup in the job: each service, forked or not, must still go (none
+    left holding ports and pinned memory), each shown under its own command line meanwhile."""
+    import os
+    import signal
+    import time
+
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "transfer.app", "--preset", "tiny", "--engines", "2", "--requests", "100000"]
+    cmd += ["--no-progress", "--workdir", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (work / "decode0.ready").exists():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        services = [p for p in _pids_under(work) if p != proc.pid]
+        lines = [open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ") for p in services]
+        assert sum(b" -m transfer.app.prefill_worker " in line for line in lines) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        end = time.monotonic() + 15
+        while (left := _pids_under(work)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not left, [open(f"/proc/{p}/cmdline", "rb").read()[:120] for p in left]
+    finally:
+        proc.kill()
 
 
 def test_a_rank_killed_mid_run_is_restarted_and_the_job_reports_it(tmp_path):

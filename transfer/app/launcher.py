@@ -1,8 +1,9 @@
 """Starting and stopping pdkv service processes on one machine.
 
-Services are fresh interpreters (`python -m ...`), never forks: a process that has
-initialised UCX must not fork and use UCX in the child. Each child gets its own process
-group so a stop reaches everything it started, and tells us its URL via a ready file.
+Services are forks of a server that imported their heavy modules and nothing that touches
+UCX (`transfer.app.forked`), or fresh interpreters (`python -m ...`) on another host: never
+forks of a process that has initialised UCX, which must not fork and use UCX in the child.
+Each child gets its own process group so a stop reaches everything it started, and tells us its URL via a ready file.
 A child counts as ready once that file is written and every URL in it answers `GET /ready`
 with 200: listening is not serving (a prefill rank that listens may not be registered, or
 its UCX transport may be down; `/health` says only that the process answers).
@@ -26,6 +27,7 @@ from pathlib import Path
 import aiohttp
 
 from pdkv.errors import DeadlineExceeded, PdkvError, PeerLostError
+from transfer.app import forked
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class Host:
 @dataclass
 class Child:
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | forked.ForkedService
     ready_file: Path
     log_path: Path
 
@@ -119,14 +121,20 @@ class Launcher:
             if again:
                 log.write(f"---- {name} restarted ----\n".encode())
                 log.flush()
-            popen = subprocess.Popen(
-                [*prefix, sys.executable, "-m", module, *args, "--ready-file", str(ready), "--die-with-parent"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
+        argv = [*args, "--ready-file", str(ready), "--die-with-parent"]
+        popen: subprocess.Popen[bytes] | forked.ForkedService
+        if not prefix and forked.enabled():
+            popen = forked.ForkedService(module, argv, self.env, str(log_path))
+        else:
+            with open(log_path, "ab") as log:
+                popen = subprocess.Popen(
+                    [*prefix, sys.executable, "-m", module, *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                )
         child = Child(name, popen, ready, log_path)
         self.children.append(child)
         logger.info("started %s (pid %d)", name, popen.pid)
