@@ -20,11 +20,12 @@ context and with it every request on that GPU.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: pages per launch
 _INT32 = 1 << 31  # page ids travel as int32
+_SHOTS_KEPT = 256  # launch shapes kept by table and page count
 
 
 def _shape(nbytes: int) -> tuple[int, int]:
@@ -68,6 +70,26 @@ def _meta(table: GatherTable, block_words: int) -> tuple[np.ndarray, int]:
     first = np.concatenate([[0], np.cumsum(chunks)[:-1]])
     task_off = (np.arange(len(task_buf), dtype=np.int64) - np.repeat(first, chunks)) * block_words
     return np.concatenate([rows.reshape(-1), task_buf, task_off]).astype(np.int64, copy=False), len(task_buf)
+
+
+class _Shot:
+    """How one table's read of so many pages goes out: the launch's parameter set, the pages
+    a launch copies, the kernel, its grid's task count, threads a block and the scalars."""
+
+    __slots__ = ("args", "per_launch", "lists", "function", "tasks", "threads", "values")
+
+    def __init__(
+        self,
+        args: LaunchArgs,
+        per_launch: int,
+        lists: int,
+        function: Any,
+        tasks: int,
+        threads: int,
+        values: list[ctypes.c_int64 | int],
+    ) -> None:
+        self.args, self.per_launch, self.lists, self.function = args, per_launch, lists, function
+        self.tasks, self.threads, self.values = tasks, threads, values
 
 
 class Launch:
@@ -233,9 +255,11 @@ class Gatherer:
         self.kernel = GatherKernel.on(self.index)
         self.stream = torch.cuda.Stream(device)
         self._stream = self.kernel.stream(self.stream.cuda_stream)  # the driver's handle, wrapped once
+        self._cu_launch = self.kernel.cu_launch
         self.shape = shape  # (block bytes, warps); None: by the plan's size
         self._waiter = _Waiter(self.kernel)
         self._args = {ids: LaunchArgs(ids) for ids in self.kernel.capacities}  # launches come from one thread
+        self._shots: dict[tuple[GatherTable, int], _Shot] = {}  # by table and pages
         self.timed, self.poll = timed, poll
         self._spare: list[Launch] = []  # launches whose events have passed: free to record again
 
@@ -274,35 +298,69 @@ class Gatherer:
         """Queue `table`'s copy of source pages `src` (a row per source page list, or one list
         as a 1-D array) into `dst`, every id already checked: the kernel turns ids into
         addresses through the table kept on the GPU, so the host only writes the ids into
-        the launch's parameters."""
-        pages, lists = len(dst), table.lists
-        block_bytes, warps = self.shape or _shape(table.page_bytes * pages)
-        block = max(1, block_bytes // table.word)
-        capacity, per_launch = launch_split(pages, lists, self.kernel.capacities)
-        args = self._args[capacity]
-        ids, one_list = args.ids, src.ndim == 1
+        the launch's parameters. How a table's read of so many pages goes out (`_Shot`) is
+        worked out once: between a fetch's first step and its launch every Python step
+        counts, several times over on a host just woken."""
+        pages = len(dst)
+        shot = self._shots.get((table, pages))
         launch = self._spare.pop() if self._spare else self._new_launch()
         launch.ended_at = 0.0
         pushed = self.kernel.enter()
         try:
-            meta, n_tasks = self._table_on_device(table, block)
-            args.values[:] = [meta, table.buffers, n_tasks, 0, block, lists]
+            if shot is None:
+                shot = self._shot(table, pages)  # its table's upload needs the context current
+            args = shot.args
+            args.values[:] = shot.values
             if launch.start is not None:
                 launch.start.record(self._stream)
-            for page0 in range(0, pages, per_launch):
-                n = min(per_launch, pages - page0)
-                args.values[3] = n
-                if one_list:  # the lists' rows, then the destinations
-                    ids[:n] = src[page0 : page0 + n]
-                else:
-                    ids[: lists * n].reshape(lists, n)[:] = src[:, page0 : page0 + n]
-                ids[lists * n : (lists + 1) * n] = dst[page0 : page0 + n]
-                self.kernel.launch(table.word, (n_tasks, n), 32 * warps, self._stream, args)
+            ids = args.ids
+            if src.ndim == 1 and pages <= shot.per_launch:  # the usual: one list, one launch
+                ids[:pages] = src
+                ids[pages : 2 * pages] = dst
+                rc = self._cu_launch(
+                    shot.function, shot.tasks, pages, 1, shot.threads, 1, 1, 0, self._stream, args.address, 0
+                )[0]
+                if rc:
+                    self.kernel.check(rc, "cuLaunchKernel")
+            else:
+                self._launch_split(shot, src, dst)
             launch.done.record(self._stream)
         finally:
             if pushed:
                 self.kernel.leave()
         return launch
+
+    def _launch_split(self, shot: _Shot, src: np.ndarray, dst: np.ndarray) -> None:
+        """`launch_pages` of several lists, or of more pages than one launch's parameters hold."""
+        pages, lists, per_launch, args = len(dst), shot.lists, shot.per_launch, shot.args
+        ids, one_list = args.ids, src.ndim == 1
+        for page0 in range(0, pages, per_launch):
+            n = min(per_launch, pages - page0)
+            args.values[3] = n
+            if one_list:  # the lists' rows, then the destinations
+                ids[:n] = src[page0 : page0 + n]
+            else:
+                ids[: lists * n].reshape(lists, n)[:] = src[:, page0 : page0 + n]
+            ids[lists * n : (lists + 1) * n] = dst[page0 : page0 + n]
+            f, tasks, threads = shot.function, shot.tasks, shot.threads
+            rc = self._cu_launch(f, tasks, n, 1, threads, 1, 1, 0, self._stream, args.address, 0)[0]
+            if rc:
+                self.kernel.check(rc, "cuLaunchKernel")
+
+    def _shot(self, table: GatherTable, pages: int) -> _Shot:
+        """How `pages` pages of `table` go out (call with the context current: the table is
+        uploaded here the first time)."""
+        block_bytes, warps = self.shape or _shape(table.page_bytes * pages)
+        block = max(1, block_bytes // table.word)
+        capacity, per_launch = launch_split(pages, table.lists, self.kernel.capacities)
+        meta, n_tasks = self._table_on_device(table, block)
+        function = self.kernel.functions[table.word, capacity]
+        values: list[ctypes.c_int64 | int] = [meta, table.buffers, n_tasks, min(pages, per_launch), block, table.lists]
+        shot = _Shot(self._args[capacity], per_launch, table.lists, function, n_tasks, 32 * warps, values)
+        if len(self._shots) >= _SHOTS_KEPT:  # tables come and go with owners, page counts with requests
+            self._shots.clear()
+        self._shots[table, pages] = shot
+        return shot
 
     def _new_launch(self) -> Launch:
         start = DriverEvent(self.kernel) if self.timed else None

@@ -236,7 +236,7 @@ class GatherKernel:
         self.ctx = ctx
         self._ctx_id = int(ctx)
         self._ctx_get, self._ctx_push, self._ctx_pop = drv.cuCtxGetCurrent, drv.cuCtxPushCurrent, drv.cuCtxPopCurrent
-        self._launch = drv.cuLaunchKernel
+        self._launch = self.cu_launch = drv.cuLaunchKernel  # `cu_launch`: for a caller holding its function
         major, minor = torch.cuda.get_device_capability(device)
         rc, version = drv.cuDriverGetVersion()
         self.check(rc, "cuDriverGetVersion")
