@@ -48,17 +48,21 @@ class Stamps:
         at, name = self.at, label or name
 
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
-            at[f"{name} in"] = time.perf_counter()
+            # A step called again in one fetch (the context's check, by the prime and the launch)
+            # is stamped again as "#2", "#3".
+            calls = sum(k.startswith(name) and k.endswith(" in") for k in at)
+            label = f"{name} #{calls + 1}" if calls else name
+            at[f"{label} in"] = time.perf_counter()
             result = fn(*args, **kwargs)
             if not inspect.isawaitable(result):
-                at[f"{name} out"] = time.perf_counter()
+                at[f"{label} out"] = time.perf_counter()
                 return result
 
             async def landed():  # type: ignore[no-untyped-def]
                 try:
                     return await result
                 finally:
-                    at[f"{name} out"] = time.perf_counter()
+                    at[f"{label} out"] = time.perf_counter()
 
             return landed()
 
@@ -70,7 +74,13 @@ class Stamps:
 WRAPPED = (
     ("tickets", ("launch", "land", "fetch", "read")),
     ("batch", ("start", "read")),
-    ("gather", ("prime", "launch_pages", "landed", "run_pages")),
+    ("gather", ("prime", "start", "launch_pages", "landed", "run_pages")),
+    # The checks before the launch, and each driver call of the prime and the launch.
+    ("fetcher", ("page_ids",)),
+    ("lane", ("route_pages",)),
+    ("kernel", ("enter", "leave", "prime", "launch")),
+    ("driver", ("cu_launch", "_cu_launch")),
+    ("event", ("record",)),
 )
 
 
@@ -89,7 +99,8 @@ async def main() -> None:
         help="queue the lane's empty kernel this long before each fetch (how much of a fetch is the GPU waking)",
     )
     args = ap.parse_args()
-    from transfer.lanes.cuda_ipc.lane import GatherBatch  # needs CUDA: imported once a GPU run is asked
+    from transfer.lanes.cuda_ipc.kernel import DriverEvent  # needs CUDA: imported once a GPU run is asked
+    from transfer.lanes.cuda_ipc.lane import GatherBatch
 
     size = max((args.runs + 2) * args.tokens if args.b2b else 3 * args.tokens, 16384)
     spec = DeploymentSpec(engines=(4,), decoders=0, device="cuda", prefill_pool_tokens=size, decode_pool_tokens=size)
@@ -98,7 +109,12 @@ async def main() -> None:
         alloc = fragmented_allocator(pool.layout.num_pages, 1)
         async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc", time_kernels=args.time_kernels) as fetcher:
             stamps = Stamps()
-            objs = {"tickets": fetcher._tickets, "batch": GatherBatch, "gather": fetcher._owners.lanes[0]._gather}
+            gather = fetcher._owners.lanes[0]._gather
+            objs = {
+                "tickets": fetcher._tickets, "batch": GatherBatch, "gather": gather,
+                "fetcher": sys.modules["transfer.decode.fetcher"], "lane": sys.modules["transfer.lanes.cuda_ipc.lane"],
+                "kernel": gather.kernel, "driver": gather, "event": DriverEvent,
+            }  # fmt: skip
             for what, names in WRAPPED:
                 for name in names:
                     if hasattr(objs[what], name):
