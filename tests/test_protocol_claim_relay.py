@@ -167,3 +167,33 @@ async def test_an_owner_that_never_answers_the_relay_fails_the_fetch_typed_in_ti
     assert took < deadline + request + 1.0, took
     assert bool(torch.all(pool.slab == UNTOUCHED))
     await _until_unpinned(deployment)
+
+
+async def test_a_call_on_a_kept_channel_that_died_unseen_is_made_again_on_a_new_one(deployment):  # type: ignore[no-untyped-def]
+    """A kept channel can die without the decode seeing it (a link cut and back: the owner
+    dropped it meanwhile): the call it loses is made once more on a new channel, not failed
+    (a claim is idempotent). An owner's own refusal is not made again."""
+    controls = deployment.engines[0].controls
+    fp = DSAKVPool(tiny(size=8192)).layout.fingerprint
+    ask = ClaimRequest(room=9_400_000, consumer_id="kept-decode", claim=secrets.token_hex(16))
+    call = ClaimAll(ask=ask, others=[], budget_ms=100)
+    url = f"{controls[0]}/v1/claims"
+    client = ControlClient(Timeouts())
+    try:
+        assert (
+            await client.call(url, call, ClaimAllReply, fingerprint=fp, timeout=5)
+        ).arbiter.status.value == "unknown"
+        kept = client._channels[url]
+        assert kept._ws is not None
+        kept._ws._response.connection.transport.abort()  # dead, and nothing read yet says so
+        assert not kept.closed
+        reply = await client.call(url, call, ClaimAllReply, fingerprint=fp, timeout=5)
+        assert reply.arbiter.status.value == "unknown"
+        assert kept.closed and client._channels[url] is not kept
+        lower = ClaimAll(ask=ask, others=[OwnerRef(cp_rank=0, incarnation="abc")], budget_ms=100)
+        fresh = client._channels[url]
+        with pytest.raises(MetadataError, match="arbitrates only"):
+            await client.call(url, lower, ClaimAllReply, fingerprint=fp, timeout=5)
+        assert client._channels[url] is fresh and not fresh.closed  # a refusal keeps the channel
+    finally:
+        await client.aclose()

@@ -273,13 +273,21 @@ class ControlClient:
         timeout: float,
     ) -> T:
         """One call on the channel kept open to `url` (opened now if none is): `body` there,
-        a `reply_kind` or the typed error back, within `timeout` (the opening included)."""
-        limit = Deadline.after(timeout)
+        a `reply_kind` or the typed error back, within `timeout` (the opening included).
+
+        Calls must be idempotent: a kept channel can have died unseen (its link cut and back,
+        the peer dropping it meanwhile), and a call it loses is made once more on a new one."""
+        limit, data = Deadline.after(timeout), encode(body, fingerprint)
         channel = self._channels.get(url)
-        if channel is None or channel.closed:
-            channel = self._channels[url] = _Channel(url, self.timeouts.shutdown)
-        data = await channel.call(encode(body, fingerprint), self._sess, limit)
-        return decode(data, reply_kind, expect_fingerprint)
+        if channel is not None and not channel.closed:
+            try:
+                return decode(await channel.call(data, self._sess, limit), reply_kind, expect_fingerprint)
+            except PeerLostError as exc:
+                if not channel.closed:  # the peer's own answer, not a broken channel
+                    raise
+                logger.info("%s; calling again on a new channel", exc)
+        channel = self._channels[url] = _Channel(url, self.timeouts.shutdown)
+        return decode(await channel.call(data, self._sess, limit), reply_kind, expect_fingerprint)
 
     async def stream(self, url: str, *, idle_timeout: float, max_frame: int) -> AsyncIterator[bytes]:
         """The length-prefixed frames of a long-lived GET (b"" for a heartbeat), until the
