@@ -61,7 +61,6 @@ from transfer.lanes.ucx.plan import build_read_plan  # noqa: E402
 from transfer.metadata import EngineDescriptor, RoomState, RoomTicket  # noqa: E402
 from transfer.registry.server import RegistryServer  # noqa: E402
 from transfer.results import FetchResult  # noqa: E402
-from transfer.timeouts import Timeouts  # noqa: E402
 
 
 class RawNixl:
@@ -148,7 +147,7 @@ async def bench(args: argparse.Namespace) -> None:
         device=args.prefill_device or args.device,
         registry_host=args.prefill_host,
         prefill_host=args.prefill_host,
-        owner_progress=args.owner_progress_ms / 1e3,
+        owner_progress=None if args.owner_progress_ms is None else args.owner_progress_ms / 1e3,
     )
     layout = dsa_v32(size=pool_tokens, device=args.decode_device or args.device)
     # The limit's source sits where the owners are when they share one GPU (a peer copy across GPUs).
@@ -595,8 +594,8 @@ def main() -> None:
     ap.add_argument(
         "--owner-progress-ms",
         type=float,
-        default=Timeouts().ticket_progress_interval * 1e3,
-        help="how often owners drive their UCX worker while a ticket is out",
+        default=None,
+        help="how often owners drive their UCX worker while a room is read (default: by transport)",
     )
     ap.add_argument(
         "--engine-buffers",

@@ -344,3 +344,21 @@ async def test_chunks_below_every_start_are_freed_as_they_come():
     t.add_chunk(1, np.array([13]), aux=b"x")
     assert t.state(1).src_pages == [4, 5, 9, 12, 13] and t.state(1).status is RoomStatus.READY
     assert t.release(1, A).freed and freed[2:] == [(1, [12, 13])] and t.counters.freed_ahead == 3
+
+
+async def test_a_room_is_being_read_while_a_ticket_is_out_or_a_claim_open():
+    """What drives an owner fast over TCP: a ticket out or a claim open on a live room."""
+    pins = np.zeros(2, dtype=np.int64)
+    t = RoomTable(range(0, 1), num_pages=32, pin_seconds=60, pins=pins)
+    t.publish(1, np.array([4]))
+    assert not t.being_read  # published, nobody reading yet
+    t.mark_ready(1, 1)
+    slot, nonce = await t.pin(1, 1)
+    assert t.being_read
+    assert t.release_ticket(1, slot, nonce) and not t.being_read
+    t.publish(2, np.array([5]))
+    t.claim(2, A, "d0")
+    assert t.being_read
+    t.mark_ready(2, 1)
+    t.release(2, A)
+    assert not t.being_read

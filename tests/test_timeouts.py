@@ -347,3 +347,34 @@ async def test_body_is_the_instances(length):
         writer.close()
     finally:
         await server.aclose()
+
+
+# ---- an owner's progress while its rooms are read -----------------------------------------------
+def test_reading_progress_is_the_instances_else_by_transport():
+    from transfer.timeouts import TCP_PROGRESS_INTERVAL
+
+    assert Timeouts(ticket_progress_interval=0.002).reading_progress_interval(over_tcp=True) == 0.002
+    assert Timeouts(ticket_progress_interval=0.002).reading_progress_interval(over_tcp=False) == 0.002
+    assert DEFAULTS.reading_progress_interval(over_tcp=True) == TCP_PROGRESS_INTERVAL < DEFAULTS.progress_interval
+    assert DEFAULTS.reading_progress_interval(over_tcp=False) == DEFAULTS.progress_interval
+    assert Timeouts(progress_interval=0.0001).reading_progress_interval(over_tcp=True) == 0.0001  # never slower
+
+
+async def test_a_driven_owner_hands_a_notification_over_as_it_arrives():
+    """An owner driven on its worker's thread for a long stretch returns as soon as a
+    notification arrives (a release must not wait out the stretch)."""
+    from transfer.lanes.ucx.transport import UcxTransport
+
+    owner = UcxTransport("drive-owner")
+    decode = UcxTransport("drive-decode", notifies=True)
+    try:
+        await decode.add_peer(owner.agent_name, owner.agent_metadata(), [])
+        driving = asyncio.ensure_future(owner.progress(60.0, 0.0005))
+        await asyncio.sleep(0.05)
+        assert not driving.done()  # nothing arrived: still driving
+        assert decode.notify([(owner.agent_name, b"released")]) == []
+        arrived = await asyncio.wait_for(driving, 20)  # well before the 60 s stretch
+        assert arrived == {"drive-decode.notify": [b"released"]}
+    finally:
+        await decode.aclose()
+        await owner.aclose()

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["CALLER_YIELD_SECONDS", "Timeouts"]
+__all__ = ["CALLER_YIELD_SECONDS", "TCP_PROGRESS_INTERVAL", "Timeouts"]
 
 # Not a bound but a yield: a synchronous caller (a scheduler polling from its own thread) sees
 # an outcome only once it holds the interpreter lock, which pdkv's work after a read (its
 # continuation, its releases' sends) would take first; that work waits this long.
 CALLER_YIELD_SECONDS = 0.001
+
+# Not a bound but a pace: an owner served over UCX's TCP drives its worker this often while a
+# room of its is read (on the worker's own thread, so a tick wakes no event loop).
+TCP_PROGRESS_INTERVAL = 0.0005
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,11 @@ class Timeouts:
     lease: float = 10.0  # a registry entry lives this long without renewal
     pin: float = 120.0  # source pages stay pinned this long without release
     progress_interval: float = 0.01  # how often an exporter drives its UCX worker
-    # ... while a ticket it issued is unreleased. Over TCP between hosts a READ waits for the
-    # owner's progress (UCX emulates a GET), so deployments that read so may lower it; on one
-    # host and over RDMA a READ needs no owner, and faster polling only costs cores
-    # (docs/benchmarks.md#between-stand-in-hosts-throughput).
-    ticket_progress_interval: float = 0.01
+    # ... while a room of its is being read (a ticket out, a claim open). Over TCP a READ waits
+    # for the owner's progress (UCX emulates a GET), so None means TCP_PROGRESS_INTERVAL where
+    # UCX may serve the owner over TCP and `progress_interval` elsewhere: on one host and over
+    # RDMA a READ needs no owner, and faster driving only costs a core.
+    ticket_progress_interval: float | None = None
     header: float = 10.0  # a service: from connect to a complete request head
     idle: float = 30.0  # a service: from a reply to the next request head (above aiohttp clients' 15 s keep-alive)
     body: float = 30.0  # a service: receiving a request's body
@@ -67,5 +72,12 @@ class Timeouts:
     def renew_interval(self) -> float:
         return self.lease / 3
 
-    def replace(self, **changes: float) -> Timeouts:
+    def reading_progress_interval(self, over_tcp: bool) -> float:
+        """How often an owner drives UCX while a room of its is read (`ticket_progress_interval`
+        resolved: `over_tcp`, UCX may serve the owner's READs over TCP)."""
+        if self.ticket_progress_interval is not None:
+            return self.ticket_progress_interval
+        return min(TCP_PROGRESS_INTERVAL, self.progress_interval) if over_tcp else self.progress_interval
+
+    def replace(self, **changes: Any) -> Timeouts:
         return dataclasses.replace(self, **changes)

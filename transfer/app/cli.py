@@ -223,7 +223,7 @@ async def run(args: argparse.Namespace) -> int:
         registry=args.registry,
         prefill_host=args.prefill_host,
         decode_host=args.decode_host,
-        owner_progress=args.owner_progress_ms / 1e3,
+        owner_progress=None if args.owner_progress_ms is None else args.owner_progress_ms / 1e3,
         broadcast_ctas=args.broadcast_ctas,
         max_restarts=args.max_restarts,
     )

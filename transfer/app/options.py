@@ -18,7 +18,7 @@ import numpy as np
 from pdkv import PRESETS
 from transfer.app.launcher import Host
 from transfer.app.supervisor import BROADCAST_CTAS
-from transfer.timeouts import Timeouts
+from transfer.timeouts import TCP_PROGRESS_INTERVAL, Timeouts
 
 # (tokens, weight): mostly short prompts, a long tail up to 32k.
 DEFAULT_MIX = "1024:35,2048:25,4096:20,8192:12,16384:5,32768:3"
@@ -236,8 +236,9 @@ def parser(prog: str = PROG, description: str = "The main job: a local PD deploy
         "--owner-progress-ms",
         type=_positive_float,
         metavar="MS",
-        default=Timeouts().ticket_progress_interval * 1e3,
-        help="how often a prefill rank drives UCX while a ticket is out: lower it (1) between hosts over TCP",
+        default=None,
+        help=f"how often a prefill rank drives UCX while its rooms are read (default: {TCP_PROGRESS_INTERVAL * 1e3:g}"
+        f" where UCX may serve it over TCP, else {Timeouts().progress_interval * 1e3:g})",
     )
     ap.add_argument(
         "--broadcast-ctas",

@@ -362,8 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--owner-progress",
         type=float,
-        default=Timeouts().ticket_progress_interval,
-        help="seconds between drives of the UCX worker while a ticket is out (lower between hosts over TCP)",
+        default=None,
+        help="seconds between drives of the UCX worker while a room is read (default: by transport, see Timeouts)",
     )
     ap.add_argument("--layer-delay", type=float, default=0.0, help="stand-in compute time per layer (s)")
     ap.add_argument("--group-timeout", type=float, default=60.0)

@@ -50,9 +50,9 @@ class DeploymentSpec:
     layer_delay: float = 0.0
     pin: float = Timeouts().pin
     lease: float = Timeouts().lease
-    # How often an owner drives its UCX worker while a ticket it issued is out. Over TCP
-    # between hosts a READ waits for it; lower it there (see `Timeouts`).
-    owner_progress: float = Timeouts().ticket_progress_interval
+    # How often an owner drives its UCX worker while a room of its is read; None: by
+    # transport (`Timeouts.ticket_progress_interval`).
+    owner_progress: float | None = Timeouts().ticket_progress_interval
     # SMs the prefill's NCCL owner broadcast may take beside the model's compute; 0: NCCL's choice.
     broadcast_ctas: int = BROADCAST_CTAS
     decode_ucx_workers: int = 0  # 0: one a core, up to 8 (4 on a GPU)
@@ -181,7 +181,7 @@ class Supervisor:
             "--layer-delay": s.layer_delay,
             "--pin": s.pin,
             "--lease": s.lease,
-            "--owner-progress": s.owner_progress,
+            **({} if s.owner_progress is None else {"--owner-progress": s.owner_progress}),
             "--broadcast-ctas": s.broadcast_ctas,
         }
         args, module = _flatten(flags), "transfer.app.prefill_worker"

@@ -28,7 +28,7 @@ from transfer.deadline import Deadline, raise_if_cancelled
 from transfer.engine_kv import KVBuffers
 from transfer.lanes.cuda_ipc.export import IpcExporter
 from transfer.lanes.runs import device_id, mem_type
-from transfer.lanes.ucx.nixl import protect_owner_heap
+from transfer.lanes.ucx.nixl import heap_guard_reason, protect_owner_heap
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
 from transfer.metadata import (
@@ -126,6 +126,7 @@ class PrefillExporter:
         self.descriptor: RankDescriptor | None = None
         self._registered: float | None = None  # when the registry last took this rank (monotonic)
         self._ucx_failing: str | None = None  # why UCX progress last failed, while it fails
+        self._over_tcp = False  # UCX may answer this owner's READs over TCP (set at start)
         self._tasks: list[asyncio.Task[None]] = []
         self._written: asyncio.Queue[tuple[int, int | None, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
@@ -140,6 +141,7 @@ class PrefillExporter:
     async def _start(self) -> None:
         name = f"{self.engine_id}.cp{self.cp_rank}.{self.incarnation}"
         protect_owner_heap(self.pool.device.type, self._bind_host)  # where UCX may serve it over TCP
+        self._over_tcp = heap_guard_reason(self.pool.device.type, self._bind_host) is not None
         self.transport = UcxTransport(name, workers=1, mem_type=mem_type(self.pool.device), timeouts=self.timeouts)
         # The owned slab is the owned layers' buffers and the alignment padding between them
         # (never written): nothing else is exposed.
@@ -326,9 +328,15 @@ class PrefillExporter:
 
     async def _progress_forever(self) -> None:
         assert self.transport is not None
+        idle = self.timeouts.progress_interval
+        reading = self.timeouts.reading_progress_interval(self._over_tcp)
         while True:
+            every = reading if self.rooms.being_read else idle
             try:
-                arrived = await self.transport.progress()
+                if every < idle:  # driven on UCX's thread for an idle interval: no loop wake a tick
+                    arrived = await self.transport.progress(idle, every)
+                else:
+                    arrived = await self.transport.progress()
                 self._ucx_failing = None
             except Exception as exc:  # a target must keep progressing: log and go on, never die silently
                 logger.error("UCX progress failed: %s", exc)
@@ -336,8 +344,8 @@ class PrefillExporter:
             for peer, messages in arrived.items():
                 for message in messages:
                     self._service.on_notification(peer, message)
-            busy = self.rooms.tickets_out > 0
-            await asyncio.sleep(self.timeouts.ticket_progress_interval if busy else self.timeouts.progress_interval)
+            if every >= idle or self._ucx_failing is not None:
+                await asyncio.sleep(max(every, idle))
 
     async def _expire_forever(self) -> None:
         while True:

@@ -406,6 +406,11 @@ class RoomTable:
         return sum(r.src_pages.size - r.freed_upto for r in self._live.values())
 
     @property
+    def being_read(self) -> bool:
+        """A live room has a ticket out or a claim open: a READ may come at any moment."""
+        return any(r.ticket == "issued" or r.open_claims for r in self._live.values())
+
+    @property
     def tickets_out(self) -> int:
         """Tickets issued for live rooms and not yet released."""
         return sum(r.ticket == "issued" for r in self._live.values())

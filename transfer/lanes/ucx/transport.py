@@ -367,11 +367,15 @@ class UcxTransport:
         first = next(self._next_lane)
         return self._workers[first:] + self._workers[:first]
 
-    async def progress(self) -> dict[str, list[bytes]]:
-        """Drive the UCX worker once (a target must, for wire-up and emulated GETs); returns
-        the notifications that arrived, by sender."""
+    async def progress(self, seconds: float = 0.0, pause: float = 0.0) -> dict[str, list[bytes]]:
+        """Drive the UCX worker (a target must, for wire-up and emulated GETs): once, or every
+        `pause` on its thread for up to `seconds`, until a notification arrives; returns the
+        notifications that arrived, by sender."""
         worker = self._workers[0]
-        arrived = await worker.call(worker.get_new_notifs)
+        if seconds > 0:
+            arrived = await worker.call(functools.partial(worker.drive, seconds, pause))
+        else:
+            arrived = await worker.call(worker.get_new_notifs)
         return arrived if self.notify_faults is None else self.notify_faults.filter(arrived)
 
     async def drain_notifications(self) -> None:

@@ -103,6 +103,16 @@ class Worker:
         notifs: dict[str, list[bytes]] = self._current().get_new_notifs()
         return notifs
 
+    def drive(self, seconds: float, pause: float) -> dict[str, list[bytes]]:
+        """Progress every `pause` for up to `seconds`, until a notification arrives (the
+        notifications): the caller's loop wakes once, not once a tick."""
+        end = time.monotonic() + seconds
+        while True:
+            notifs = self.get_new_notifs()
+            if notifs or time.monotonic() + pause > end:
+                return notifs
+            time.sleep(pause)
+
     def _current(self) -> Any:
         """The agent, made anew (its memory registered again) after `_drop`."""
         if self._agent is None:
