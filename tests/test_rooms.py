@@ -347,7 +347,7 @@ async def test_chunks_below_every_start_are_freed_as_they_come():
 
 
 async def test_a_room_is_being_read_while_a_ticket_is_out_or_a_claim_open():
-    """What drives an owner fast over TCP: a ticket out or a claim open on a live room."""
+    """What drives an owner fast over TCP: a ticket out, or a claim open on something written."""
     pins = np.zeros(2, dtype=np.int64)
     t = RoomTable(range(0, 1), num_pages=32, pin_seconds=60, pins=pins)
     t.publish(1, np.array([4]))
@@ -358,7 +358,13 @@ async def test_a_room_is_being_read_while_a_ticket_is_out_or_a_claim_open():
     assert t.release_ticket(1, slot, nonce) and not t.being_read
     t.publish(2, np.array([5]))
     t.claim(2, A, "d0")
-    assert t.being_read
+    assert not t.being_read  # claimed ahead of its prefill: nothing to read yet
     t.mark_ready(2, 1)
+    assert t.being_read
     t.release(2, A)
     assert not t.being_read
+    t.publish_chunked(3, total_pages=2)
+    t.claim(3, A, "d0")
+    assert not t.being_read
+    t.add_chunk(3, np.array([6]))
+    assert t.being_read  # its first chunk may be read as it comes

@@ -42,7 +42,7 @@ class Timeouts:
     lease: float = 10.0  # a registry entry lives this long without renewal
     pin: float = 120.0  # source pages stay pinned this long without release
     progress_interval: float = 0.01  # how often an exporter drives its UCX worker
-    # ... while a room of its is being read (a ticket out, a claim open). Over TCP a READ waits
+    # ... while a room of its is being read (`RoomTable.being_read`). Over TCP a READ waits
     # for the owner's progress (UCX emulates a GET), so None means TCP_PROGRESS_INTERVAL where
     # UCX may serve the owner over TCP and `progress_interval` elsewhere: on one host and over
     # RDMA a READ needs no owner, and faster driving only costs a core.

@@ -407,8 +407,13 @@ class RoomTable:
 
     @property
     def being_read(self) -> bool:
-        """A live room has a ticket out or a claim open: a READ may come at any moment."""
-        return any(r.ticket == "issued" or r.open_claims for r in self._live.values())
+        """A READ may come at any moment: a live room has a ticket out, or a claim open and
+        something written to read (a claim taken early waits out the prefill unread)."""
+        return any(r.ticket == "issued" or (r.open_claims and self._written(r)) for r in self._live.values())
+
+    def _written(self, r: Room) -> bool:
+        """Some of `r` may be read: a layer, or (sent by chunks) a chunk."""
+        return r.ready_upto > self.layers.start or (r.total_pages >= 0 and r.src_pages.size > 0)
 
     @property
     def tickets_out(self) -> int:
