@@ -125,7 +125,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,8192,32768")
     ap.add_argument("--runs", type=int, default=3)
     add_link_options(ap)
-    ap.add_argument("--owner-progress-ms", type=float, default=None, help="owners drive UCX this often (ticket out)")
+    ap.add_argument(
+        "--owner-progress-ms",
+        type=float,
+        default=None,
+        help="owners drive UCX this often while read (default: 0.5 over TCP)",
+    )
     ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
     ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
     args = ap.parse_args()
