@@ -53,9 +53,6 @@ def _ib_devices() -> bool:
     return ib.exists() and any(ib.iterdir())
 
 
-TCP_SEGMENT = "4m"  # UCX's TCP segments, unless set (`configure_ucx_environment`)
-
-
 def configure_ucx_environment() -> None:
     """UCX settings that must be in place before NIXL loads UCX; a variable already set wins,
     and with PDKV_UCX_ENV=0 none is set (the process's environment stays the operator's).
@@ -87,11 +84,6 @@ def configure_ucx_environment() -> None:
     os.environ.setdefault("UCX_TCP_KEEPIDLE", "1s")
     os.environ.setdefault("UCX_TCP_KEEPINTVL", "1s")
     os.environ.setdefault("UCX_TCP_KEEPCNT", "2")
-    # UCX answers a GET over TCP in messages of one segment each (8 KiB by default): larger
-    # ones cost fewer wake-ups on both sides for the same bytes. UCX touches only what a
-    # message holds (peak RSS the same, docs/between-hosts.md); beyond 16 MiB it failed.
-    os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", TCP_SEGMENT)
-    os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", TCP_SEGMENT)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
