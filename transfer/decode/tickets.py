@@ -303,25 +303,9 @@ class TicketProtocol:
             except PeerLostError as exc:
                 raise _lost_among(pinned, exc) from exc
             return await self._launched(lane, pinned, batch, started, room, src, job, landing, aux, t0)  # type: ignore[arg-type]
-        if landing is not None:
-            prove = functools.partial(_prove_all_mapped, pinned, room)
-
-            def proved_result() -> FetchResult:  # the result as the lane's thread reports it
-                elapsed = time.perf_counter() - t0  # the read's seconds too: the GPU's own are read on the loop
-                return _result(job, room, _batch_stats(lane, batch, src.size, elapsed, elapsed), aux)
-
-            landing.arm(prove, proved_result)
-        try:
-            # `dst` came through `page_ids` against this pool: the plan need not check it again.
-            seconds = await batch.read(src, job.dst, self.ctx.pool.layout.num_pages, landing)
-            if landing is not None:
-                landing.check(prove)
-            elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
-                await self._prove_read_pins(unmapped, room, job.deadline)
-        except PeerLostError as exc:
-            raise _lost_among(pinned, exc) from exc
-        asyncio.get_running_loop().call_soon(observe_read, lane.name, seconds)  # after the fetch returns
-        return _batch_stats(lane, batch, src.size, time.perf_counter() - t0, seconds)
+        # `dst` came through `page_ids` against this pool: the plan need not check it again.
+        read = functools.partial(batch.read, src, job.dst, self.ctx.pool.layout.num_pages, landing)
+        return await self._proved(lane, pinned, batch, room, src, job, landing, aux, t0, read)
 
     async def _launched(
         self,
@@ -338,7 +322,27 @@ class TicketProtocol:
     ) -> list[OwnerStats]:
         """`_read_batch_with_pins` once its read was launched (`started`): everything else
         runs while the kernel copies; then its end is awaited and each pin proved."""
-        if landing is not None:  # armed before the lane's thread can be told (in `landed`)
+        landed = _nothing_read if started is None else functools.partial(batch.landed, started, landing)
+        return await self._proved(lane, pinned, batch, room, src, job, landing, aux, t0, landed)
+
+    async def _proved(
+        self,
+        lane: Lane[Any],
+        pinned: list[tuple[Owner, OwnerPin]],
+        batch: Batch[Peer],
+        room: int,
+        src: np.ndarray,
+        job: Fetch,
+        landing: Landing | None,
+        aux: bytes | None,
+        t0: float,
+        read: Callable[[], Awaitable[float]],
+    ) -> list[OwnerStats]:
+        """Await `read` (the lane's, of these owners' layers: its seconds), then prove each
+        owner's pin. A `landing` is armed first, before the lane's thread can tell it (in
+        `read`): that thread may then prove the bytes as they land (`Landing`)."""
+        prove = None
+        if landing is not None:
             prove = functools.partial(_prove_all_mapped, pinned, room)
 
             def proved_result() -> FetchResult:  # the result as the lane's thread reports it
@@ -347,8 +351,8 @@ class TicketProtocol:
 
             landing.arm(prove, proved_result)
         try:
-            seconds = 0.0 if started is None else await batch.landed(started, landing)
-            if landing is not None:
+            seconds = await read()
+            if landing is not None and prove is not None:
                 landing.check(prove)
             elif unmapped := _prove_mapped_pins(pinned, room):  # not the usual case: owners here map their pin tables
                 await self._prove_read_pins(unmapped, room, job.deadline)
@@ -433,6 +437,11 @@ class TicketProtocol:
             return
         for agent in unsent:
             logger.info("room %d: no connection to %s: it keeps the prefix pinned", claim.room, agent)
+
+
+async def _nothing_read() -> float:
+    """A launch that moved nothing (no pages): no end to await."""
+    return 0.0
 
 
 def _lost_among(pinned: list[tuple[Owner, OwnerPin]], exc: PeerLostError) -> PeerLostError:
