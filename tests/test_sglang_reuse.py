@@ -257,3 +257,51 @@ def test_a_bad_page_count_is_refused_at_init(bootstrap):  # noqa: F811
         assert mgr.exporter.exporter.rooms.state(80).status.value == "unknown"  # never published
     finally:
         mgr.close()
+
+
+def _live(mgr) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {part: exporter.exporter.rooms.live_rooms for part, exporter in mgr.exporters.items()}
+
+
+@pytest.mark.parametrize("how", ["draft-ended-first", "group-failed", "prefill-abort"])
+def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootstrap, how):  # noqa: F811
+    """SGLang frees a request's pages once its sender says Failed (or once it aborted it), so
+    by then no part of the room may stay readable, or a decode could read (and prove) pages
+    that the next request writes. Checked on the scheduler's thread the moment it returns,
+    with no wait for pdkv's thread: for a part that ended first (the decode's abort reached
+    the draft's room first), for a failure elsewhere in SGLang's group, and for an abort."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.metadata import RoomStatus
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+
+    _env(bootstrap.url, 0, 1)
+    args, _ = _kv_args(range(LAYERS), fill=True, drafts=1)
+    mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
+    try:
+        assert set(mgr.exporters) == {"", "-draft"}
+        sender = PdkvKVSender(mgr, bootstrap.url, ROOM)
+        sender.init(len(A_PAGES), aux_index=A_AUX)
+        sender.should_send_kv_chunk(2, False)
+        sender.send(np.array(A_PAGES[:2], dtype=np.int32))
+        end = time.monotonic() + 30
+        while _live(mgr) != {"": 1, "-draft": 1} and time.monotonic() < end:
+            time.sleep(0.01)
+        assert sender.poll() == KVPoll.Transferring and _live(mgr) == {"": 1, "-draft": 1}
+        if how == "draft-ended-first":
+            mgr.exporters["-draft"].abort_room(ROOM).result(timeout=10)
+            while "-draft" not in sender._ended and time.monotonic() < end:
+                time.sleep(0.001)  # its end is told on pdkv's thread
+            assert sender.poll() == KVPoll.Failed
+            assert _error(sender) == "RoomAbortedError"
+        elif how == "group-failed":
+            with pytest.raises(Exception, match="another rank's transfer failed"):
+                sender.failure_exception()
+        else:
+            sender.abort()
+            assert sender.poll() == KVPoll.Failed
+        assert _live(mgr) == {"": 0, "-draft": 0}
+        assert mgr.exporters[""].exporter.rooms.state(ROOM).status is RoomStatus.ABORTED
+        assert mgr.exporters[""].exporter.rooms.pinned_pages == 0
+    finally:
+        mgr.close()

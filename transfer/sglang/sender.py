@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric, StateType
 
-from pdkv.errors import InvalidPagesError, LayoutError, PdkvError, RoomAbortedError, TransferError
+from pdkv.errors import ConflictError, InvalidPagesError, LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.metadata import RoomStatus
 from transfer.sglang.manager import PdkvKVManager
 from transfer.sglang.outcome import Outcome
 from transfer.sync import Handle, HandleStatus
 
 __all__ = ["PdkvKVSender"]
+
+logger = logging.getLogger(__name__)
 
 
 class PdkvKVSender(BaseKVSender):
@@ -111,7 +114,7 @@ class PdkvKVSender(BaseKVSender):
         for part, ended in list(self._ended.items()):
             if ended is not RoomStatus.RELEASED:
                 why = "aborted by its decode, or its pin expired," if ended is RoomStatus.ABORTED else ended.value
-                return self._outcome.fail(RoomAbortedError(f"room {self.room}{part} ended {why} before it was read"))
+                return self._fail(RoomAbortedError(f"room {self.room}{part} ended {why} before it was read"))
         if self._inited and len(self._ended) == len(self.kv_mgr.exporters):
             # Every part read; on a TP rank that exports nothing, at once (TP rank 0's
             # sender carries the room, and SGLang takes the lowest state of its TP group).
@@ -125,10 +128,21 @@ class PdkvKVSender(BaseKVSender):
         return self._outcome.fail(error)
 
     def _abort_rooms(self, reason: PdkvError | None) -> None:
-        for part, exporter in self.kv_mgr.exporters.items():
-            publication = self._pubs.get(part)
-            if publication is not None and part not in self._ended:
-                exporter.abort_room(self.room, publication, reason)
+        """End this sender's rooms that are still live, and wait until they have: SGLang frees
+        the request's pages once it sees Failed, and a room still pinned then would let a
+        decode read (and prove) pages that another request is writing."""
+        aborts = [
+            exporter.abort_room(self.room, publication, reason)
+            for part, exporter in self.kv_mgr.exporters.items()
+            if (publication := self._pubs.get(part)) is not None and part not in self._ended
+        ]
+        for aborted in aborts:
+            try:
+                aborted.result(timeout=self.kv_mgr.timeouts.request)
+            except ConflictError:
+                pass  # its publication was refused: no room of this sender's to end
+            except (PdkvError, TimeoutError) as exc:
+                logger.error("room %d: its abort was not confirmed: %s", self.room, exc)
 
     def failure_exception(self) -> None:
         """Raise the failure. SGLang asks it also of a rank whose own transfer has not failed
