@@ -72,7 +72,7 @@ def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
 
 
 async def bench(args: argparse.Namespace) -> None:
-    pool_tokens = 2 * max(args.sizes) + 4096
+    pool_tokens = 4 * max(args.sizes) + 4096  # room for the rooms still being freed
     spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens, device="cpu")
     pool = DSAKVPool(dsa_v32(size=pool_tokens, device="cpu"))
     pool.slab.fill_(1)  # first-touch faults are not transfer cost
