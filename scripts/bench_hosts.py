@@ -131,12 +131,15 @@ def main() -> None:
         default=None,
         help="owners drive UCX this often while read (default: 0.5 over TCP)",
     )
+    ap.add_argument("--ucx-workers", type=int, default=0, help="the decode's READ threads (0: pdkv's default)")
     ap.add_argument("--cuts", type=int, default=0, help="then cut the link under this many fetches")
     ap.add_argument("--cut-mbit", type=float, default=400, help="rate cap while cutting, so a cut falls mid-READ")
     args = ap.parse_args()
     with stand_in_hosts(args, "bench_hosts") as net:
         cmd = [str(ROOT / "scripts/bench_fetch.py"), "--sizes", args.sizes, "--runs", str(args.runs)]
         cmd += ["--prefill-host", net.where("prefill")]
+        if args.ucx_workers:
+            cmd += ["--ucx-workers", str(args.ucx_workers)]
         if args.owner_progress_ms is not None:
             cmd += ["--owner-progress-ms", str(args.owner_progress_ms)]
         note = f", owners progress every {args.owner_progress_ms:g} ms" if args.owner_progress_ms else ""
