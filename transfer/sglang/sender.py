@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import time
@@ -141,8 +142,8 @@ class PdkvKVSender(BaseKVSender):
                 aborted.result(timeout=self.kv_mgr.timeouts.request)
             except ConflictError:
                 pass  # its publication was refused: no room of this sender's to end
-            except (PdkvError, TimeoutError) as exc:
-                logger.error("room %d: its abort was not confirmed: %s", self.room, exc)
+            except (PdkvError, TimeoutError, concurrent.futures.CancelledError) as exc:  # or pdkv closing
+                logger.error("room %d: its abort was not confirmed: %r", self.room, exc)
 
     def failure_exception(self) -> None:
         """Raise the failure. SGLang asks it also of a rank whose own transfer has not failed
