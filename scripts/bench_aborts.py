@@ -24,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_MODULES", "^ib")  # as tests/conftest.py: no InfiniBand here
 
 from tests import test_sglang_aborts as big  # noqa: E402
-from tests.test_sglang_layout_abort import HeardAborts, abort_trial, shuffled_runs, start_timed_prefill  # noqa: E402
+from tests.test_sglang_layout_abort import (  # noqa: E402
+    HeardAborts,
+    abort_trial,
+    shuffled_runs,
+    start_timed_prefill,
+    stop_timed_prefill,
+)
 from transfer.app.options import HelpFormatter  # noqa: E402
 
 STAGES = (("ended", "prefill ended it"), ("heard", "decode heard"), ("stopped", "READs ended"), ("failed", "Failed"))
@@ -67,9 +73,7 @@ def main() -> None:
     finally:
         decode.close()
         heard.close()
-        prefill.join(60)
-        if prefill.is_alive():
-            prefill.kill()
+        stop_timed_prefill(prefill, aborts)
         server.close()
     mid = [t for t in trials if t.outcome == KVPoll.Failed]
     print(f"\n{len(mid)} of {len(trials)} aborts landed mid-read ({len(trials) - len(mid)} rooms read whole first)")

@@ -179,6 +179,7 @@ def _timed_prefill(registry: str, rooms: list[int], aborts: mp.Queue, results: m
         return done
 
     exporter.abort_room = stamped  # type: ignore[method-assign]
+    let_go = False  # the decode has put None: it is done with this prefill
     try:
         results.put(("ready", None, None, None, None, None))
         for room in rooms:
@@ -187,13 +188,18 @@ def _timed_prefill(registry: str, rooms: list[int], aborts: mp.Queue, results: m
             sender.should_send_kv_chunk(big.ROOM_PAGES, True)
             sender.send(big._src_pages().astype(np.int32))
             called = None
-            while sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+            while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and not let_go:
                 try:
-                    if aborts.get_nowait() == room:
-                        called = time.monotonic()
-                        sender.abort()
+                    asked = aborts.get_nowait()
                 except queue.Empty:
                     time.sleep(0.0005)
+                    continue
+                let_go = asked is None  # the decode gave up on this prefill
+                if asked == room:
+                    called = time.monotonic()
+                    sender.abort()
+            if let_go:
+                break
             error = None
             if sender.poll() == KVPoll.Failed:
                 try:
@@ -204,6 +210,10 @@ def _timed_prefill(registry: str, rooms: list[int], aborts: mp.Queue, results: m
             while called is not None and room not in ended and time.monotonic() < end:
                 time.sleep(0.001)
             results.put((room, sender.poll(), error, called, ended.get(room), exporter.rooms.pinned_pages))
+        # Up until the decode is done with the last room too: an owner gone while a READ of its
+        # is still in flight would fail that READ as a lost peer before the abort is heard.
+        while not let_go:
+            let_go = aborts.get(timeout=120) is None
     finally:
         mgr.close()
 
@@ -215,6 +225,14 @@ def start_timed_prefill(url: str, rooms: list[int]) -> tuple[mp.Process, mp.Queu
     prefill.start()
     assert results.get(timeout=120)[0] == "ready"
     return prefill, aborts, results
+
+
+def stop_timed_prefill(prefill: mp.Process, aborts: mp.Queue) -> None:
+    """Let the prefill go (the decode is done with it), then wait for it to end."""
+    aborts.put(None)
+    prefill.join(60)
+    if prefill.is_alive():
+        prefill.kill()
 
 
 @dataclass
@@ -335,6 +353,4 @@ def test_a_prefill_abort_mid_read_reaches_the_receiver_within_the_bound_and_land
     finally:
         decode.close()
         heard.close()
-        prefill.join(60)
-        if prefill.is_alive():
-            prefill.kill()
+        stop_timed_prefill(prefill, aborts)
