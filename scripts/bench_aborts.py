@@ -71,9 +71,11 @@ def main() -> None:
             assert big._until_final(receiver) == KVPoll.Success and results.get(timeout=60)[1] == KVPoll.Success
             reads.append(receiver.get_transfer_metric())
     finally:
-        decode.close()
-        heard.close()
-        stop_timed_prefill(prefill, aborts)
+        try:
+            decode.close()
+            heard.close()
+        finally:
+            stop_timed_prefill(prefill, aborts)
         server.close()
     mid = [t for t in trials if t.outcome == KVPoll.Failed]
     print(f"\n{len(mid)} of {len(trials)} aborts landed mid-read ({len(trials) - len(mid)} rooms read whole first)")

@@ -351,6 +351,8 @@ def test_a_prefill_abort_mid_read_reaches_the_receiver_within_the_bound_and_land
             time.sleep(big.SETTLE_S)
             assert decode.changed(room) == 0  # not one late byte in pages SGLang has reused
     finally:
-        decode.close()
-        heard.close()
-        stop_timed_prefill(prefill, aborts)
+        try:
+            decode.close()
+            heard.close()
+        finally:
+            stop_timed_prefill(prefill, aborts)

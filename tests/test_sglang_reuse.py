@@ -264,12 +264,13 @@ def _live(mgr) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("how", ["draft-ended-first", "group-failed", "prefill-abort"])
-def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootstrap, how):  # noqa: F811
+def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootstrap, how, monkeypatch):  # noqa: F811
     """SGLang frees a request's pages once its sender says Failed (or once it aborted it), so
     by then no part of the room may stay readable, or a decode could read (and prove) pages
-    that the next request writes. Checked on the scheduler's thread the moment it returns,
-    with no wait for pdkv's thread: for a part that ended first (the decode's abort reached
-    the draft's room first), for a failure elsewhere in SGLang's group, and for an abort."""
+    that the next request writes. Checked on the scheduler's thread the moment it returns:
+    for a part that ended first (the decode's abort reached the draft's room first), for a
+    failure elsewhere in SGLang's group, and for an abort; pdkv's loop takes 0.2 s to end a
+    room, as a busy one may."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.metadata import RoomStatus
@@ -280,6 +281,8 @@ def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootst
     mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
     try:
         assert set(mgr.exporters) == {"", "-draft"}
+        for exporter in mgr.exporters.values():
+            monkeypatch.setattr(exporter.exporter, "abort_room", _slowly(exporter.exporter.abort_room))
         sender = PdkvKVSender(mgr, bootstrap.url, ROOM)
         sender.init(len(A_PAGES), aux_index=A_AUX)
         sender.should_send_kv_chunk(2, False)
@@ -289,9 +292,7 @@ def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootst
             time.sleep(0.01)
         assert sender.poll() == KVPoll.Transferring and _live(mgr) == {"": 1, "-draft": 1}
         if how == "draft-ended-first":
-            mgr.exporters["-draft"].abort_room(ROOM).result(timeout=10)
-            while "-draft" not in sender._ended and time.monotonic() < end:
-                time.sleep(0.001)  # its end is told on pdkv's thread
+            mgr.exporters["-draft"].abort_room(ROOM).result(timeout=10)  # its end told to the sender too
             assert sender.poll() == KVPoll.Failed
             assert _error(sender) == "RoomAbortedError"
         elif how == "group-failed":
@@ -305,3 +306,13 @@ def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootst
         assert mgr.exporters[""].exporter.rooms.pinned_pages == 0
     finally:
         mgr.close()
+
+
+def _slowly(abort_room):  # type: ignore[no-untyped-def]
+    """`abort_room` run 0.2 s late on pdkv's loop (which it holds meanwhile)."""
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)
+        return abort_room(*args, **kwargs)
+
+    return slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import time
@@ -11,6 +10,7 @@ from typing import Any
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric, StateType
 
+from pdkv.deadline import Deadline
 from pdkv.errors import ConflictError, InvalidPagesError, LayoutError, PdkvError, RoomAbortedError, TransferError
 from transfer.metadata import RoomStatus
 from transfer.sglang.manager import PdkvKVManager
@@ -131,18 +131,25 @@ class PdkvKVSender(BaseKVSender):
     def _abort_rooms(self, reason: PdkvError | None) -> None:
         """End this sender's rooms that are still live, and wait until they have: SGLang frees
         the request's pages once it sees Failed, and a room still pinned then would let a
-        decode read (and prove) pages that another request is writing."""
-        aborts = [
-            exporter.abort_room(self.room, publication, reason)
-            for part, exporter in self.kv_mgr.exporters.items()
-            if (publication := self._pubs.get(part)) is not None and part not in self._ended
-        ]
+        decode read (and prove) pages that another request is writing. Nothing raises here
+        (SGLang's scheduler must hear Failed); an abort not confirmed within
+        `Timeouts.request` is logged as an error: its room stays readable until it ends."""
+        limit = Deadline.after(self.kv_mgr.timeouts.request)
+        aborts: list[Handle[None]] = []
+        for part, exporter in self.kv_mgr.exporters.items():
+            publication = self._pubs.get(part)
+            if publication is None or part in self._ended:
+                continue
+            try:
+                aborts.append(exporter.abort_room(self.room, publication, reason))
+            except PdkvError as exc:  # pdkv's loop has stopped: nothing runs there any more
+                logger.error("room %d%s: its abort could not be asked: %s", self.room, part, exc)
         for aborted in aborts:
             try:
-                aborted.result(timeout=self.kv_mgr.timeouts.request)
+                aborted.result(timeout=max(0.0, limit.remaining()))
             except ConflictError:
                 pass  # its publication was refused: no room of this sender's to end
-            except (PdkvError, TimeoutError, concurrent.futures.CancelledError) as exc:  # or pdkv closing
+            except Exception as exc:  # not ended in time, or pdkv closing
                 logger.error("room %d: its abort was not confirmed: %r", self.room, exc)
 
     def failure_exception(self) -> None:
