@@ -52,7 +52,7 @@ class DeploymentSpec:
     lease: float = Timeouts().lease
     # How often an owner drives its UCX worker while a room of its is read; None: by
     # transport (`Timeouts.ticket_progress_interval`).
-    owner_progress: float | None = Timeouts().ticket_progress_interval
+    owner_progress: float | None = None
     # SMs the prefill's NCCL owner broadcast may take beside the model's compute; 0: NCCL's choice.
     broadcast_ctas: int = BROADCAST_CTAS
     decode_ucx_workers: int = 0  # 0: one a core, up to 8 (4 on a GPU)
