@@ -4,6 +4,7 @@ cluster of several on loopback (`etcd_cluster`)."""
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import time
@@ -23,9 +24,25 @@ def etcd_binary() -> Path | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range. A test restarts etcd on the same ports
+    after an outage, and a port from that range may meanwhile be any connection's local
+    port (a client retrying etcd can even connect to itself on it): etcd then cannot bind."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 12_000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class EtcdServer:
