@@ -215,7 +215,7 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
     fetcher, lane, timed = fetchers
     samples = {"pdkv": [], "raw": [], "memcpy": [], "bandwidth": [], "ctl_pdkv": []}
     if lane is not None:
-        samples.update({"lane": [], "lane_copy": [], "ctl_lane": []})
+        samples.update({"lane": [], "lane_copy": [], "cold_bandwidth": [], "ctl_lane": []})
     desc_merged = desc_unmerged = 0
     nbytes = 0
     for i in range(runs + 1):  # the first run is a warm-up
@@ -243,6 +243,10 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
             assert {o.lane for o in through_lane.owners} == {"cuda_ipc"}
             timed_room = lane_room + (1 << 18)
             timed_ticket = (await _prefill(d, engine, timed_room, n, 1, True)).ticket
+            # The same contiguous copy as `bandwidth`, started as the lane's fetch is: right after
+            # a prefill, the GPU busy with the owners' work and this host idle meanwhile. The
+            # timed fetch after it measures its kernels on the GPU alone, which that leaves alone.
+            t_cold = memcpy_contiguous(*slabs, nbytes)
             kernels = await timed.fetch("prefill0", timed_room, dst, ticket=timed_ticket)
         if pools[0].device.type == "cuda":
             t_copy = device_copy_limit(pools[0], pools[1], src, dst)
@@ -259,6 +263,7 @@ async def bench_size(d, engine, fetchers, raw, pairs, local_pairs, slabs, pools,
             if lane is not None:
                 samples["lane"].append(through_lane.seconds)
                 samples["lane_copy"].append(kernels.read_seconds)
+                samples["cold_bandwidth"].append(t_cold)
                 samples["ctl_lane"].append(through_lane.control_messages)
     if lane is not None and tickets:
         b2b = await _back_to_back(d, engine, lane, alloc, n, runs)
@@ -352,6 +357,8 @@ def print_table(rows, args) -> None:
             "b2b GB/s",
             "b2b/bandw.",
             "b2b p50 ms",
+            "cold GB/s",
+            "lane/cold",
             "ctl msgs",
         )
         print("".join(f"{h:>12}" for h in head))
@@ -360,9 +367,12 @@ def print_table(rows, args) -> None:
             ratios = (g["lane"] / g["bandwidth"], g["lane_copy"] / g["bandwidth"])
             b2b = g.get("lane_b2b", float("nan"))
             b2b_p50 = 1e3 * statistics.median(s.get("lane_b2b") or [float("nan")])
+            cold = (g["cold_bandwidth"], g["lane"] / g["cold_bandwidth"])
             rates = (g["lane"], g["lane_copy"], g["bandwidth"], *ratios, *lat, b2b, b2b / g["bandwidth"], b2b_p50)
+            rates += cold
             _row((n, nbytes / 1e6), rates, statistics.median(s["ctl_lane"]))
         print("b2b: the lane's fetches back to back, rooms prefilled beforehand (the others: one after each prefill)")
+        print("cold: the contiguous copy started as a fetch is, right after a prefill (bandw.: after the fetches)")
         print("the same, ordered on a consumer's stream (fetch(stream=...)), p50 ms: handle back; completion proved")
         print("".join(f"{h:>12}" for h in ("tokens", "b2b p50 ms", "handed p50", "done p50", "handed/b2b")))
         for n, _, _, _, s in rows:

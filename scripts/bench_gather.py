@@ -5,6 +5,8 @@ bench_fetch; one gather plan over every layer, timed with CUDA events, for a few
 sizes and warp counts, with the host time of queueing a launch. Needs a GPU.
 
     python3 scripts/bench_gather.py [--tokens 1024,8192,32768] [--runs 20]
+    python3 scripts/bench_gather.py --seen      how soon the host sees a kernel's end, by mechanism
+    python3 scripts/bench_gather.py --switch    how soon a kernel runs after another process's work
 """
 
 from __future__ import annotations
@@ -107,6 +109,39 @@ def _spin_kernel(kernel):  # type: ignore[no-untyped-def]
     return fn, module
 
 
+class _Spin:
+    """The spin kernel on a stream of its own: `launch(ns)` queues one that spins `ns` of the
+    GPU's clock and writes its sequence number last into a host-mapped word (`word[0]`)."""
+
+    def __init__(self) -> None:
+        from transfer.lanes.cuda_ipc.kernel import GatherKernel
+
+        self.kernel = kernel = GatherKernel.on(0)
+        self.fn, self._module = _spin_kernel(kernel)
+        self.stream_t = torch.cuda.Stream("cuda:0")
+        self.stream = kernel.stream(self.stream_t.cuda_stream)
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=True)  # cudaHostAlloc'd: mapped under UVA
+        self.word = self.host.numpy()
+        self.libcuda = ctypes.CDLL("libcuda.so.1")
+        dptr = ctypes.c_uint64()
+        with kernel.current():
+            rc = self.libcuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(self.host.data_ptr()), 0)
+        assert rc == 0, f"cuMemHostGetDevicePointer: {rc}"
+        self.dptr = dptr.value
+        self.vals = (ctypes.c_uint64 * 3)()
+        self.params = (ctypes.c_void_p * 3)(*[ctypes.addressof(self.vals) + 8 * i for i in range(3)])
+        self.seq = 0
+
+    def launch(self, ns: int) -> int:
+        """Queue a spin of `ns` (call with the context current); returns its sequence number."""
+        self.seq += 1
+        self.vals[0], self.vals[1], self.vals[2] = ns, self.dptr, self.seq
+        params = ctypes.addressof(self.params)
+        rc = self.kernel.drv.cuLaunchKernel(self.fn, 1, 1, 1, 1, 1, 1, 0, self.stream, params, 0)[0]
+        self.kernel.check(rc, "cuLaunchKernel")
+        return self.seq
+
+
 def seen(args: argparse.Namespace) -> None:
     """Microseconds from a kernel's end to the host seeing it, by mechanism: on the thread
     that notices, and on an asyncio loop woken from there (the decode's case), each after an
@@ -114,33 +149,16 @@ def seen(args: argparse.Namespace) -> None:
     import asyncio
     import threading
 
-    from transfer.lanes.cuda_ipc.kernel import DriverEvent, GatherKernel
+    from transfer.lanes.cuda_ipc.kernel import DriverEvent
 
-    kernel = GatherKernel.on(0)
-    drv = kernel.drv
-    fn, _module = _spin_kernel(kernel)
-    stream_t = torch.cuda.Stream("cuda:0")
-    stream = kernel.stream(stream_t.cuda_stream)
-    host = torch.zeros(2, dtype=torch.int64, pin_memory=True)  # cudaHostAlloc'd: mapped under UVA
-    word = host.numpy()
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    dptr = ctypes.c_uint64()
-    with kernel.current():
-        rc = libcuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(host.data_ptr()), 0)
-    assert rc == 0, f"cuMemHostGetDevicePointer: {rc}"
-    dptr = dptr.value
-    vals = (ctypes.c_uint64 * 3)()
-    params = (ctypes.c_void_p * 3)(*[ctypes.addressof(vals) + 8 * i for i in range(3)])
+    spin = _Spin()
+    kernel, stream, word = spin.kernel, spin.stream, spin.word
+    drv, stream_t, libcuda = kernel.drv, spin.stream_t, spin.libcuda
     ns = int(args.spin_us * 1000)
-    seq = [0]
 
     def launch() -> int:
-        seq[0] += 1
-        vals[0], vals[1], vals[2] = ns, int(dptr), seq[0]
         with kernel.current():
-            rc = drv.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, ctypes.addressof(params), 0)[0]
-            kernel.check(rc, "cuLaunchKernel")
-        return seq[0]
+            return spin.launch(ns)
 
     spin_ev = DriverEvent(kernel, timed=False)
     block_ev_h = None
@@ -273,6 +291,71 @@ def seen(args: argparse.Namespace) -> None:
     jobs.put(None)
 
 
+def _busy(conn) -> None:  # type: ignore[no-untyped-def]
+    """Another process's GPU work, 3 ms of matrix products each time it is asked."""
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    while conn.recv():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.003:
+            a @ a
+        torch.cuda.synchronize()
+        conn.send(1)
+
+
+def switch(args: argparse.Namespace) -> None:
+    """How soon the GPU runs a kernel of this process after another process's work on it (a
+    fetch right after its owners' prefill, all on one GPU), against after an idle spell: us
+    from the first launch call to the host seeing a 100 us spin end, less 100; the spin
+    launched at once, or D us after an empty kernel (the lane's prime)."""
+    import multiprocessing as mp
+
+    spin = _Spin()
+    kernel = spin.kernel
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    other = ctx.Process(target=_busy, args=(child,), daemon=True)
+    other.start()
+
+    def trial(delay_us: float | None) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        with kernel.current():
+            if delay_us is not None:
+                kernel.prime(spin.stream)
+                while (time.perf_counter() - t0) * 1e6 < delay_us:
+                    pass
+            t1 = time.perf_counter()
+            seq = spin.launch(100_000)
+        while spin.word[0] != seq:
+            pass
+        t2 = time.perf_counter()
+        return (t2 - t0) * 1e6 - 100, (t2 - t1) * 1e6 - 100
+
+    print("\na 100 us spin kernel's end seen by the host, us less 100, p50 / p90; D: launched D us after the prime")
+    print(f"{'before it':<34}{'launch':<12}{'from the first call':>22}{'from its launch':>20}")
+    for before in ("idle 20 ms", "another process's 3 ms of work"):
+        for delay in (None, 0, 100, 150, 200, 300):
+            rows = []
+            for i in range(args.seen_runs + 3):
+                if before.startswith("idle"):
+                    time.sleep(0.02)
+                else:
+                    parent.send(1)
+                    parent.recv()
+                if i >= 3:
+                    rows.append(trial(delay))
+                else:
+                    trial(delay)
+            cells = ""
+            for k in (0, 1):
+                xs = sorted(r[k] for r in rows)
+                cells += f"{xs[len(xs) // 2]:>12.1f} / {xs[int(0.9 * (len(xs) - 1))]:>6.1f}"
+            how = "at once" if delay is None else f"D={delay:g}"
+            print(f"{before:<34}{how:<12}{cells}")
+    parent.send(0)
+    other.join(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
@@ -281,9 +364,15 @@ def main() -> None:
     ap.add_argument("--spin-us", type=float, default=200.0, help="--seen: the kernel's length")
     ap.add_argument("--idle-ms", type=float, default=20.0, help="--seen: the idle spell before each kernel")
     ap.add_argument("--seen-runs", type=int, default=30)
+    ap.add_argument(
+        "--switch", action="store_true", help="only time how soon a kernel runs after another process's GPU work"
+    )
     args = ap.parse_args()
     if args.seen:
         seen(args)
+        return
+    if args.switch:
+        switch(args)
         return
     layout = dsa_v32(size=max(args.tokens) * 2 + 4096, device="cuda")
     dst, src = DSAKVPool(layout), DSAKVPool(layout)
