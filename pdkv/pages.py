@@ -12,7 +12,7 @@ import torch
 
 from pdkv.errors import CapacityError, InvalidPagesError, PageRangeError
 
-__all__ = ["PageAllocator", "PageIds", "has_repeats", "page_ids"]
+__all__ = ["PageAllocator", "PageIds", "bounded_ids", "has_repeats", "page_ids"]
 
 PageIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -53,6 +53,21 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
             raise PageRangeError(f"{what}: page ids outside [0, {num_pages})")
         if len(distinct) != out.size:
             raise InvalidPagesError(f"{what}: page ids repeat (two pages would land in one)")
+    return out
+
+
+def bounded_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray | None:
+    """An integer numpy array's ids as an int64 array of this call's own, each in [0,
+    num_pages), or a `PageRangeError`; None for pages in any other form. The part of
+    `page_ids` that a copy into the pool needs to touch only its pages: one reduction, for a
+    caller that launches a copy before the rest (`page_ids` on what this returns: whether an
+    id repeats)."""
+    if not isinstance(pages, np.ndarray) or pages.ndim != 1 or pages.dtype.kind not in "iu":
+        return None
+    out = pages.astype(np.int64)
+    # Seen unsigned, a negative id (or a uint64 past int64's range) is above any bound.
+    if out.size and int(out.view(np.uint64).max()) >= num_pages:
+        raise PageRangeError(f"{what}: page ids outside [0, {num_pages})")
     return out
 
 

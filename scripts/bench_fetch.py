@@ -178,6 +178,10 @@ async def bench(args: argparse.Namespace) -> None:
             DecodeFetcher(decode_pool, d.registry_url, lane="cuda_ipc" if gpu else "ucx", time_kernels=True) as timed,
         ):
             args.ucx_workers = fetcher.transport.workers
+            if args.primes != "auto":  # the GPU lane's empty kernel ahead of a read (`CudaIpcLane.primes`)
+                for f in (lane, timed):
+                    for ipc in (x for x in f._owners.lanes if hasattr(x, "primes")):
+                        ipc.primes = args.primes == "on"
             rows = []
             for n in args.sizes:
                 slabs = (decode_pool.slab, source_copy.slab)
@@ -606,6 +610,13 @@ def main() -> None:
         type=float,
         default=None,
         help="how often owners drive their UCX worker while a room is read (default: by transport)",
+    )
+    ap.add_argument(
+        "--primes",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the GPU lane's empty kernel ahead of each read: where an owner shares the decode's GPU (auto), "
+        "always, or never (a GPU shared under MPS switches between processes without it)",
     )
     ap.add_argument(
         "--engine-buffers",

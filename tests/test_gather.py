@@ -300,6 +300,27 @@ async def test_a_fetch_failing_between_launch_and_land_reports_only_once_its_rea
     assert len(ucx.notified) == len(SPANS)
 
 
+async def test_a_launch_whose_fetch_was_refused_for_its_own_pages_ends_before_the_refusal_and_keeps_the_room():
+    """`abandon(give_up=False)`: the fetch's destination ids repeat (found once the read was
+    out): it raises only after the copy, and the room stays pinned for a fetch with good pages."""
+    w, ucx, tickets, ticket, gate = await _launching()
+    express = tickets.launch(w.owners, ticket, w.dst)
+    assert express is not None
+    withdrawn = asyncio.create_task(reported(w, tickets.abandon(express, give_up=False)))
+    await settle(5)
+    assert not withdrawn.done()  # the read is still copying
+    gate.set()
+    await withdrawn
+    assert_nothing_after(w, w.timeline.first("outcome"))
+    await settle(5)
+    assert not ucx.notified  # not given up: the ticket's pins still hold the room
+    again = tickets.launch(w.owners, ticket, w.dst)
+    assert again is not None
+    result = await tickets.land(again, w.job())
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))
+    assert result.nbytes == LAYERS * len(w.dst) * PAGE
+
+
 async def test_a_launched_read_whose_pin_word_was_cleared_fails_and_a_cancel_waits_for_the_copy():
     w, ucx, tickets, ticket, gate = await _launching()
     w.owners[1].pins.words[SLOT] = 0  # type: ignore[union-attr]

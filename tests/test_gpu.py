@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdkv import DSAKVPool, OwnerBroadcaster, PeerLostError, TransferError, tiny
+from pdkv import DSAKVPool, InvalidPagesError, OwnerBroadcaster, PeerLostError, TransferError, tiny
 from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.decode import DecodeFetcher
@@ -303,6 +303,43 @@ def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
                     break
                 await asyncio.sleep(0.05)
             assert all(s["pinned_pages"] == 0 for s in stats), stats
+
+    asyncio.run(run())
+
+
+def test_a_ticket_fetch_launched_first_refuses_repeated_pages_once_its_copy_ended_and_keeps_the_room():
+    """The launch goes out before the destination ids are checked for repeats (their bounds
+    are checked first): a fetch naming one page twice raises once its kernel has ended, the
+    room still pinned, and the same ticket then reads it into good pages byte for byte. The
+    owners share the decode's GPU, so each fetch primes it; `primes=False` stops that."""
+
+    async def run():
+        async with Deployment(_lane_spec((4,))) as d:
+            pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
+            async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc") as fetcher:
+                lane, tickets = fetcher._owners.lanes[0], fetcher._tickets
+                primed, launched = [], []
+                prime, launch = lane._gather.prime, tickets.launch
+                lane._gather.prime = lambda: (primed.append(1), prime())[1]
+                tickets.launch = lambda *a: launched.append(launch(*a)) or launched[-1]
+                engine, n = d.engines[0], 700
+                warm = await prefill(d, engine, 9_200_000, n, ticket=True)  # the owners cached after it
+                await fetcher.fetch("prefill0", 9_200_000, fragmented_pages(pool, n, 1), ticket=warm.ticket)
+                assert lane._sharing == 4 and not primed  # nothing mapped yet as it began
+                reply = await prefill(d, engine, 9_200_001, n, ticket=True)
+                pages = fragmented_pages(pool, n, 2)
+                twice = pages.copy()
+                twice[-1] = twice[0]
+                with pytest.raises(InvalidPagesError, match="repeat"):
+                    await fetcher.fetch("prefill0", 9_200_001, twice, ticket=reply.ticket)
+                assert launched[-1] is not None and launched[-1].started.passed()  # out first, ended before the error
+                result = await fetcher.fetch("prefill0", 9_200_001, pages, ticket=reply.ticket)
+                assert {o.lane for o in result.owners} == {"cuda_ipc"} and len(primed) == 2
+                assert kv_is_exact(pool, "prefill0", 9_200_001, n, pages)
+                lane.primes = False
+                third = await prefill(d, engine, 9_200_002, n, ticket=True)
+                await fetcher.fetch("prefill0", 9_200_002, pages, ticket=third.ticket)
+                assert len(primed) == 2 and kv_is_exact(pool, "prefill0", 9_200_002, n, pages)
 
     asyncio.run(run())
 

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv import PageRangeError
-from pdkv.pages import PageAllocator, page_ids
+from pdkv.pages import PageAllocator, bounded_ids, page_ids
 from transfer.app.synthetic import fragmented_page_order
 from transfer.lanes.cuda_ipc.plan import (
     build_gather_plan,
@@ -151,6 +151,20 @@ def test_page_ids_are_a_copy_the_caller_cannot_change_after_the_check(given):
     ids = page_ids(given, 5)
     given[0] = 99  # out of range: a plan that trusts the bound must never see it
     assert ids.tolist() == [4, 1, 2]
+
+
+def test_bounded_ids_bound_an_integer_arrays_ids_and_leave_every_other_form_to_page_ids():
+    given = np.array([4, 1, 4], dtype=np.int32)  # a repeat is `page_ids`' to refuse, not this check's
+    ids = bounded_ids(given, 5)
+    assert ids is not None and ids.dtype == np.int64 and ids.tolist() == [4, 1, 4]
+    given[0] = 99  # a launch that trusts the bound must never see it
+    assert ids.tolist() == [4, 1, 4]
+    for bad in (np.array([5]), np.array([-1]), np.array([2**63], dtype=np.uint64)):
+        with pytest.raises(PageRangeError):
+            bounded_ids(bad, 5)
+    for other in ([1, 2], torch.tensor([1, 2]), np.array([[1, 2]]), np.array([1.0]), np.array([True])):
+        assert bounded_ids(other, 5) is None
+    assert bounded_ids(np.array([], dtype=np.int64), 5).size == 0
 
 
 def test_merged_tables_keep_each_owners_source_pages():

@@ -36,7 +36,7 @@ from typing import overload
 import torch
 
 from pdkv.errors import IncompatibleLayoutError, PdkvError, PeerLostError
-from pdkv.pages import PageIds, page_ids
+from pdkv.pages import PageIds, bounded_ids, page_ids
 from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol
@@ -239,26 +239,22 @@ class DecodeFetcher:
             return await order.hand_over(asyncio.ensure_future(read))
         started = time.perf_counter()
         self._activity.check()
-        if ticket is not None:
-            # A read follows within a fraction of a millisecond: the GPU, idle or busy with
-            # another process's context, wakes while the host checks the pages.
-            for lane in self._owners.lanes:
-                lane.prime()
-        dst = page_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
         if deadline is not None and timeout is not None:  # refused before any launch (`budget`)
             raise ValueError("give a deadline or a timeout, not both")
-        if ticket is not None and (ticket.engine_id, ticket.room) != (engine_id, room):
-            raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
-        express: Express | None = None
         try:
-            if ticket is not None:
-                # A finished room whose owners are one lane's batch (cached) is launched next:
-                # the bookkeeping below then runs while its kernel copies, not before it.
-                try:
-                    express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, dst, landing)
-                except PeerLostError:  # a mapping dropped: launched nothing
-                    await self._owners.forget(engine_id)  # a failed connection serves no later fetch
-                    raise
+            express = self._launch_first(engine_id, room, dst_pages, ticket, landing)
+        except PeerLostError:  # a mapping dropped: launched nothing
+            await self._owners.forget(engine_id)  # a failed connection serves no later fetch
+            raise
+        try:
+            dst = page_ids(
+                dst_pages if express is None else express.dst, self.pool.layout.num_pages, "destination pages"
+            )
+        except PdkvError:
+            if express is not None:  # the room stays pinned for a fetch with good pages
+                await self._tickets.abandon(express, give_up=False)
+            raise
+        try:
             job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
             with (
                 self._activity.call(),
@@ -283,6 +279,28 @@ class DecodeFetcher:
         # of this host takes well under a millisecond, and on a CPU just woken each step costs more.
         asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
+
+    def _launch_first(
+        self, engine_id: str, room: int, dst_pages: PageIds, ticket: RoomTicket | None, landing: Landing | None
+    ) -> Express | None:
+        """A ticket's read launched before the fetch's bookkeeping, where its owners are one
+        lane's batch (cached) and `dst_pages` an integer array: the bookkeeping then runs while
+        its kernel copies. Checked first: every id within its pool or slab (a bad one raises
+        with nothing launched). Whether a destination id repeats is `page_ids`' to say next:
+        such pages are the caller's own and in range, so it is refused before the outcome,
+        once the launch has ended. None: nothing launched."""
+        if ticket is None:
+            return None
+        if (ticket.engine_id, ticket.room) != (engine_id, room):
+            raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
+        # A read follows within a fraction of a millisecond: where the GPU has another
+        # process's work to switch from, it switches while the host checks the pages.
+        for lane in self._owners.lanes:
+            lane.prime()
+        dst = bounded_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
+        if dst is None:
+            return None
+        return self._tickets.launch(self._owners.cached.get(engine_id), ticket, dst, landing)
 
     async def _fetch(self, job: Fetch, ticket: RoomTicket | None, readers: int) -> FetchResult:
         # A cached engine and a ticket of its owners cost no coroutine of their own: on a host

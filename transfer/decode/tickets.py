@@ -97,6 +97,7 @@ class Express:
     route: _Route
     ticket: RoomTicket
     src: np.ndarray
+    dst: np.ndarray  # the destination ids launched
     started: Any  # the batch's launch; None: nothing was launched
     watch: Landing | None  # the fetch's landing, where every pin table is mapped
     t0: float  # when its launch began
@@ -148,7 +149,7 @@ class TicketProtocol:
         except PeerLostError as exc:
             pins = {p.cp_rank: p for p in ticket.pins}
             raise _lost_among([(o, pins[r]) for r, o in owners.items()], exc) from exc
-        return Express(route, ticket, src, started, watch, t0)
+        return Express(route, ticket, src, dst, started, watch, t0)
 
     def _route(self, owners: dict[int, Owner]) -> _Route:
         try:
@@ -187,15 +188,18 @@ class TicketProtocol:
         self._release_later(send, 0.0 if proved is not None else self.release_delay)
         return proved if proved is not None else _result(job, ticket.room, stats, None)
 
-    async def abandon(self, express: Express) -> None:
+    async def abandon(self, express: Express, give_up: bool = True) -> None:
         """A fetch that failed between `launch` and `land`: return once its read has ended,
-        and give the room up (as a failed read does)."""
+        and give the room up (as a failed read does) unless not `give_up` (the fetch's own
+        arguments were refused: the room stays pinned for a fetch with good ones)."""
         if express.entered:
             return
         express.entered = True
         batch = express.route.batch
         if express.started is not None and batch is not None:
             await batch.settle(express.started)
+        if not give_up:
+            return
         pins = {p.cp_rank: p for p in express.ticket.pins}
         self.release_pins([(o, pins[r]) for r, o in express.route.owners.items()], express.ticket.room, "give_up")
 

@@ -82,6 +82,7 @@ class IpcPeer:
     layers: range  # the layers it owns
     mappings: list[IpcMapping | VmmMapping]
     pairs: dict[int, tuple[BufferPair, BufferPair]]
+    shares_gpu: bool = False  # its memory is on the decode's own GPU: its process runs there too
     closed: bool = False
     tables: dict[tuple[int, int], GatherTable] = field(default_factory=dict)  # by layer range
 
@@ -154,7 +155,13 @@ def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
 
 
 class CudaIpcLane:
-    """Maps owners and runs gather plans on one decode GPU (`time_kernels`: see `Gatherer`'s `timed`)."""
+    """Maps owners and runs gather plans on one decode GPU (`time_kernels`: see `Gatherer`'s `timed`).
+
+    `primes`: whether a read about to come queues the empty kernel first (`prime`). None, the
+    default: where an owner's memory is on the decode's own GPU. Another process's work there
+    makes the GPU switch to this one's context before it runs a kernel of it, which the empty
+    kernel starts while the host checks the read; on a GPU of the decode's alone (an owner
+    on a peer GPU) no switch is owed, and the empty kernel would only cost the host its launch."""
 
     name = "cuda_ipc"
     merges = True
@@ -175,6 +182,8 @@ class CudaIpcLane:
         self._driver = CudaDriver.get()
         self._gather = Gatherer(device, timed=time_kernels)
         self._peers: set[IpcPeer] = set()
+        self.primes: bool | None = None
+        self._sharing = 0  # open peers whose memory is on this GPU
         # Tables of several owners merged, by their parts: a room's owners go out as one launch.
         self._merged: dict[tuple[tuple[GatherTable, ...], bool], GatherTable] = {}
         self._batches: dict[tuple[IpcPeer, ...], GatherBatch] = {}
@@ -231,8 +240,12 @@ class CudaIpcLane:
         except BaseException:
             self._unmap(mappings)
             raise
-        peer = IpcPeer(rank.agent_name, rank.cp_rank, range(rank.layer_start, rank.layer_end), mappings, pairs)
+        layers = range(rank.layer_start, rank.layer_end)
+        peer = IpcPeer(
+            rank.agent_name, rank.cp_rank, layers, mappings, pairs, _visible_gpu(rank.ipc.gpu_uuid) == self.index
+        )
         self._peers.add(peer)
+        self._sharing += peer.shares_gpu
         return peer
 
     @staticmethod
@@ -249,8 +262,10 @@ class CudaIpcLane:
         return _cached(self._merged, (tuple(tables), shared_pages), lambda: merge_gather_tables(tables, shared_pages))
 
     def prime(self) -> None:
-        """Ready the GPU for a launch that is about to come (see `Gatherer.prime`)."""
-        self._gather.prime()
+        """Ready the GPU for a launch that is about to come (`Gatherer.prime`), where it owes
+        a switch from another process's work first (`primes`)."""
+        if self.primes or (self.primes is None and self._sharing):
+            self._gather.prime()
 
     def batch(self, peers: tuple[IpcPeer, ...]) -> GatherBatch:
         """Every layer of `peers` (a room's owners) read with one launch."""
@@ -283,6 +298,7 @@ class CudaIpcLane:
             return
         peer.closed = True
         self._peers.discard(peer)
+        self._sharing -= peer.shares_gpu
         dropped = set(peer.tables.values())
         self._merged = {k: v for k, v in self._merged.items() if dropped.isdisjoint(k[0])}
         self._batches = {k: v for k, v in self._batches.items() if peer not in k}
