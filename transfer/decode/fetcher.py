@@ -210,7 +210,9 @@ class DecodeFetcher:
         """Read every layer of `room` from `engine_id`'s owners into `dst_pages`.
 
         `dst_pages`: distinct integer page ids (a list, a numpy array, or a CPU or GPU
-        tensor), one per source page, checked before anything is asked. `deadline` (a
+        tensor), one per source page, checked before anything is asked (a ticket's read on
+        the GPU lane may launch before the check that none repeats: refused for a repeat,
+        it raises once its copy has ended, having written only pages it names). `deadline` (a
         request's end-to-end budget, passed through unchanged) or `timeout` (seconds from
         now): give at most one; with neither, `Timeouts.fetch` applies. `ticket`: the
         room's ticket from its prefill (through the router): the fetch then asks nobody;
