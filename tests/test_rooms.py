@@ -135,6 +135,21 @@ async def test_a_ticket_holds_a_claim_its_word_is_cleared_before_the_pages_are_f
     assert not t.release_ticket(1, slot, nonce)  # replayed
 
 
+def test_a_pin_word_cleared_from_another_thread_proves_nothing_and_spares_the_slots_next_room():
+    """`unpin_word`: a model thread that cannot wait for pdkv's loop clears a live room's word
+    (its publication's only); the room stays live; a room that took the slot keeps its nonce."""
+    pins = np.zeros(1, dtype=np.int64)
+    t = RoomTable(range(0, 1), num_pages=32, pin_seconds=60, pins=pins)
+    pub = t.publish(1, np.array([4]))
+    assert t.proves(1) and not t.unpin_word(1, pub + 1)  # another publication's: left alone
+    assert t.unpin_word(1, pub) and not t.proves(1) and pins[0] == 0 and t.live_rooms == 1
+    assert not t.unpin_word(1)  # cleared already
+    t.abort(1)
+    t.publish(2, np.array([5]))  # the slot again, a fresh nonce
+    assert not t.unpin_word(1) and t.proves(2) and pins[0] != 0
+    assert not t.unpin_word(7) and not t.proves(7)  # never published
+
+
 async def test_a_chunked_room_is_pinned_once_its_last_chunk_is_in_not_at_its_first():
     pins = np.zeros(4, dtype=np.int64)
     t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=pins, on_free=lambda r, p: None)

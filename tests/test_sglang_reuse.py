@@ -308,11 +308,47 @@ def test_a_failed_sender_has_ended_every_part_of_its_room_when_it_says_so(bootst
         mgr.close()
 
 
-def _slowly(abort_room):  # type: ignore[no-untyped-def]
-    """`abort_room` run 0.2 s late on pdkv's loop (which it holds meanwhile)."""
+def test_a_sender_whose_abort_pdkvs_loop_has_not_confirmed_in_time_has_cleared_its_pin_words(bootstrap, monkeypatch):  # noqa: F811
+    """pdkv's loop held past `Timeouts.request` as the sender aborts: it still says Failed
+    (SGLang must hear it), and by then every part's pin word is cleared on the scheduler's
+    thread, so that while the parts stay live no read of their pages can be proved."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.metadata import RoomStatus
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+
+    _env(bootstrap.url, 0, 1)
+    args, _ = _kv_args(range(LAYERS), fill=True, drafts=1)
+    mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
+    try:
+        rooms = {part: exporter.exporter.rooms for part, exporter in mgr.exporters.items()}
+        for exporter in mgr.exporters.values():
+            monkeypatch.setattr(exporter.exporter, "abort_room", _slowly(exporter.exporter.abort_room, 1.0))
+        sender = PdkvKVSender(mgr, bootstrap.url, ROOM)
+        sender.init(len(A_PAGES), aux_index=A_AUX)
+        sender.should_send_kv_chunk(2, False)
+        sender.send(np.array(A_PAGES[:2], dtype=np.int32))
+        end = time.monotonic() + 30
+        while not all(r.proves(ROOM) for r in rooms.values()) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert all(r.proves(ROOM) for r in rooms.values())  # pinned: a ticket's read would prove
+        monkeypatch.setattr(mgr, "timeouts", mgr.timeouts.replace(request=0.05))
+        sender.abort()
+        assert sender.poll() == KVPoll.Failed
+        assert _live(mgr) == {"": 1, "-draft": 1}  # pdkv's loop has not ended them yet
+        assert not any(r.proves(ROOM) for r in rooms.values())
+        while _live(mgr) != {"": 0, "-draft": 0} and time.monotonic() < end:
+            time.sleep(0.01)
+        assert all(r.state(ROOM).status is RoomStatus.ABORTED for r in rooms.values())
+    finally:
+        mgr.close()
+
+
+def _slowly(abort_room, delay: float = 0.2):  # type: ignore[no-untyped-def]
+    """`abort_room` run `delay` seconds late on pdkv's loop (which it holds meanwhile)."""
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
-        time.sleep(0.2)
+        time.sleep(delay)
         return abort_room(*args, **kwargs)
 
     return slow

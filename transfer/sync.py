@@ -523,6 +523,19 @@ class SyncExporter:
         decodes fail, told `reason` where given."""
         return Handle(self._bg.submit(_of(publication, room, lambda pub: self.exporter.abort_room(room, pub, reason))))
 
+    def unpin_word(self, room: int, publication: Handle[int] | None = None) -> bool:
+        """Clear `room`'s pin word now, on the calling thread (`RoomTable.unpin_word`; only
+        `publication`'s room where it was granted): for when pdkv's loop has not ended the room
+        in time and its pages are handed back. True if the word held the room's nonce."""
+        pub = None
+        if publication is not None:
+            status = publication.poll()
+            if status is HandleStatus.FAILED:
+                return False  # refused: the live room of that id, if any, is another request's
+            if status is HandleStatus.DONE:
+                pub = publication.result()
+        return self.exporter.rooms.unpin_word(room, pub)
+
     def pin(self, room: int, timeout: float | None = None) -> Handle[OwnerPin | None]:
         """This rank's part of `room`'s ticket, once its layers are readable (a handle)."""
         wait = self.timeouts.request if timeout is None else timeout

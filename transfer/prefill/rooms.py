@@ -263,6 +263,27 @@ class RoomTable:
         r = self._live.get(room)
         return None if r is None or r.slot < 0 else (r.slot, r.nonce)
 
+    def unpin_word(self, room: int, pub: int | None = None) -> bool:
+        """Clear the live `room`'s pin word now (only publication `pub`, where given), from any
+        thread, without ending the room: no read of its pages proves by that word from then on.
+        For a model thread that must hand the pages back before pdkv's loop could end the room.
+        True if it held the room's nonce. Another room that took the slot meanwhile keeps its
+        own nonce, unless the loop hands it over between this compare and its store: that
+        room's reads then fail their proof (`ClaimLostError`), never pass it."""
+        r = self._live.get(room)
+        if r is None or r.slot < 0 or (pub is not None and r.pub != pub) or self._pins is None:
+            return False
+        slot, nonce = r.slot, r.nonce
+        if int(self._pins[slot]) != nonce:
+            return False
+        self._pins[slot] = 0
+        return True
+
+    def proves(self, room: int) -> bool:
+        """Whether the live `room`'s pin word holds its nonce: a read of it can still be proved."""
+        r = self._live.get(room)
+        return r is not None and r.slot >= 0 and self._pins is not None and int(self._pins[r.slot]) == r.nonce
+
     def check_claim(self, room: int, token: str) -> None:
         """Raise `ClaimLostError` unless `token` is an open claim of the live `room`."""
         r = self._live.get(room)

@@ -133,24 +133,37 @@ class PdkvKVSender(BaseKVSender):
         the request's pages once it sees Failed, and a room still pinned then would let a
         decode read (and prove) pages that another request is writing. Nothing raises here
         (SGLang's scheduler must hear Failed); an abort not confirmed within
-        `Timeouts.request` is logged as an error: its room stays readable until it ends."""
+        `Timeouts.request` is logged as an error, and the room's pin word is cleared on this
+        thread: until pdkv's loop ends it, no read of its pages can be proved."""
         limit = Deadline.after(self.kv_mgr.timeouts.request)
-        aborts: list[Handle[None]] = []
+        aborts: dict[str, Handle[None]] = {}
         for part, exporter in self.kv_mgr.exporters.items():
             publication = self._pubs.get(part)
             if publication is None or part in self._ended:
                 continue
             try:
-                aborts.append(exporter.abort_room(self.room, publication, reason))
+                aborts[part] = exporter.abort_room(self.room, publication, reason)
             except PdkvError as exc:  # pdkv's loop has stopped: nothing runs there any more
                 logger.error("room %d%s: its abort could not be asked: %s", self.room, part, exc)
-        for aborted in aborts:
+                self._unpin(part)
+        for part, aborted in aborts.items():
             try:
                 aborted.result(timeout=max(0.0, limit.remaining()))
             except ConflictError:
                 pass  # its publication was refused: no room of this sender's to end
             except Exception as exc:  # not ended in time, or pdkv closing
-                logger.error("room %d: its abort was not confirmed: %r", self.room, exc)
+                logger.error("room %d%s: its abort was not confirmed: %r", self.room, part, exc)
+                self._unpin(part)
+
+    def _unpin(self, part: str) -> None:
+        """The room's part still live, its pages about to go back to SGLang: clear its pin word
+        here, so that no decode proves a read of them (a read proved by its release needs pdkv's
+        loop, which has not ended the room either)."""
+        try:
+            if self.kv_mgr.exporters[part].unpin_word(self.room, self._pubs.get(part)):
+                logger.error("room %d%s: its pin word cleared on the scheduler's thread", self.room, part)
+        except Exception:  # nothing raises into SGLang's scheduler
+            logger.exception("room %d%s: its pin word could not be cleared", self.room, part)
 
     def failure_exception(self) -> None:
         """Raise the failure. SGLang asks it also of a rank whose own transfer has not failed
