@@ -57,18 +57,24 @@ def page_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray:
 
 
 def bounded_ids(pages: PageIds, num_pages: int, what: str = "pages") -> np.ndarray | None:
-    """An integer numpy array's ids as an int64 array of this call's own, each in [0,
-    num_pages), or a `PageRangeError`; None for pages in any other form. The part of
-    `page_ids` that a copy into the pool needs to touch only its pages: one reduction, for a
-    caller that launches a copy before the rest (`page_ids` on what this returns: whether an
-    id repeats)."""
-    if not isinstance(pages, np.ndarray) or pages.ndim != 1 or pages.dtype.kind not in "iu":
+    """The ids of a 1-D integer numpy array or CPU tensor as an int64 array of this call's
+    own, each in [0, num_pages), or a `PageRangeError`; None for pages in any other form
+    (a list, a GPU tensor, a numpy subclass such as a masked array). The part of `page_ids`
+    that a copy into the pool needs to touch only its pages: one reduction, for a caller
+    that launches a copy before the rest (`page_ids` on what this returns: whether an id
+    repeats)."""
+    if isinstance(pages, torch.Tensor) and pages.device.type == "cpu" and pages.dtype in _TORCH_INTEGERS:
+        pages = pages.detach().numpy()
+    if type(pages) is not np.ndarray or pages.ndim != 1 or pages.dtype.kind not in "iu":
         return None
     out = pages.astype(np.int64)
     # Seen unsigned, a negative id (or a uint64 past int64's range) is above any bound.
     if out.size and int(out.view(np.uint64).max()) >= num_pages:
         raise PageRangeError(f"{what}: page ids outside [0, {num_pages})")
     return out
+
+
+_TORCH_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _integer_type(t: type) -> bool:

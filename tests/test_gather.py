@@ -321,6 +321,24 @@ async def test_a_launch_whose_fetch_was_refused_for_its_own_pages_ends_before_th
     assert result.nbytes == LAYERS * len(w.dst) * PAGE
 
 
+async def test_a_fetch_cancelled_while_it_waits_for_an_abandoned_launch_still_waits_for_the_copy():
+    """`abandon` outlasts its caller's cancels (two of them here): a cancelled fetch's outcome
+    must not come before the copy it launched has ended."""
+    w, _, tickets, ticket, gate = await _launching()
+    express = tickets.launch(w.owners, ticket, w.dst)
+    assert express is not None
+    withdrawn = asyncio.create_task(reported(w, tickets.abandon(express, give_up=False)))
+    for _ in range(2):
+        await settle(5)
+        withdrawn.cancel()
+    await settle(5)
+    assert not withdrawn.done()  # the copy is still running
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await withdrawn
+    assert_nothing_after(w, w.timeline.first("outcome"))
+
+
 async def test_a_launched_read_whose_pin_word_was_cleared_fails_and_a_cancel_waits_for_the_copy():
     w, ucx, tickets, ticket, gate = await _launching()
     w.owners[1].pins.words[SLOT] = 0  # type: ignore[union-attr]

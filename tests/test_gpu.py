@@ -318,10 +318,11 @@ def test_a_ticket_fetch_launched_first_refuses_repeated_pages_once_its_copy_ende
             pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
             async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc") as fetcher:
                 lane, tickets = fetcher._owners.lanes[0], fetcher._tickets
-                primed, launched = [], []
-                prime, launch = lane._gather.prime, tickets.launch
+                primed, launched, abandoned = [], [], []
+                prime, launch, abandon = lane._gather.prime, tickets.launch, tickets.abandon
                 lane._gather.prime = lambda: (primed.append(1), prime())[1]
                 tickets.launch = lambda *a: launched.append(launch(*a)) or launched[-1]
+                tickets.abandon = lambda e, give_up=True: (abandoned.append((e, give_up)), abandon(e, give_up))[1]
                 engine, n = d.engines[0], 700
                 warm = await prefill(d, engine, 9_200_000, n, ticket=True)  # the owners cached after it
                 await fetcher.fetch("prefill0", 9_200_000, fragmented_pages(pool, n, 1), ticket=warm.ticket)
@@ -332,7 +333,9 @@ def test_a_ticket_fetch_launched_first_refuses_repeated_pages_once_its_copy_ende
                 twice[-1] = twice[0]
                 with pytest.raises(InvalidPagesError, match="repeat"):
                     await fetcher.fetch("prefill0", 9_200_001, twice, ticket=reply.ticket)
-                assert launched[-1] is not None and launched[-1].started.passed()  # out first, ended before the error
+                # Launched first, then waited for and withdrawn (not given up) before the error.
+                assert launched[-1] is not None and abandoned == [(launched[-1], False)]
+                assert launched[-1].started.passed()
                 result = await fetcher.fetch("prefill0", 9_200_001, pages, ticket=reply.ticket)
                 assert {o.lane for o in result.owners} == {"cuda_ipc"} and len(primed) == 2
                 assert kv_is_exact(pool, "prefill0", 9_200_001, n, pages)

@@ -162,8 +162,15 @@ def test_bounded_ids_bound_an_integer_arrays_ids_and_leave_every_other_form_to_p
     for bad in (np.array([5]), np.array([-1]), np.array([2**63], dtype=np.uint64)):
         with pytest.raises(PageRangeError):
             bounded_ids(bad, 5)
-    for other in ([1, 2], torch.tensor([1, 2]), np.array([[1, 2]]), np.array([1.0]), np.array([True])):
+    masked = np.ma.array([3, 10**9], mask=[False, True])  # a reduction would skip the masked id
+    for other in ([1, 2], np.array([[1, 2]]), np.array([1.0]), np.array([True]), torch.tensor([1.0]), masked):
         assert bounded_ids(other, 5) is None
+    tensor = torch.tensor([3, 0], dtype=torch.int32)
+    ids = bounded_ids(tensor, 5)
+    tensor[0] = 99
+    assert ids is not None and ids.tolist() == [3, 0]
+    with pytest.raises(PageRangeError):
+        bounded_ids(torch.tensor([5]), 5)
     assert bounded_ids(np.array([], dtype=np.int64), 5).size == 0
 
 

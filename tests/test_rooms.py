@@ -135,19 +135,42 @@ async def test_a_ticket_holds_a_claim_its_word_is_cleared_before_the_pages_are_f
     assert not t.release_ticket(1, slot, nonce)  # replayed
 
 
-def test_a_pin_word_cleared_from_another_thread_proves_nothing_and_spares_the_slots_next_room():
-    """`unpin_word`: a model thread that cannot wait for pdkv's loop clears a live room's word
-    (its publication's only); the room stays live; a room that took the slot keeps its nonce."""
+async def test_a_room_revoked_from_another_thread_proves_nothing_and_ends_before_any_answer_that_could():
+    """`unpin_word`: a model thread that cannot wait for pdkv's loop revokes a live room (its
+    publication's only): its word is cleared at once, and the loop ends it aborted as it next
+    meets it, before a claim, release or ticket could prove a read; a room revoked before its
+    publication came is refused when it does; a word that another room holds is left alone."""
     pins = np.zeros(1, dtype=np.int64)
     t = RoomTable(range(0, 1), num_pages=32, pin_seconds=60, pins=pins)
     pub = t.publish(1, np.array([4]))
+    t.mark_ready(1, 1)
+    t.claim(1, "tok", "d0")
     assert t.proves(1) and not t.unpin_word(1, pub + 1)  # another publication's: left alone
     assert t.unpin_word(1, pub) and not t.proves(1) and pins[0] == 0 and t.live_rooms == 1
     assert not t.unpin_word(1)  # cleared already
-    t.abort(1)
-    t.publish(2, np.array([5]))  # the slot again, a fresh nonce
-    assert not t.unpin_word(1) and t.proves(2) and pins[0] != 0
-    assert not t.unpin_word(7) and not t.proves(7)  # never published
+    with pytest.raises(ClaimLostError):  # a release would have proved the read: the room ends first
+        t.release(1, "tok")
+    assert t.live_rooms == 0 and t.state(1).status is RoomStatus.ABORTED
+
+    for room, ask in ((2, "claim"), (3, "ticket")):
+        t.publish(room, np.array([5]))
+        t.mark_ready(room, 1)
+        assert t.unpin_word(room)
+        if ask == "claim":
+            with pytest.raises(ClaimLostError):
+                t.claim(room, "tok2", "d1")
+        else:
+            assert await t.pin(room, timeout=1) is None
+        assert t.live_rooms == 0 and t.state(room).status is RoomStatus.ABORTED
+
+    assert not t.unpin_word(7)  # not published yet: revoked all the same
+    with pytest.raises(ConflictError, match="aborted"):
+        t.publish(7, np.array([6]))
+    assert t.state(7).status is RoomStatus.ABORTED
+
+    t.publish(8, np.array([7]))
+    pins[0] = 12345  # the slot handed to another room between the lookup and the compare
+    assert not t.unpin_word(8) and pins[0] == 12345
 
 
 async def test_a_chunked_room_is_pinned_once_its_last_chunk_is_in_not_at_its_first():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdkv import ClosedError, DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
+from pdkv import ClosedError, ConflictError, DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
 from transfer.metadata import RoomTicket
 from transfer.registry.server import RegistryServer
 from transfer.sync import BackgroundLoop, HandleStatus, SyncExporter, SyncFetcher
@@ -388,3 +388,30 @@ def test_a_report_and_a_cancel_raced_from_two_threads_decide_once():
     finally:
         loop.stop()
     assert outcomes  # which wins depends on the threads' timing; each run is one or the other
+
+
+def test_a_room_revoked_on_the_model_thread_names_only_its_own_publication(registry_url):
+    """`SyncExporter.unpin_word`: a publication granted is revoked (its word cleared on the
+    caller's thread); a refused one reaches nothing, the live room of that id keeps its word;
+    one still pending when revoked is refused once it runs."""
+    exporter = SyncExporter(DSAKVPool(tiny(layer_num=3)), "revoke0", 0, 1, registry_url)
+    rooms = exporter.exporter.rooms
+    try:
+        first = exporter.publish_room(1, np.array([4]))
+        assert first.result(timeout=10) and rooms.proves(1)
+        again = exporter.publish_room(1, np.array([5]))  # the id is live: refused
+        with pytest.raises(ConflictError):
+            again.result(timeout=10)
+        assert not exporter.unpin_word(1, again) and rooms.proves(1)
+        assert exporter.unpin_word(1, first) and not rooms.proves(1)
+
+        held = threading.Event()
+        exporter._bg.call(lambda: held.wait(10))  # pdkv's loop busy: the next publication waits
+        pending = exporter.publish_room(2, np.array([6]))
+        assert pending.poll() is HandleStatus.PENDING
+        assert not exporter.unpin_word(2, pending)  # nothing live to clear, the id revoked
+        held.set()
+        with pytest.raises(ConflictError, match="aborted"):
+            pending.result(timeout=10)
+    finally:
+        exporter.close()

@@ -524,9 +524,10 @@ class SyncExporter:
         return Handle(self._bg.submit(_of(publication, room, lambda pub: self.exporter.abort_room(room, pub, reason))))
 
     def unpin_word(self, room: int, publication: Handle[int] | None = None) -> bool:
-        """Clear `room`'s pin word now, on the calling thread (`RoomTable.unpin_word`; only
-        `publication`'s room where it was granted): for when pdkv's loop has not ended the room
-        in time and its pages are handed back. True if the word held the room's nonce."""
+        """Revoke `room` now, on the calling thread (`RoomTable.unpin_word`: its pin word
+        cleared, the room ended by pdkv's loop before it answers for it again), for when that
+        loop has not ended it in time and its pages are handed back: only `publication`'s room
+        where it was granted, none where it was refused. True if the word held the nonce."""
         pub = None
         if publication is not None:
             status = publication.poll()

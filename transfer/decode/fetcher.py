@@ -243,20 +243,35 @@ class DecodeFetcher:
         self._activity.check()
         if deadline is not None and timeout is not None:  # refused before any launch (`budget`)
             raise ValueError("give a deadline or a timeout, not both")
+        bounded = None
+        if ticket is not None:
+            if (ticket.engine_id, ticket.room) != (engine_id, room):
+                raise ValueError(
+                    f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}"
+                )
+            # A read follows within a fraction of a millisecond: where the GPU has another
+            # process's work to switch from, it switches while the host checks the pages.
+            for lane in self._owners.lanes:
+                lane.prime()
+            bounded = bounded_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
+        express: Express | None = None
+        refused = False  # the caller's pages: not the fetch's failure, and its room stays pinned
         try:
-            express = self._launch_first(engine_id, room, dst_pages, ticket, landing)
-        except PeerLostError:  # a mapping dropped: launched nothing
-            await self._owners.forget(engine_id)  # a failed connection serves no later fetch
-            raise
-        try:
-            dst = page_ids(
-                dst_pages if express is None else express.dst, self.pool.layout.num_pages, "destination pages"
-            )
-        except PdkvError:
-            if express is not None:  # the room stays pinned for a fetch with good pages
-                await self._tickets.abandon(express, give_up=False)
-            raise
-        try:
+            if ticket is not None and bounded is not None:
+                # A finished room whose owners are one lane's batch (cached) is launched next,
+                # its ids bounded: whether one repeats is checked, and the bookkeeping below
+                # done, while its kernel copies. Such pages are the caller's own and in range.
+                try:
+                    express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, bounded, landing)
+                except PeerLostError:  # a mapping dropped: launched nothing
+                    await self._owners.forget(engine_id)  # a failed connection serves no later fetch
+                    raise
+            try:
+                checked = dst_pages if express is None else express.dst
+                dst = page_ids(checked, self.pool.layout.num_pages, "destination pages")
+            except PdkvError:
+                refused = True
+                raise
             job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
             with (
                 self._activity.call(),
@@ -269,10 +284,10 @@ class DecodeFetcher:
                     result = await self._fetch(job, ticket, readers)
         except BaseException as exc:
             if express is not None:
-                await self._tickets.abandon(express)  # no byte lands after the outcome
+                await self._tickets.abandon(express, give_up=not refused)  # no byte lands after the outcome
                 if isinstance(exc, PeerLostError):
                     await self._owners.forget(engine_id)  # a failed connection serves no later fetch
-            if isinstance(exc, PdkvError):
+            if isinstance(exc, PdkvError) and not refused:  # a refusal of its pages is the caller's
                 observe_fetch_failure(engine_id, exc)
                 fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
                 logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
@@ -281,28 +296,6 @@ class DecodeFetcher:
         # of this host takes well under a millisecond, and on a CPU just woken each step costs more.
         asyncio.get_running_loop().call_soon(observe_fetch, result)
         return result
-
-    def _launch_first(
-        self, engine_id: str, room: int, dst_pages: PageIds, ticket: RoomTicket | None, landing: Landing | None
-    ) -> Express | None:
-        """A ticket's read launched before the fetch's bookkeeping, where its owners are one
-        lane's batch (cached) and `dst_pages` an integer array: the bookkeeping then runs while
-        its kernel copies. Checked first: every id within its pool or slab (a bad one raises
-        with nothing launched). Whether a destination id repeats is `page_ids`' to say next:
-        such pages are the caller's own and in range, so it is refused before the outcome,
-        once the launch has ended. None: nothing launched."""
-        if ticket is None:
-            return None
-        if (ticket.engine_id, ticket.room) != (engine_id, room):
-            raise ValueError(f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}")
-        # A read follows within a fraction of a millisecond: where the GPU has another
-        # process's work to switch from, it switches while the host checks the pages.
-        for lane in self._owners.lanes:
-            lane.prime()
-        dst = bounded_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
-        if dst is None:
-            return None
-        return self._tickets.launch(self._owners.cached.get(engine_id), ticket, dst, landing)
 
     async def _fetch(self, job: Fetch, ticket: RoomTicket | None, readers: int) -> FetchResult:
         # A cached engine and a ticket of its owners cost no coroutine of their own: on a host

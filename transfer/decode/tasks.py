@@ -133,6 +133,24 @@ def budget(default: float, deadline: Deadline | None, timeout: float | None) -> 
     return Deadline.after(default if timeout is None else timeout)
 
 
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """`aw` awaited until it has ended, through any cancellation meanwhile, which is raised
+    once it has: for a wait that must outlast its caller's cancel (a copy still landing in
+    pages that may be handed out again once the caller hears its outcome)."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # `aw` itself was cancelled: that is its end
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
+
+
 async def all_or_cancel(tasks: Sequence[asyncio.Future[T]], abort: Awaitable[None] | None = None) -> list[T]:
     """Await every task; on the first failure (or cancellation) cancel the rest and wait.
     `abort`: raises when the work must stop (the room was aborted), as a failure would.

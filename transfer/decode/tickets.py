@@ -30,7 +30,7 @@ from transfer.decode.claims import Claim, owner_urls, read_layers
 from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, lost_peer, peers_of, pinned
 from transfer.decode.releases import Releases
-from transfer.decode.tasks import DecodeContext, Fetch
+from transfer.decode.tasks import DecodeContext, Fetch, to_the_end
 from transfer.lanes.base import Batch, Lane, Peer, Signals, Watch
 from transfer.metadata import ClaimRelease, OwnerPin, ReadFrom, RoomTicket, TicketRelease, encode
 from transfer.metrics import observe_read
@@ -197,7 +197,7 @@ class TicketProtocol:
         express.entered = True
         batch = express.route.batch
         if express.started is not None and batch is not None:
-            await batch.settle(express.started)
+            await to_the_end(batch.settle(express.started))  # a cancel here must not outrun the copy
         if not give_up:
             return
         pins = {p.cp_rank: p for p in express.ticket.pins}

@@ -68,7 +68,8 @@ _REMEMBER_FINISHED = 1 << 16
 
 
 class RoomTable:
-    """The rooms one prefill rank serves. Methods run on the event loop's thread."""
+    """The rooms one prefill rank serves. Methods run on the event loop's thread, but for
+    `unpin_word` and `proves`, which any thread may call."""
 
     def __init__(
         self,
@@ -96,11 +97,17 @@ class RoomTable:
         if pins is not None:
             pins[:] = 0
         self._free_slots = list(range(len(pins) - 1, -1, -1)) if pins is not None else []
+        # Rooms a model thread revoked (`unpin_word`): the loop ends each as it next meets it.
+        self._revoked: set[int] = set()
 
     # ---- the model side -------------------------------------------------------------------
     def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None) -> int:
         """Pin `src_pages` for `room`; returns this publication's id. `on_end(status,
         reason)` runs once as it ends. A room id live or used already is refused."""
+        self._end_revoked(room)
+        if room in self._revoked:  # revoked before its publication came: it ends aborted unborn
+            self._revoked.discard(room)
+            self._remember(room, RoomStatus.ABORTED)
         if room in self._live or room in self._finished:
             ended = self._finished.get(room)
             why = "ended aborted (its decode or router gave it up)" if ended is RoomStatus.ABORTED else "published"
@@ -228,6 +235,7 @@ class RoomTable:
 
         A room not published yet answers UNKNOWN and grants nothing: ask again.
         """
+        self._end_revoked(room)
         r = self._live.get(room)
         if r is None:
             status = self._finished.get(room, RoomStatus.UNKNOWN)
@@ -264,20 +272,29 @@ class RoomTable:
         return None if r is None or r.slot < 0 else (r.slot, r.nonce)
 
     def unpin_word(self, room: int, pub: int | None = None) -> bool:
-        """Clear the live `room`'s pin word now (only publication `pub`, where given), from any
-        thread, without ending the room: no read of its pages proves by that word from then on.
-        For a model thread that must hand the pages back before pdkv's loop could end the room.
-        True if it held the room's nonce. Another room that took the slot meanwhile keeps its
-        own nonce, unless the loop hands it over between this compare and its store: that
-        room's reads then fail their proof (`ClaimLostError`), never pass it."""
+        """Revoke `room` (only publication `pub`, where given) from any thread, for a model
+        thread that hands its pages back before pdkv's loop could end it: its pin word is
+        cleared now, so that no read proves by it, and the loop ends the room as aborted the
+        next time it meets it (a claim, a release, a ticket, its publication), before any
+        answer that could prove a read. True if the word held the room's nonce. Another room
+        that took the slot meanwhile keeps its nonce, unless the loop hands it over between
+        this compare and the store: that room's reads then fail their proof, never pass it."""
         r = self._live.get(room)
-        if r is None or r.slot < 0 or (pub is not None and r.pub != pub) or self._pins is None:
+        if r is not None and pub is not None and r.pub != pub:
+            return False  # another publication's room: ours was refused
+        self._revoked.add(room)
+        if r is None or r.slot < 0 or self._pins is None:
             return False
         slot, nonce = r.slot, r.nonce
         if int(self._pins[slot]) != nonce:
             return False
         self._pins[slot] = 0
         return True
+
+    def _end_revoked(self, room: int) -> None:
+        """End `room` as aborted where a model thread revoked it (`unpin_word`)."""
+        if self._revoked and room in self._revoked and room in self._live:
+            self.abort(room)
 
     def proves(self, room: int) -> bool:
         """Whether the live `room`'s pin word holds its nonce: a read of it can still be proved."""
@@ -286,6 +303,7 @@ class RoomTable:
 
     def check_claim(self, room: int, token: str) -> None:
         """Raise `ClaimLostError` unless `token` is an open claim of the live `room`."""
+        self._end_revoked(room)
         r = self._live.get(room)
         if r is not None and token in r.open_claims:
             return
@@ -354,6 +372,7 @@ class RoomTable:
             return r is None or r.ready_upto == self.layers.stop
 
         await wait_until(whole_or_gone, lambda: self._tick, timeout)
+        self._end_revoked(room)
         r = self._live.get(room)
         if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket or r.granted >= r.consumers:
             return None
@@ -362,6 +381,7 @@ class RoomTable:
 
     def release_ticket(self, room: int, slot: int, nonce: int) -> bool:
         """A ticket holder's release (once a room); False if the ticket no longer pins it."""
+        self._end_revoked(room)
         r = self._live.get(room)
         if r is None or r.slot != slot or r.nonce != nonce or r.ticket != "issued":
             # Mostly a copy its holder sent again before it saw the first take: it frees nothing.
@@ -447,6 +467,7 @@ class RoomTable:
 
     def _finish(self, room: int, status: RoomStatus, reason: PdkvError | None = None) -> None:
         r = self._live.pop(room)
+        self._revoked.discard(room)  # remembered as finished from here
         why = error_reply(reason) if reason is not None else None
         claimants = set(r.open_claims.values())
         if r.slot >= 0:

@@ -133,8 +133,8 @@ class PdkvKVSender(BaseKVSender):
         the request's pages once it sees Failed, and a room still pinned then would let a
         decode read (and prove) pages that another request is writing. Nothing raises here
         (SGLang's scheduler must hear Failed); an abort not confirmed within
-        `Timeouts.request` is logged as an error, and the room's pin word is cleared on this
-        thread: until pdkv's loop ends it, no read of its pages can be proved."""
+        `Timeouts.request` is logged as an error, and the room is revoked on this thread
+        (`_unpin`): no read of its pages can be proved from then on."""
         limit = Deadline.after(self.kv_mgr.timeouts.request)
         aborts: dict[str, Handle[None]] = {}
         for part, exporter in self.kv_mgr.exporters.items():
@@ -156,9 +156,9 @@ class PdkvKVSender(BaseKVSender):
                 self._unpin(part)
 
     def _unpin(self, part: str) -> None:
-        """The room's part still live, its pages about to go back to SGLang: clear its pin word
-        here, so that no decode proves a read of them (a read proved by its release needs pdkv's
-        loop, which has not ended the room either)."""
+        """The room's part still live, its pages about to go back to SGLang: revoke it here
+        (`RoomTable.unpin_word`): its pin word is cleared, so that no decode proves a read by
+        it, and pdkv's loop ends it aborted before it answers any claim, release or ticket."""
         try:
             if self.kv_mgr.exporters[part].unpin_word(self.room, self._pubs.get(part)):
                 logger.error("room %d%s: its pin word cleared on the scheduler's thread", self.room, part)

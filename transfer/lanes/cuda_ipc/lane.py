@@ -82,7 +82,7 @@ class IpcPeer:
     layers: range  # the layers it owns
     mappings: list[IpcMapping | VmmMapping]
     pairs: dict[int, tuple[BufferPair, BufferPair]]
-    shares_gpu: bool = False  # its memory is on the decode's own GPU: its process runs there too
+    shares_gpu: bool = False  # its memory is on the decode's own GPU: another process's work, as a rule
     closed: bool = False
     tables: dict[tuple[int, int], GatherTable] = field(default_factory=dict)  # by layer range
 
