@@ -267,7 +267,7 @@ class DecodeFetcher:
                     await self._owners.forget(engine_id)  # a failed connection serves no later fetch
                     raise
             try:
-                checked = dst_pages if express is None else express.dst
+                checked = dst_pages if bounded is None else bounded  # an array of its own already
                 dst = page_ids(checked, self.pool.layout.num_pages, "destination pages")
             except PdkvError:
                 refused = True
