@@ -362,3 +362,48 @@ async def test_a_launched_read_whose_pin_word_was_cleared_fails_and_a_cancel_wai
     with pytest.raises(asyncio.CancelledError):
         await read
     assert_nothing_after(w, w.timeline.first("outcome"))
+
+
+async def test_a_prepared_read_launched_before_its_checks_is_read_by_its_launch_and_proved_after_its_data():
+    """A room claimed whole (SGLang's receiver, `RoomLease.read_once`) launches once its
+    destination ids are bounded; `read` then takes that launch over rather than launching again."""
+    w, ucx, tickets, ticket, gate = await _launching()
+    prepared = tickets.prepare(w.owners, ticket)
+    early = tickets.launch_prepared(prepared, w.dst, skip=0)
+    assert early is not None and w.timeline.where("launch")  # out before the caller first awaits
+    read = asyncio.create_task(reported(w, tickets.read(prepared, w.job(), early=early)))
+    await settle(5)
+    assert not read.done()
+    gate.set()
+    result = await read
+    t = w.timeline
+    assert len(t.where("launch")) == 1
+    assert all(t.last("landed", cp) < t.first("pin_word", cp) < t.first("outcome") for cp in SPANS)
+    np.testing.assert_array_equal(w.mem, expected(w.dst, dict.fromkeys(SPANS, np.asarray(ticket.src_pages))))
+    assert result.nbytes == LAYERS * len(w.dst) * PAGE
+    await tickets.settle(prepared, early)  # taken over by `read`: nothing left to wait for
+    assert len(t.where("launch")) == 1
+
+
+async def test_a_prepared_read_refused_after_its_launch_outlasts_cancels_and_a_bad_id_launches_nothing():
+    w, _, tickets, ticket, gate = await _launching()
+    prepared = tickets.prepare(w.owners, ticket)
+    with pytest.raises(PageRangeError):
+        tickets.launch_prepared(prepared, np.array([*w.dst[:-1], NUM_PAGES]), skip=0)
+    assert tickets.launch_prepared(prepared, list(w.dst), skip=0) is None  # a list: checked whole first
+    assert tickets.launch_prepared(prepared, w.dst[1:], skip=0) is None  # too few: the read's check says so
+    assert not w.timeline.where("launch")
+    early = tickets.launch_prepared(prepared, w.dst, skip=0)
+    assert early is not None
+    refused = asyncio.create_task(reported(w, tickets.settle(prepared, early)))
+    for _ in range(2):
+        await settle(5)
+        refused.cancel()
+    await settle(5)
+    assert not refused.done()  # the copy is still running
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await refused
+    assert_nothing_after(w, w.timeline.first("outcome"))
+    w2, _, tickets2, ticket2, _ = await _launching(merged=(0, 2))  # not every owner on one batch
+    assert tickets2.launch_prepared(tickets2.prepare(w2.owners, ticket2), w2.dst, skip=0) is None

@@ -347,6 +347,47 @@ def test_a_ticket_fetch_launched_first_refuses_repeated_pages_once_its_copy_ende
     asyncio.run(run())
 
 
+def test_a_room_claimed_ahead_launches_before_its_page_checks_and_refuses_repeated_pages_once_its_copy_ended():
+    """SGLang's receiver's read (`RoomLease.read_once` of a room claimed whole) launches as
+    soon as its destination ids are bounded: a read naming one page twice raises only once
+    its kernel has ended, its claim given up; a good read is launched once and byte exact."""
+
+    async def run():
+        async with Deployment(_lane_spec((4,))) as d:
+            pool = DSAKVPool(tiny(size=8192, device="cuda:0"))
+            async with DecodeFetcher(pool, d.registry_url, lane="cuda_ipc") as fetcher:
+                tickets, launched, settled = fetcher._tickets, [], []
+                launch, settle = tickets.launch_prepared, tickets.settle
+                tickets.launch_prepared = lambda *a: launched.append(launch(*a)) or launched[-1]
+                tickets.settle = lambda p, e: (settled.append(e), settle(p, e))[1]
+                engine, n = d.engines[0], 700
+                await prefill(d, engine, 9_300_000, n)
+                pages = fragmented_pages(pool, n, 1)
+                await fetcher.fetch("prefill0", 9_300_000, pages)  # the owners mapped and cached
+                await prefill(d, engine, 9_300_001, n)
+                lease = await fetcher.claim("prefill0", 9_300_001, timeout=20)
+                twice = pages.copy()
+                twice[-1] = twice[0]
+                with pytest.raises(InvalidPagesError, match="repeat"):
+                    await lease.read_once(twice)
+                assert launched[-1] is not None and settled == [launched[-1]]
+                assert launched[-1].started.passed()  # waited for before the refusal
+                await prefill(d, engine, 9_300_002, n)
+                lease = await fetcher.claim("prefill0", 9_300_002, timeout=20)
+                result = await lease.read_once(pages)
+                assert launched[-1] is not None and launched[-1].entered and len(settled) == 1
+                assert {o.lane for o in result.owners} == {"cuda_ipc"}
+                assert kv_is_exact(pool, "prefill0", 9_300_002, n, pages)
+            for _ in range(100):  # the refused room given up, the read one released
+                stats = [await d.client.get_json(f"{c}/v1/stats") for c in d.engines[0].controls]
+                if all(s["pinned_pages"] == 0 for s in stats):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(s["pinned_pages"] == 0 for s in stats), stats
+
+    asyncio.run(run())
+
+
 def test_lane_and_ucx_owners_mix_in_one_fetch():
     async def run():
         async with Deployment(_lane_spec((4,))) as d:

@@ -22,7 +22,7 @@ from transfer.decode.claims import Claim, ClaimProtocol, owner_urls
 from transfer.decode.landing import Landing
 from transfer.decode.owners import Owner, pinned
 from transfer.decode.tasks import Activity, DecodeContext, Fetch, budget
-from transfer.decode.tickets import PreparedTicket, TicketProtocol
+from transfer.decode.tickets import EarlyRead, PreparedTicket, TicketProtocol
 from transfer.metadata import OwnerPin, RoomState, RoomStatus, RoomTicket
 from transfer.metrics import fetching, observe_fetch, observe_fetch_failure
 from transfer.results import FetchResult
@@ -135,13 +135,21 @@ class RoomLease:
         state named its pin, rather than by a release round trip to each owner. `landing`:
         where such a read is one launch on the GPU lane, a polling caller's thread may see it
         land (`transfer.decode.landing`)."""
-        return await self._once(lambda: self._begin(dst_pages, deadline, timeout, landing, skip), self._observed)
+
+        async def begin(prepared: PreparedTicket | None) -> tuple[Fetch, EarlyRead | None]:
+            return await self._launch_then_begin(prepared, dst_pages, deadline, timeout, landing, skip)
+
+        return await self._once(begin, self._observed)
 
     async def fetch(self, job: Fetch) -> FetchResult:
         """`read_once` for `job`, a fetch by claims whose claim this lease holds since just now
         (`DecodeFetcher.fetch`, which times and counts it): its `control_messages` are the
         claim's (claims, polls, releases), its `seconds` run from the fetch's call to the proof."""
-        result = await self._once(lambda: self._adopt(job), _unobserved, to_proof=True)
+
+        async def adopt(_: PreparedTicket | None) -> tuple[Fetch, EarlyRead | None]:
+            return self._adopt(job), None
+
+        result = await self._once(adopt, _unobserved, to_proof=True)
         return msgspec.structs.replace(result, control_messages=self._claim.messages)
 
     async def __aenter__(self) -> RoomLease:
@@ -153,20 +161,22 @@ class RoomLease:
     # ---- internals -------------------------------------------------------------------------------
     async def _once(
         self,
-        begin: Callable[[], Fetch],
+        begin: Callable[[PreparedTicket | None], Awaitable[tuple[Fetch, EarlyRead | None]]],
         observed: Callable[[Awaitable[FetchResult]], Awaitable[FetchResult]],
         to_proof: bool = False,
     ) -> FetchResult:
         """One read, then the release that proves it (`read_once`); `begin` makes the read's
-        job, `observed` counts the read as a fetch (or not: the caller does). `to_proof`: a
-        read by claims is timed up to its proof (a read as a ticket's always is)."""
+        job (given the read as a ticket's, it may launch it first), `observed` counts the
+        read as a fetch (or not: the caller does). `to_proof`: a read by claims is timed up
+        to its proof (a read as a ticket's always is)."""
         try:
             prepared = self._prepared_read()
             if prepared is not None:
                 for lane, _, _ in prepared.together:
                     lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
-                return await observed(self._read_pinned(prepared, begin()))
-            job = begin()
+                job, early = await begin(prepared)
+                return await observed(self._read_pinned(prepared, job, early))
+            job, _ = await begin(None)
             result = await observed(self._read(job))
             with self._activity.call():  # close waits for the proof and the release too
                 freed = False if await self._proved_by_pins() else await self.release()
@@ -203,6 +213,41 @@ class RoomLease:
         self._start = job.skip
         return job
 
+    async def _launch_then_begin(
+        self,
+        prepared: PreparedTicket | None,
+        dst_pages: PageIds,
+        deadline: Deadline | None,
+        timeout: float | None,
+        landing: Landing | None,
+        skip: int,
+    ) -> tuple[Fetch, EarlyRead | None]:
+        """`_begin`, with the read as a ticket's (`prepared`) launched first where it can be
+        (`TicketProtocol.launch_prepared`: every id bounded before): the pages' other checks
+        and the bookkeeping then run while its kernel copies. A read refused by them has
+        ended before the refusal is raised."""
+        started = time.perf_counter()
+        self._check_read(skip)
+        self._activity.check()  # nothing launched for a fetcher closing: its read would be refused
+        early = None if prepared is None else self._tickets.launch_prepared(prepared, dst_pages, skip, landing)
+        if early is None:
+            return self._begin(dst_pages, deadline, timeout, landing, skip, started), None
+        try:
+            return self._begin(early.dst, deadline, timeout, landing, skip, started), early
+        except BaseException:
+            assert prepared is not None
+            await self._tickets.settle(prepared, early)
+            raise
+
+    def _check_read(self, skip: int) -> None:
+        """Refuse a read under a released lease, or one skipping another prefix than the first's."""
+        if self._released is not None:
+            raise ClosedError(f"lease on room {self.room} was already released")
+        if skip < 0:
+            raise InvalidPagesError(f"room {self.room}: a prefix of {skip} pages")
+        if self._start is not None and skip < self._start:
+            raise InvalidPagesError(f"room {self.room}: its owners were told its reads skip {self._start} pages")
+
     def _begin(
         self,
         dst_pages: PageIds,
@@ -210,15 +255,11 @@ class RoomLease:
         timeout: float | None,
         landing: Landing | None = None,
         skip: int = 0,
+        started: float | None = None,
     ) -> Fetch:
-        """A read's start: its clock, its checked destination pages and its budget."""
-        if self._released is not None:
-            raise ClosedError(f"lease on room {self.room} was already released")
-        if skip < 0:
-            raise InvalidPagesError(f"room {self.room}: a prefix of {skip} pages")
-        if self._start is not None and skip < self._start:
-            raise InvalidPagesError(f"room {self.room}: its owners were told its reads skip {self._start} pages")
-        started, ctx = time.perf_counter(), self._ctx
+        """A read's start: its clock (from `started`), its checked destination pages and its budget."""
+        self._check_read(skip)
+        started, ctx = time.perf_counter() if started is None else started, self._ctx
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
         limit = budget(ctx.timeouts.fetch, deadline, timeout)
         if self._start is None:
@@ -264,18 +305,19 @@ class RoomLease:
             return pushed
         return self._claim.states.get(rank)
 
-    async def _read_pinned(self, prepared: PreparedTicket, job: Fetch) -> FetchResult:
+    async def _read_pinned(self, prepared: PreparedTicket, job: Fetch, early: EarlyRead | None) -> FetchResult:
         with self._activity.call():  # the claim is given up before close can end the client
             try:
-                result = await self._tickets.read(prepared, job, self._notify)
+                result = await self._tickets.read(prepared, job, self._notify, early)
                 self._released_by_notifications()
-            except ClaimLostError as exc:  # a pin word cleared under an open claim: aborted or expired
+            except BaseException as exc:
+                if early is not None:  # refused before `read` waited for it: its copy ends first
+                    await self._tickets.settle(prepared, early)
                 await self.give_up()
-                if isinstance(exc, RoomAbortedError):
-                    raise
-                raise RoomAbortedError(f"room {self.room} was aborted (or its pin expired) while it was read") from exc
-            except BaseException:
-                await self.give_up()
+                if isinstance(exc, ClaimLostError) and not isinstance(exc, RoomAbortedError):
+                    # a pin word cleared under an open claim: aborted or expired
+                    msg = f"room {self.room} was aborted (or its pin expired) while it was read"
+                    raise RoomAbortedError(msg) from exc
                 raise
         return result
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
+from pdkv.pages import PageIds, bounded_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, owner_urls, read_layers
 from transfer.decode.landing import Landing
@@ -59,6 +60,18 @@ class PreparedTicket:
     together: list[tuple[Lane[Any], list[tuple[Owner, OwnerPin]], Batch[Peer]]]  # a lane, its owners, their batch
     alone: list[tuple[Owner, OwnerPin]]  # owners read one at a time
     aux: bytes | None = None  # the request's auxiliary bytes, where the owners' states carried them
+
+
+@dataclass(eq=False)
+class EarlyRead:
+    """A prepared ticket's read launched once its destination ids were bounded, before the
+    rest of its checks (`TicketProtocol.launch_prepared`); owed `read` or `settle`."""
+
+    src: np.ndarray  # the source ids launched (the room's, less the prefix skipped)
+    dst: np.ndarray  # the destination ids launched: the caller's, bounded, not yet checked for repeats
+    started: Any  # the batch's launch; None: nothing to launch
+    t0: float  # when its launch began
+    entered: bool = False  # `read` has taken it over
 
 
 class Launching(Batch[Peer], Protocol):
@@ -214,17 +227,59 @@ class TicketProtocol:
         src = np.asarray(ticket.src_pages, dtype=np.int64)
         return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone, aux)
 
+    def launch_prepared(
+        self, prepared: PreparedTicket, dst_pages: PageIds, skip: int, landing: Landing | None = None
+    ) -> EarlyRead | None:
+        """Launch `prepared`'s read into `dst_pages` now, where every owner is one batch of a
+        lane that launches and the pages are an integer array or CPU tensor whose ids are
+        all within the pool (else a `PageRangeError`, nothing launched); None, nothing
+        launched, otherwise. Whether an id repeats is the caller's `page_ids` to say next,
+        while the kernel copies: a refusal then owes `settle` before it is reported."""
+        if prepared.alone or len(prepared.together) != 1:
+            return None
+        _, pinned, batch = prepared.together[0]
+        start = getattr(batch, "start", None)
+        if start is None:
+            return None
+        dst = bounded_ids(dst_pages, self.ctx.pool.layout.num_pages, "destination pages")
+        if dst is None or prepared.src.size != skip + dst.size:  # the read's own check says why
+            return None
+        src = prepared.src[skip:]
+        watch = landing if landing is not None and all(o.pins is not None for o, _ in pinned) else None
+        t0 = time.perf_counter()
+        try:
+            started = start(src, dst, self.ctx.pool.layout.num_pages, watch)
+        except PeerLostError as exc:
+            raise _lost_among(pinned, exc) from exc
+        return EarlyRead(src, dst, started, t0)
+
+    async def settle(self, prepared: PreparedTicket, early: EarlyRead) -> None:
+        """Return once `early`'s read has ended: its fetch failed before `read` took it over."""
+        if early.entered:  # `read` waits for its end, whatever happens
+            return
+        early.entered = True
+        _, _, batch = prepared.together[0]
+        if early.started is not None:
+            await to_the_end(batch.settle(early.started))  # type: ignore[attr-defined]
+
     async def fetch(
         self, owners: dict[int, Owner], ticket: RoomTicket, job: Fetch, release: PinRelease | None = None
     ) -> FetchResult:
         """Read every owner at once and prove each pin word after the data (`read`)."""
         return await self.read(self.prepare(owners, ticket), job, release)
 
-    async def read(self, prepared: PreparedTicket, job: Fetch, release: PinRelease | None = None) -> FetchResult:
+    async def read(
+        self,
+        prepared: PreparedTicket,
+        job: Fetch,
+        release: PinRelease | None = None,
+        early: EarlyRead | None = None,
+    ) -> FetchResult:
         """Read a prepared ticket's owners at once and prove each pin word after the data.
         `release`: how the room is released once proved (a ticket's notifications by
         default); with one, the reader holds claims (their owners push an abort, which stops
-        the reads at once) and a failure releases nothing (the caller gives its claims up)."""
+        the reads at once) and a failure releases nothing (the caller gives its claims up).
+        `early`: its read, launched already into `job`'s pages (`launch_prepared`)."""
         room = prepared.room
         src = job.wanted(prepared.src, room)
         reads = [self._read_with_pin(o, pin, room, src, job) for o, pin in prepared.alone]
@@ -232,7 +287,14 @@ class TicketProtocol:
             if not reads and len(prepared.together) == 1:  # every owner on one lane: one read, awaited in this task
                 lane, pinned, batch = prepared.together[0]
                 landing = job.landing if all(o.pins is not None for o, _ in pinned) else None
-                batch_read = self._read_batch_with_pins(lane, pinned, batch, room, src, job, landing, prepared.aux)
+                if early is not None:
+                    early.entered = True
+                    launching: Launching = batch  # type: ignore[assignment]  # `launch_prepared` found `start`
+                    batch_read = self._launched(
+                        lane, pinned, launching, early.started, room, early.src, job, landing, prepared.aux, early.t0
+                    )
+                else:
+                    batch_read = self._read_batch_with_pins(lane, pinned, batch, room, src, job, landing, prepared.aux)
                 per_task = [await batch_read]
             else:
                 reads += [self._read_batch_with_pins(*together, room, src, job) for together in prepared.together]
