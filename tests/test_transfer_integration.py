@@ -149,8 +149,15 @@ async def test_fetch_starts_before_the_last_layer_is_ready(deployment):
     # What the router does with DeploymentSpec(overlap=True): both legs at once, no ticket.
     room = 5_100_000
     ask = DecodeRequest(engine_id="prefill0", room=room, num_tokens=64)
-    decode = deployment.client.request("POST", f"{deployment.decoders[0].url}/v1/decode", DecodeReply, ask)
-    _, out = await asyncio.gather(prefill(deployment, deployment.engines[0], room, 64), decode)
+    decode = asyncio.ensure_future(
+        deployment.client.request("POST", f"{deployment.decoders[0].url}/v1/decode", DecodeReply, ask)
+    )
+    # The decode waits for the room before its first layer is written: on a loaded host, a
+    # decode that started late found every layer written and read them in one batch.
+    await asyncio.sleep(0.3)
+    assert not decode.done()
+    await prefill(deployment, deployment.engines[0], room, 64)
+    out = await decode
     assert out.reads > 1  # one owner, 7 layers: several READ batches as layers came
 
 
