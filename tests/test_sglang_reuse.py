@@ -12,6 +12,7 @@ its senders, the decode's receiver polled here), with real UCX between the proce
 * a bad page count is refused at `init`.
 """
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdkv.errors import ClosedError
 from tests import children
 from tests.test_sglang import (  # noqa: F401  (fixtures: the bootstrap server, a clean environment)
     AUX_ITEMS,
@@ -342,6 +344,39 @@ def test_a_sender_whose_abort_pdkvs_loop_has_not_confirmed_in_time_has_cleared_i
         assert all(r.state(ROOM).status is RoomStatus.ABORTED for r in rooms.values())
     finally:
         mgr.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its loop stopped with tasks live
+def test_a_sender_whose_abort_cannot_reach_pdkvs_stopped_loop_clears_its_pin_words_itself(bootstrap):  # noqa: F811
+    """pdkv's loop has stopped (its thread gone) while a room is live and pinned: the sender's
+    abort cannot be asked there, yet it says Failed and, on the scheduler's thread, clears
+    every part's pin word first, so that no read of pages SGLang hands back can be proved."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+
+    _env(bootstrap.url, 0, 1)
+    args, _ = _kv_args(range(LAYERS), fill=True, drafts=1)
+    mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
+    try:
+        rooms = {part: exporter.exporter.rooms for part, exporter in mgr.exporters.items()}
+        sender = PdkvKVSender(mgr, bootstrap.url, ROOM)
+        sender.init(len(A_PAGES), aux_index=A_AUX)
+        sender.should_send_kv_chunk(2, False)
+        sender.send(np.array(A_PAGES[:2], dtype=np.int32))
+        end = time.monotonic() + 30
+        while not all(r.proves(ROOM) for r in rooms.values()) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert all(r.proves(ROOM) for r in rooms.values())
+        for exporter in mgr.exporters.values():
+            exporter._bg.stop()
+        sender.abort()
+        assert sender.poll() == KVPoll.Failed
+        assert not any(r.proves(ROOM) for r in rooms.values())
+        assert _live(mgr) == {"": 1, "-draft": 1}  # nobody left to end them: revoked, not freed
+    finally:
+        with contextlib.suppress(ClosedError):
+            mgr.close()
 
 
 def _slowly(abort_room, delay: float = 0.2):  # type: ignore[no-untyped-def]
