@@ -14,7 +14,7 @@ from pdkv.errors import ClaimLostError, ClosedError, MetadataError, PageRangeErr
 from tests.fakes.lane import FakeBatch
 from tests.fakes.memory import LAYERS, NUM_PAGES, PAGE, ROOM, SPANS, expected
 from tests.fakes.world import SLOT, assert_nothing_after, nonce, reported, settle, ticket_world
-from transfer.lanes.cuda_ipc.gather import _polled, _Waiter, launch_split
+from transfer.lanes.cuda_ipc.gather import Gatherer, _polled, _Waiter, launch_split
 from transfer.lanes.runs import check_pages
 from transfer.metadata import TicketRelease
 from transfer.timeouts import CALLER_YIELD_SECONDS
@@ -236,11 +236,23 @@ class _LaunchingBatch(FakeBatch):
         try:
             return await asyncio.shield(started)
         except asyncio.CancelledError:
-            await asyncio.wait([started])
+            await _through_cancels(started)
             raise
 
     async def settle(self, started):  # type: ignore[no-untyped-def]
-        await asyncio.wait([started])
+        await _through_cancels(started)
+
+
+async def _through_cancels(started: asyncio.Future) -> None:  # type: ignore[type-arg]
+    """As the lane's `_to_its_end`: the copy's end, however often the caller is cancelled."""
+    cancelled = False
+    while not started.done():
+        try:
+            await asyncio.shield(started)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _launching(merged=(0, 1, 2)):  # type: ignore[no-untyped-def]
@@ -385,12 +397,12 @@ async def test_a_prepared_read_launched_before_its_checks_is_read_by_its_launch_
     assert len(t.where("launch")) == 1
 
 
-async def test_a_prepared_read_refused_after_its_launch_outlasts_cancels_and_a_bad_id_launches_nothing():
+async def test_a_prepared_read_refused_after_its_launch_outlasts_cancels_and_a_bad_source_id_launches_nothing():
     w, _, tickets, ticket, gate = await _launching()
     prepared = tickets.prepare(w.owners, ticket)
+    bad = tickets.prepare(w.owners, msgspec.structs.replace(ticket, src_pages=[*ticket.src_pages[:-1], NUM_PAGES]))
     with pytest.raises(PageRangeError):
-        tickets.launch_prepared(prepared, np.array([*w.dst[:-1], NUM_PAGES]), skip=0)
-    assert tickets.launch_prepared(prepared, list(w.dst), skip=0) is None  # a list: checked whole first
+        tickets.launch_prepared(bad, w.dst, skip=0)
     assert tickets.launch_prepared(prepared, w.dst[1:], skip=0) is None  # too few: the read's check says so
     assert not w.timeline.where("launch")
     early = tickets.launch_prepared(prepared, w.dst, skip=0)
@@ -407,3 +419,37 @@ async def test_a_prepared_read_refused_after_its_launch_outlasts_cancels_and_a_b
     assert_nothing_after(w, w.timeline.first("outcome"))
     w2, _, tickets2, ticket2, _ = await _launching(merged=(0, 2))  # not every owner on one batch
     assert tickets2.launch_prepared(tickets2.prepare(w2.owners, ticket2), w2.dst, skip=0) is None
+
+
+async def test_a_launch_awaited_by_the_lanes_thread_ends_before_a_cancelled_caller_hears_even_cancelled_twice():
+    """`Gatherer.landed` (its waiting thread's path) and `settle`: a caller cancelled while the
+    kernel runs, and again while it waits for its end, hears the cancel only after the end."""
+    release = threading.Event()
+
+    class _Slow:
+        ended_at = launched = 0.0
+
+        def wait(self) -> None:
+            release.wait(10)
+
+        def seconds(self) -> float:
+            return 0.1
+
+    waiter = _Waiter(type("K", (), {"make_current": lambda self: None})())
+    gatherer = object.__new__(Gatherer)
+    gatherer.poll, gatherer._waiter, gatherer._spare = False, waiter, []
+    try:
+        for wait in (gatherer.landed, gatherer.settle):
+            release.clear()
+            task = asyncio.create_task(wait(_Slow()))
+            for _ in range(2):
+                await asyncio.sleep(0.01)
+                task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done(), wait  # the kernel has not ended
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        release.set()
+        waiter.close()

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from pdkv.errors import ClaimLostError, ClosedError, InvalidPagesError, PdkvError, RoomAbortedError
-from pdkv.pages import PageIds, page_ids
+from pdkv.pages import PageIds, bounded_ids, page_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, ClaimProtocol, owner_urls
 from transfer.decode.landing import Landing
@@ -75,7 +75,7 @@ class RoomLease:
         The bytes are the room's only if `release()` then succeeds: until then a reader
         must not hand them on.
         """
-        job = self._begin(dst_pages, deadline, timeout, skip=skip)
+        job = self._begin(dst_pages, budget(self._ctx.timeouts.fetch, deadline, timeout), skip=skip)
         return await self._observed(self._read(job))
 
     async def release(self) -> bool:
@@ -169,6 +169,7 @@ class RoomLease:
         job (given the read as a ticket's, it may launch it first), `observed` counts the
         read as a fetch (or not: the caller does). `to_proof`: a read by claims is timed up
         to its proof (a read as a ticket's always is)."""
+        prepared, early = None, None
         try:
             prepared = self._prepared_read()
             if prepared is not None:
@@ -183,6 +184,8 @@ class RoomLease:
             if to_proof:
                 result = msgspec.structs.replace(result, seconds=time.perf_counter() - job.started)
         except BaseException:
+            if prepared is not None and early is not None:  # a launch no read took over ends first
+                await self._tickets.settle(prepared, early)
             await self.give_up()
             raise
         finally:
@@ -223,17 +226,25 @@ class RoomLease:
         skip: int,
     ) -> tuple[Fetch, EarlyRead | None]:
         """`_begin`, with the read as a ticket's (`prepared`) launched first where it can be
-        (`TicketProtocol.launch_prepared`: every id bounded before): the pages' other checks
-        and the bookkeeping then run while its kernel copies. A read refused by them has
-        ended before the refusal is raised."""
+        (`TicketProtocol.launch_prepared`), its destination ids bounded before: the pages'
+        other checks and the bookkeeping then run while its kernel copies. A read refused by
+        them has ended before the refusal is raised."""
         started = time.perf_counter()
+        limit = budget(self._ctx.timeouts.fetch, deadline, timeout)  # refused before any launch
         self._check_read(skip)
         self._activity.check()  # nothing launched for a fetcher closing: its read would be refused
-        early = None if prepared is None else self._tickets.launch_prepared(prepared, dst_pages, skip, landing)
+        early, num_pages = None, self._ctx.pool.layout.num_pages
+        bounded = None if prepared is None else bounded_ids(dst_pages, num_pages, "destination pages")
+        if prepared is not None and bounded is not None:
+            try:
+                early = self._tickets.launch_prepared(prepared, bounded, skip, landing)
+            except PdkvError as exc:  # the owners' side (a mapping dropped, a source id): the read's failure
+                observe_fetch_failure(self.engine_id, exc)
+                raise
         if early is None:
-            return self._begin(dst_pages, deadline, timeout, landing, skip, started), None
+            return self._begin(dst_pages, limit, landing, skip, started), None
         try:
-            return self._begin(early.dst, deadline, timeout, landing, skip, started), early
+            return self._begin(early.dst, limit, landing, skip, started), early
         except BaseException:
             assert prepared is not None
             await self._tickets.settle(prepared, early)
@@ -249,19 +260,13 @@ class RoomLease:
             raise InvalidPagesError(f"room {self.room}: its owners were told its reads skip {self._start} pages")
 
     def _begin(
-        self,
-        dst_pages: PageIds,
-        deadline: Deadline | None,
-        timeout: float | None,
-        landing: Landing | None = None,
-        skip: int = 0,
-        started: float | None = None,
+        self, dst_pages: PageIds, limit: Deadline, landing: Landing | None = None, skip: int = 0, started: float = 0.0
     ) -> Fetch:
-        """A read's start: its clock (from `started`), its checked destination pages and its budget."""
+        """A read's start: its clock (from `started`, else now), its checked destination pages
+        and its budget `limit`."""
         self._check_read(skip)
-        started, ctx = time.perf_counter() if started is None else started, self._ctx
+        started, ctx = started or time.perf_counter(), self._ctx
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
-        limit = budget(ctx.timeouts.fetch, deadline, timeout)
         if self._start is None:
             self._start = skip
             if skip > 0:  # the owners may free the prefix once every reader has said where it starts

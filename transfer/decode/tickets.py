@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from pdkv.errors import ClaimLostError, MetadataError, PdkvError, PeerLostError
-from pdkv.pages import PageIds, bounded_ids
 from transfer.deadline import Deadline
 from transfer.decode.claims import Claim, owner_urls, read_layers
 from transfer.decode.landing import Landing
@@ -228,21 +227,18 @@ class TicketProtocol:
         return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone, aux)
 
     def launch_prepared(
-        self, prepared: PreparedTicket, dst_pages: PageIds, skip: int, landing: Landing | None = None
+        self, prepared: PreparedTicket, dst: np.ndarray, skip: int, landing: Landing | None = None
     ) -> EarlyRead | None:
-        """Launch `prepared`'s read into `dst_pages` now, where every owner is one batch of a
-        lane that launches and the pages are an integer array or CPU tensor whose ids are
-        all within the pool (else a `PageRangeError`, nothing launched); None, nothing
-        launched, otherwise. Whether an id repeats is the caller's `page_ids` to say next,
-        while the kernel copies: a refusal then owes `settle` before it is reported."""
+        """Launch `prepared`'s read into `dst` now (ids `bounded_ids` checked against the
+        pool), where every owner is one batch of a lane that launches; None, nothing
+        launched, otherwise. A bad source id raises before any launch. Whether a destination
+        id repeats is the caller's `page_ids` to say next, while the kernel copies: a refusal
+        then owes `settle` before it is reported."""
         if prepared.alone or len(prepared.together) != 1:
             return None
         _, pinned, batch = prepared.together[0]
         start = getattr(batch, "start", None)
-        if start is None:
-            return None
-        dst = bounded_ids(dst_pages, self.ctx.pool.layout.num_pages, "destination pages")
-        if dst is None or prepared.src.size != skip + dst.size:  # the read's own check says why
+        if start is None or prepared.src.size != skip + dst.size:  # the read's own check says why
             return None
         src = prepared.src[skip:]
         watch = landing if landing is not None and all(o.pins is not None for o, _ in pinned) else None

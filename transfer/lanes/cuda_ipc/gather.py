@@ -124,10 +124,32 @@ async def _polled(launch: Launch, waiter: _Waiter) -> float | None:
         while not launch.passed():
             await asyncio.sleep(0)  # other work of the loop runs between the asks
     except asyncio.CancelledError:
-        await asyncio.wait([waiter.ended(launch)])  # no byte may land after the caller moved on
+        await _to_its_end(launch, waiter)  # no byte may land after the caller moved on
         raise
     launch.ended_at = time.perf_counter()
     return launch.seconds()
+
+
+async def _to_its_end(launch: Launch, waiter: _Waiter) -> None:
+    """Return once `launch` has ended, however often the calling task is cancelled meanwhile
+    (then its cancel is raised, after the end): a read's outcome must not come before its
+    kernel's end. Raises nothing of the kernel's (the read has failed already); where the
+    waiting thread is gone, waits on this one."""
+    try:
+        ended = waiter.ended(launch)
+    except ClosedError:
+        launch.wait()
+        return
+    cancelled = False
+    while not ended.done():
+        try:
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # the kernel's failure: the read has failed already
+            break
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _wait_then_wake(
@@ -409,7 +431,10 @@ class Gatherer:
                 seconds = await self._waiter.ended(launch, watch)
             except asyncio.CancelledError:
                 # Bytes must not land in pages that may be handed out again: wait for the kernel.
-                await asyncio.wait([self._waiter.ended(launch)])
+                await _to_its_end(launch, self._waiter)
+                raise
+            except ClosedError:  # the lane closed under the read: its end is waited for here
+                launch.wait()
                 raise
         self._spare.append(launch)
         return launch.ended_at - launch.launched if seconds is None else seconds
@@ -419,10 +444,7 @@ class Gatherer:
         `landed` (its read's outcome must come after the kernel's end). Raises nothing of the
         kernel's: the read has failed already."""
         if not launch.ended_at:
-            try:
-                await asyncio.wait([self._waiter.ended(launch)])
-            except ClosedError:  # the waiting thread is gone: wait on this one
-                launch.wait()
+            await _to_its_end(launch, self._waiter)
 
     def polls(self) -> bool:
         """Whether the calling loop asks for its launches' ends rather than parking (`poll`)."""
