@@ -184,9 +184,11 @@ class RoomLease:
             if to_proof:
                 result = msgspec.structs.replace(result, seconds=time.perf_counter() - job.started)
         except BaseException:
-            if prepared is not None and early is not None:  # a launch no read took over ends first
-                await self._tickets.settle(prepared, early)
-            await self.give_up()
+            try:
+                if prepared is not None and early is not None:  # a launch no read took over ends first
+                    await self._tickets.settle(prepared, early)
+            finally:
+                await self.give_up()
             raise
         finally:
             self._forget()
@@ -316,9 +318,11 @@ class RoomLease:
                 result = await self._tickets.read(prepared, job, self._notify, early)
                 self._released_by_notifications()
             except BaseException as exc:
-                if early is not None:  # refused before `read` waited for it: its copy ends first
-                    await self._tickets.settle(prepared, early)
-                await self.give_up()
+                try:
+                    if early is not None:  # refused before `read` waited for it: its copy ends first
+                        await self._tickets.settle(prepared, early)
+                finally:
+                    await self.give_up()
                 if isinstance(exc, ClaimLostError) and not isinstance(exc, RoomAbortedError):
                     # a pin word cleared under an open claim: aborted or expired
                     msg = f"room {self.room} was aborted (or its pin expired) while it was read"
