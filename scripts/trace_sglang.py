@@ -40,6 +40,7 @@ STEPS = (
     ("read", "the read's own seconds (its start to its proof), a duration"),
     ("loop>", "read_once returned on pdkv's thread"),
     ("seen", "the poll that said Success returned"),
+    ("finish", "that poll's own time, a duration"),
 )
 
 
@@ -75,6 +76,7 @@ def _stamp_async(stamps: dict[str, float], cls: type, name: str, key: str) -> No
 
 
 def _instrument(stamps: dict[str, float], rows: list[dict[str, float]]) -> None:
+    finish: dict[str, float] = {}  # the poll that said Success: its own microseconds
     original_read_claimed = SyncFetcher.read_claimed
 
     def read_claimed(self: SyncFetcher, *args: Any, **kwargs: Any) -> Any:
@@ -84,6 +86,20 @@ def _instrument(stamps: dict[str, float], rows: list[dict[str, float]]) -> None:
         return handle
 
     SyncFetcher.read_claimed = read_claimed  # type: ignore[method-assign]
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from transfer.sglang.receiver import PdkvKVReceiver
+
+    poll = PdkvKVReceiver.poll
+
+    def timed_poll(self: PdkvKVReceiver) -> int:
+        t0 = time.perf_counter()
+        state = poll(self)
+        if "call" in stamps and state == KVPoll.Success:
+            finish.setdefault("finish", (time.perf_counter() - t0) * 1e6)
+        return state
+
+    PdkvKVReceiver.poll = timed_poll  # type: ignore[method-assign]
     _stamp_async(stamps, RoomLease, "read_once", "loop")
     _stamp(stamps, RoomLease, "_prepared_read", "prepared")
     _stamp(stamps, TicketProtocol, "prepare", "remade")
@@ -98,12 +114,12 @@ def _instrument(stamps: dict[str, float], rows: list[dict[str, float]]) -> None:
 
     def timed_receive(*args: Any, **kwargs: Any) -> Any:
         stamps.clear()
+        finish.clear()
         seen, result = receive(*args, **kwargs)
         t0 = stamps.pop("call")
         row = {k: (v - t0) * 1e6 for k, v in stamps.items()}
-        rows.append(
-            row | {"remade": row.get("remade<", float("nan")), "read": result.seconds * 1e6, "seen": seen * 1e6}
-        )
+        row["remade"] = row.get("remade<", float("nan"))
+        rows.append(row | finish | {"read": result.seconds * 1e6, "seen": seen * 1e6})
         return seen, result
 
     bench._receive = timed_receive
