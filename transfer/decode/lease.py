@@ -236,7 +236,8 @@ class RoomLease:
         self._check_read(skip)
         self._activity.check()  # nothing launched for a fetcher closing: its read would be refused
         early, num_pages = None, self._ctx.pool.layout.num_pages
-        bounded = None if prepared is None else bounded_ids(dst_pages, num_pages, "destination pages")
+        launches = prepared is not None and self._tickets.launches(prepared)
+        bounded = bounded_ids(dst_pages, num_pages, "destination pages") if launches else None
         if prepared is not None and bounded is not None:
             try:
                 early = self._tickets.launch_prepared(prepared, bounded, skip, landing)

@@ -226,20 +226,24 @@ class TicketProtocol:
         src = np.asarray(ticket.src_pages, dtype=np.int64)
         return PreparedTicket(ticket.room, owner_urls(owners), src, every, together, alone, aux)
 
+    @staticmethod
+    def launches(prepared: PreparedTicket) -> bool:
+        """Whether `prepared`'s read is one launch (`launch_prepared`): every owner one batch
+        of a lane that launches by a call."""
+        return not prepared.alone and len(prepared.together) == 1 and hasattr(prepared.together[0][2], "start")
+
     def launch_prepared(
         self, prepared: PreparedTicket, dst: np.ndarray, skip: int, landing: Landing | None = None
     ) -> EarlyRead | None:
         """Launch `prepared`'s read into `dst` now (ids `bounded_ids` checked against the
-        pool), where every owner is one batch of a lane that launches; None, nothing
-        launched, otherwise. A bad source id raises before any launch. Whether a destination
-        id repeats is the caller's `page_ids` to say next, while the kernel copies: a refusal
-        then owes `settle` before it is reported."""
-        if prepared.alone or len(prepared.together) != 1:
+        pool), where it is one launch (`launches`); None, nothing launched, otherwise. A bad
+        source id raises before any launch. Whether a destination id repeats is the caller's
+        `page_ids` to say next, while the kernel copies: a refusal then owes `settle` before
+        it is reported."""
+        if not self.launches(prepared) or prepared.src.size != skip + dst.size:  # the read's own check says why
             return None
         _, pinned, batch = prepared.together[0]
-        start = getattr(batch, "start", None)
-        if start is None or prepared.src.size != skip + dst.size:  # the read's own check says why
-            return None
+        start = batch.start  # type: ignore[attr-defined]
         src = prepared.src[skip:]
         watch = landing if landing is not None and all(o.pins is not None for o, _ in pinned) else None
         t0 = time.perf_counter()
