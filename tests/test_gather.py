@@ -245,14 +245,16 @@ class _LaunchingBatch(FakeBatch):
 
 async def _through_cancels(started: asyncio.Future) -> None:  # type: ignore[type-arg]
     """As the lane's `_to_its_end`: the copy's end, however often the caller is cancelled."""
-    cancelled = False
+    cancel: asyncio.CancelledError | None = None
     while not started.done():
         try:
             await asyncio.shield(started)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+        except asyncio.CancelledError as exc:
+            cancel = cancel or exc
+        except Exception:  # the copy's failure: the read has failed already
+            break
+    if cancel is not None:
+        raise cancel
 
 
 async def _launching(merged=(0, 1, 2)):  # type: ignore[no-untyped-def]
@@ -453,3 +455,74 @@ async def test_a_launch_awaited_by_the_lanes_thread_ends_before_a_cancelled_call
     finally:
         release.set()
         waiter.close()
+
+
+class _Held:
+    """A launch whose kernel runs until `release` is set (from any thread); `fail`: its end
+    event then raises, as a sticky CUDA error does."""
+
+    ended_at = launched = 0.0
+
+    def __init__(self, release: threading.Event, fail: bool = False) -> None:
+        self.release, self.fail, self.ended = release, fail, False
+
+    def wait(self) -> None:
+        self.release.wait(10)
+        self.ended = True
+        if self.fail:
+            raise RuntimeError("sticky CUDA error")
+
+    def passed(self) -> bool:
+        return self.ended
+
+    def seconds(self) -> float:
+        return 0.1
+
+
+def _gatherer_of(waiter: _Waiter) -> Gatherer:
+    gatherer = object.__new__(Gatherer)
+    gatherer.poll, gatherer._waiter, gatherer._spare = False, waiter, []
+    return gatherer
+
+
+@pytest.mark.parametrize("wait", ["landed", "settle"])
+async def test_a_waiting_thread_that_cannot_wait_leaves_the_wait_to_the_callers_thread(wait: str):
+    """The waiting thread could not make the GPU's context current, so it fails every wait at
+    once: the caller still hears its outcome only after the kernel's end (waited for on its own
+    thread, which launched it), not as soon as the waiting thread gave up."""
+
+    def no_context(self: object) -> None:
+        raise RuntimeError("cuCtxSetCurrent failed")
+
+    release = threading.Event()
+    launch = _Held(release)
+    gatherer = _gatherer_of(_Waiter(type("K", (), {"make_current": no_context})()))
+    threading.Timer(0.2, release.set).start()
+    try:
+        if wait == "landed":
+            with pytest.raises(RuntimeError, match="cuCtxSetCurrent"):
+                await gatherer.landed(launch)  # type: ignore[arg-type]
+        else:
+            await gatherer.settle(launch)  # type: ignore[arg-type]
+        assert launch.ended
+    finally:
+        release.set()
+        gatherer._waiter.close()
+
+
+async def test_a_closed_lanes_wait_raises_nothing_of_the_kernels_and_a_cancel_stays_a_cancel():
+    """Where the waiting thread is gone the end is waited for on the caller's thread; a sticky
+    CUDA error then is the read's failure already: `settle` raises nothing, and a cancelled
+    read raises its cancel (a timeout around it turns that into its own error)."""
+    release = threading.Event()
+    release.set()
+    gatherer = _gatherer_of(_Waiter(type("K", (), {"make_current": lambda self: None})()))
+    gatherer._waiter.close()
+    launch = _Held(release, fail=True)
+    await gatherer.settle(launch)  # type: ignore[arg-type]
+    assert launch.ended
+    held = threading.Event()
+    threading.Timer(0.2, held.set).start()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(_polled(_Held(held, fail=True), gatherer._waiter), 0.05)  # type: ignore[arg-type]
+    assert held.is_set()  # the timeout was heard once the kernel had ended

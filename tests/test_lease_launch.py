@@ -54,11 +54,13 @@ async def test_repeated_pages_are_refused_once_the_copy_has_ended_and_the_claim_
     read = asyncio.create_task(reported(w, lease.read_once(twice)))
     await settle(5)
     assert w.timeline.where("launch") and not read.done()  # launched, then held by its copy
+    assert not lease._activity.idle.is_set()  # a closing fetcher waits for the copy and the give-up
     gate.set()
     with pytest.raises(InvalidPagesError, match="repeat"):
         await read
     assert_nothing_after(w, w.timeline.first("outcome"))
     assert all(w.client.of(cp, "give_up") for cp in SPANS)
+    assert lease._activity.idle.is_set()
 
 
 async def test_pages_out_of_range_or_a_deadline_and_a_timeout_launch_nothing():

@@ -240,58 +240,54 @@ class DecodeFetcher:
             )  # fmt: skip
             return await order.hand_over(asyncio.ensure_future(read))
         started = time.perf_counter()
-        self._activity.check()
-        if deadline is not None and timeout is not None:  # refused before any launch (`budget`)
-            raise ValueError("give a deadline or a timeout, not both")
-        bounded = None
-        if ticket is not None:
-            if (ticket.engine_id, ticket.room) != (engine_id, room):
-                raise ValueError(
-                    f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}"
-                )
-            # A read follows within a fraction of a millisecond: where the GPU has another
-            # process's work to switch from, it switches while the host checks the pages.
-            for lane in self._owners.lanes:
-                lane.prime()
-            bounded = bounded_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
-        express: Express | None = None
-        refused = False  # the caller's pages: not the fetch's failure, and its room stays pinned
-        try:
-            if ticket is not None and bounded is not None:
-                # A finished room whose owners are one lane's batch (cached) is launched next,
-                # its ids bounded: whether one repeats is checked, and the bookkeeping below
-                # done, while its kernel copies. Such pages are the caller's own and in range.
-                try:
-                    express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, bounded, landing)
-                except PeerLostError:  # a mapping dropped: launched nothing
-                    await self._owners.forget(engine_id)  # a failed connection serves no later fetch
-                    raise
+        with self._activity.call():  # close waits for this fetch, a launch's end after a failure too
+            if deadline is not None and timeout is not None:  # refused before any launch (`budget`)
+                raise ValueError("give a deadline or a timeout, not both")
+            bounded = None
+            if ticket is not None:
+                if (ticket.engine_id, ticket.room) != (engine_id, room):
+                    raise ValueError(
+                        f"the ticket is for room {ticket.room} of {ticket.engine_id}, not {room} of {engine_id}"
+                    )
+                # A read follows within a fraction of a millisecond: where the GPU has another
+                # process's work to switch from, it switches while the host checks the pages.
+                for lane in self._owners.lanes:
+                    lane.prime()
+                bounded = bounded_ids(dst_pages, self.pool.layout.num_pages, "destination pages")
+            express: Express | None = None
+            refused = False  # the caller's pages: not the fetch's failure, and its room stays pinned
             try:
-                checked = dst_pages if bounded is None else bounded  # an array of its own already
-                dst = page_ids(checked, self.pool.layout.num_pages, "destination pages")
-            except PdkvError:
-                refused = True
-                raise
-            job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
-            with (
-                self._activity.call(),
-                request_context(engine=engine_id, room=room, consumer=self.consumer_id),
-                fetching(engine_id),
-            ):
+                if ticket is not None and bounded is not None:
+                    # A finished room whose owners are one lane's batch (cached) is launched next,
+                    # its ids bounded: whether one repeats is checked, and the bookkeeping below
+                    # done, while its kernel copies. Such pages are the caller's own and in range.
+                    try:
+                        express = self._tickets.launch(self._owners.cached.get(engine_id), ticket, bounded, landing)
+                    except PeerLostError:  # a mapping dropped: launched nothing
+                        await self._owners.forget(engine_id)  # a failed connection serves no later fetch
+                        raise
+                try:
+                    checked = dst_pages if bounded is None else bounded  # an array of its own already
+                    dst = page_ids(checked, self.pool.layout.num_pages, "destination pages")
+                except PdkvError:
+                    refused = True
+                    raise
+                job = Fetch(engine_id, room, dst, budget(self.timeouts.fetch, deadline, timeout), started, landing)
+                with request_context(engine=engine_id, room=room, consumer=self.consumer_id), fetching(engine_id):
+                    if express is not None:
+                        result = await self._tickets.land(express, job)
+                    else:
+                        result = await self._fetch(job, ticket, readers)
+            except BaseException as exc:
                 if express is not None:
-                    result = await self._tickets.land(express, job)
-                else:
-                    result = await self._fetch(job, ticket, readers)
-        except BaseException as exc:
-            if express is not None:
-                await self._tickets.abandon(express, give_up=not refused)  # no byte lands after the outcome
-                if isinstance(exc, PeerLostError):
-                    await self._owners.forget(engine_id)  # a failed connection serves no later fetch
-            if isinstance(exc, PdkvError) and not refused:  # a refusal of its pages is the caller's
-                observe_fetch_failure(engine_id, exc)
-                fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
-                logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
-            raise
+                    await self._tickets.abandon(express, give_up=not refused)  # no byte lands after the outcome
+                    if isinstance(exc, PeerLostError):
+                        await self._owners.forget(engine_id)  # a failed connection serves no later fetch
+                if isinstance(exc, PdkvError) and not refused:  # a refusal of its pages is the caller's
+                    observe_fetch_failure(engine_id, exc)
+                    fields = failure_fields(exc, room=room, engine=engine_id, consumer=self.consumer_id)
+                    logger.warning("fetch of room %d from %s failed: %s", room, engine_id, exc, extra=fields)
+                raise
         # Recorded once the caller has its result: a fetch of a finished room through a lane
         # of this host takes well under a millisecond, and on a CPU just woken each step costs more.
         asyncio.get_running_loop().call_soon(observe_fetch, result)

@@ -75,6 +75,7 @@ class RoomLease:
         The bytes are the room's only if `release()` then succeeds: until then a reader
         must not hand them on.
         """
+        self._check_read(skip)
         job = self._begin(dst_pages, budget(self._ctx.timeouts.fetch, deadline, timeout), skip=skip)
         return await self._observed(self._read(job))
 
@@ -169,29 +170,36 @@ class RoomLease:
         job (given the read as a ticket's, it may launch it first), `observed` counts the
         read as a fetch (or not: the caller does). `to_proof`: a read by claims is timed up
         to its proof (a read as a ticket's always is)."""
-        prepared, early = None, None
         try:
-            prepared = self._prepared_read()
-            if prepared is not None:
-                for lane, _, _ in prepared.together:
-                    lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
-                job, early = await begin(prepared)
-                return await observed(self._read_pinned(prepared, job, early))
-            job, _ = await begin(None)
-            result = await observed(self._read(job))
-            with self._activity.call():  # close waits for the proof and the release too
-                freed = False if await self._proved_by_pins() else await self.release()
-            if to_proof:
-                result = msgspec.structs.replace(result, seconds=time.perf_counter() - job.started)
-        except BaseException:
-            try:
-                if prepared is not None and early is not None:  # a launch no read took over ends first
-                    await self._tickets.settle(prepared, early)
-            finally:
-                await self.give_up()
+            self._activity.check()
+        except ClosedError:
+            await self.give_up()  # as any read refused under the lease
             raise
-        finally:
-            self._forget()
+        # Close waits for the read, and for a launch's end and the give-up after a failure.
+        with self._activity.call():
+            prepared, early = None, None
+            try:
+                prepared = self._prepared_read()
+                if prepared is not None:
+                    for lane, _, _ in prepared.together:
+                        lane.prime()  # as a ticket fetch does: the GPU wakes while the pages are checked
+                    job, early = await begin(prepared)
+                    return await observed(self._read_pinned(prepared, job, early))
+                job, _ = await begin(None)
+                result = await observed(self._read(job))
+                with self._activity.call():  # close waits for the proof and the release too
+                    freed = False if await self._proved_by_pins() else await self.release()
+                if to_proof:
+                    result = msgspec.structs.replace(result, seconds=time.perf_counter() - job.started)
+            except BaseException:
+                try:
+                    if prepared is not None and early is not None:  # a launch no read took over ends first
+                        await self._tickets.settle(prepared, early)
+                finally:
+                    await self.give_up()
+                raise
+            finally:
+                self._forget()
         freed_on = tuple(sorted(r for r, last in self._claim.released.items() if last))
         return msgspec.structs.replace(result, freed=freed, freed_on=freed_on)
 
@@ -232,9 +240,8 @@ class RoomLease:
         other checks and the bookkeeping then run while its kernel copies. A read refused by
         them has ended before the refusal is raised."""
         started = time.perf_counter()
-        limit = budget(self._ctx.timeouts.fetch, deadline, timeout)  # refused before any launch
         self._check_read(skip)
-        self._activity.check()  # nothing launched for a fetcher closing: its read would be refused
+        limit = budget(self._ctx.timeouts.fetch, deadline, timeout)  # refused before any launch
         early, num_pages = None, self._ctx.pool.layout.num_pages
         launches = prepared is not None and self._tickets.launches(prepared)
         bounded = bounded_ids(dst_pages, num_pages, "destination pages") if launches else None

@@ -138,16 +138,16 @@ async def to_the_end(aw: Awaitable[T]) -> T:
     once it has: for a wait that must outlast its caller's cancel (a copy still landing in
     pages that may be handed out again once the caller hears its outcome)."""
     task = asyncio.ensure_future(aw)
-    cancelled = False
+    cancel: asyncio.CancelledError | None = None
     while not task.done():
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if task.cancelled():  # `aw` itself was cancelled: that is its end
                 raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+            cancel = cancel or exc
+    if cancel is not None:
+        raise cancel
     return task.result()
 
 

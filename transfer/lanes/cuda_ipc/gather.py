@@ -20,6 +20,7 @@ context and with it every request on that GPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import queue
@@ -134,22 +135,30 @@ async def _to_its_end(launch: Launch, waiter: _Waiter) -> None:
     """Return once `launch` has ended, however often the calling task is cancelled meanwhile
     (then its cancel is raised, after the end): a read's outcome must not come before its
     kernel's end. Raises nothing of the kernel's (the read has failed already); where the
-    waiting thread is gone, waits on this one."""
+    waiting thread is gone or cannot wait, waits on this one."""
     try:
         ended = waiter.ended(launch)
     except ClosedError:
-        launch.wait()
+        _wait_here(launch)
         return
-    cancelled = False
+    cancel: asyncio.CancelledError | None = None
     while not ended.done():
         try:
             await asyncio.shield(ended)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # the kernel's failure: the read has failed already
+        except asyncio.CancelledError as exc:
+            cancel = cancel or exc
+        except Exception:  # the kernel's failure, or a thread that could not wait for it
+            _wait_here(launch)
             break
-    if cancelled:
-        raise asyncio.CancelledError
+    if cancel is not None:
+        raise cancel
+
+
+def _wait_here(launch: Launch) -> None:
+    """Block this thread (the launch's own, its context current) until `launch` has ended;
+    a sticky CUDA error ends it too, and is the caller's failure already."""
+    with contextlib.suppress(Exception):
+        launch.wait()
 
 
 def _wait_then_wake(
@@ -433,8 +442,8 @@ class Gatherer:
                 # Bytes must not land in pages that may be handed out again: wait for the kernel.
                 await _to_its_end(launch, self._waiter)
                 raise
-            except ClosedError:  # the lane closed under the read: its end is waited for here
-                launch.wait()
+            except Exception:  # the lane closed under the read, or its thread could not wait
+                _wait_here(launch)
                 raise
         self._spare.append(launch)
         return launch.ended_at - launch.launched if seconds is None else seconds
