@@ -3,6 +3,7 @@ waiting thread that turns a launch's end into a future of the loop, and a ticket
 launched before its bookkeeping (over the fakes of tests/fakes/)."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -14,6 +15,7 @@ from pdkv.errors import ClaimLostError, ClosedError, MetadataError, PageRangeErr
 from tests.fakes.lane import FakeBatch
 from tests.fakes.memory import LAYERS, NUM_PAGES, PAGE, ROOM, SPANS, expected
 from tests.fakes.world import SLOT, assert_nothing_after, nonce, reported, settle, ticket_world
+from transfer.decode.tasks import to_the_end
 from transfer.lanes.cuda_ipc.gather import Gatherer, _polled, _Waiter, launch_split
 from transfer.lanes.runs import check_pages
 from transfer.metadata import TicketRelease
@@ -236,25 +238,27 @@ class _LaunchingBatch(FakeBatch):
         try:
             return await asyncio.shield(started)
         except asyncio.CancelledError:
-            await _through_cancels(started)
+            await self.settle(started)
             raise
 
     async def settle(self, started):  # type: ignore[no-untyped-def]
-        await _through_cancels(started)
+        with contextlib.suppress(Exception):  # the copy's failure: the read has failed already
+            await to_the_end(started)
 
 
-async def _through_cancels(started: asyncio.Future) -> None:  # type: ignore[type-arg]
-    """As the lane's `_to_its_end`: the copy's end, however often the caller is cancelled."""
-    cancel: asyncio.CancelledError | None = None
-    while not started.done():
-        try:
-            await asyncio.shield(started)
-        except asyncio.CancelledError as exc:
-            cancel = cancel or exc
-        except Exception:  # the copy's failure: the read has failed already
-            break
-    if cancel is not None:
-        raise cancel
+async def _cancelled_twice_after_the_copy(w, work, gate: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
+    """Run `work`, cancel it twice while the copy is held, then let the copy end: the cancel
+    reaches the caller only after it, and nothing lands after that outcome."""
+    task = asyncio.create_task(reported(w, work))
+    for _ in range(2):
+        await settle(5)
+        task.cancel()
+    await settle(5)
+    assert not task.done()  # the copy is still running
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_nothing_after(w, w.timeline.first("outcome"))
 
 
 async def _launching(merged=(0, 1, 2)):  # type: ignore[no-untyped-def]
@@ -341,16 +345,7 @@ async def test_a_fetch_cancelled_while_it_waits_for_an_abandoned_launch_still_wa
     w, _, tickets, ticket, gate = await _launching()
     express = tickets.launch(w.owners, ticket, w.dst)
     assert express is not None
-    withdrawn = asyncio.create_task(reported(w, tickets.abandon(express, give_up=False)))
-    for _ in range(2):
-        await settle(5)
-        withdrawn.cancel()
-    await settle(5)
-    assert not withdrawn.done()  # the copy is still running
-    gate.set()
-    with pytest.raises(asyncio.CancelledError):
-        await withdrawn
-    assert_nothing_after(w, w.timeline.first("outcome"))
+    await _cancelled_twice_after_the_copy(w, tickets.abandon(express, give_up=False), gate)
 
 
 async def test_a_launched_read_whose_pin_word_was_cleared_fails_and_a_cancel_waits_for_the_copy():
@@ -409,52 +404,9 @@ async def test_a_prepared_read_refused_after_its_launch_outlasts_cancels_and_a_b
     assert not w.timeline.where("launch")
     early = tickets.launch_prepared(prepared, w.dst, skip=0)
     assert early is not None
-    refused = asyncio.create_task(reported(w, tickets.settle(prepared, early)))
-    for _ in range(2):
-        await settle(5)
-        refused.cancel()
-    await settle(5)
-    assert not refused.done()  # the copy is still running
-    gate.set()
-    with pytest.raises(asyncio.CancelledError):
-        await refused
-    assert_nothing_after(w, w.timeline.first("outcome"))
+    await _cancelled_twice_after_the_copy(w, tickets.settle(prepared, early), gate)
     w2, _, tickets2, ticket2, _ = await _launching(merged=(0, 2))  # not every owner on one batch
     assert tickets2.launch_prepared(tickets2.prepare(w2.owners, ticket2), w2.dst, skip=0) is None
-
-
-async def test_a_launch_awaited_by_the_lanes_thread_ends_before_a_cancelled_caller_hears_even_cancelled_twice():
-    """`Gatherer.landed` (its waiting thread's path) and `settle`: a caller cancelled while the
-    kernel runs, and again while it waits for its end, hears the cancel only after the end."""
-    release = threading.Event()
-
-    class _Slow:
-        ended_at = launched = 0.0
-
-        def wait(self) -> None:
-            release.wait(10)
-
-        def seconds(self) -> float:
-            return 0.1
-
-    waiter = _Waiter(type("K", (), {"make_current": lambda self: None})())
-    gatherer = object.__new__(Gatherer)
-    gatherer.poll, gatherer._waiter, gatherer._spare = False, waiter, []
-    try:
-        for wait in (gatherer.landed, gatherer.settle):
-            release.clear()
-            task = asyncio.create_task(wait(_Slow()))
-            for _ in range(2):
-                await asyncio.sleep(0.01)
-                task.cancel()
-            await asyncio.sleep(0.05)
-            assert not task.done(), wait  # the kernel has not ended
-            release.set()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-    finally:
-        release.set()
-        waiter.close()
 
 
 class _Held:
@@ -483,6 +435,28 @@ def _gatherer_of(waiter: _Waiter) -> Gatherer:
     gatherer = object.__new__(Gatherer)
     gatherer.poll, gatherer._waiter, gatherer._spare = False, waiter, []
     return gatherer
+
+
+async def test_a_launch_awaited_by_the_lanes_thread_ends_before_a_cancelled_caller_hears_even_cancelled_twice():
+    """`Gatherer.landed` (its waiting thread's path) and `settle`: a caller cancelled while the
+    kernel runs, and again while it waits for its end, hears the cancel only after the end."""
+    release = threading.Event()
+    gatherer = _gatherer_of(_Waiter(type("K", (), {"make_current": lambda self: None})()))
+    try:
+        for wait in (gatherer.landed, gatherer.settle):
+            release.clear()
+            task = asyncio.create_task(wait(_Held(release)))  # type: ignore[arg-type]
+            for _ in range(2):
+                await asyncio.sleep(0.01)
+                task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done(), wait  # the kernel has not ended
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        release.set()
+        gatherer._waiter.close()
 
 
 @pytest.mark.parametrize("wait", ["landed", "settle"])

@@ -13,7 +13,7 @@ import pytest
 from pdkv.errors import InvalidPagesError, PageRangeError, PeerLostError
 from tests.fakes.memory import NUM_PAGES, ROOM, SPANS, expected
 from tests.fakes.world import World, assert_nothing_after, reported, settle, world
-from tests.test_gather import _LaunchingBatch
+from tests.test_gather import _cancelled_twice_after_the_copy, _LaunchingBatch
 from tests.test_protocol_lease import pinned_lease
 from transfer.decode import lease as lease_module
 from transfer.decode.claims import Claim
@@ -75,16 +75,7 @@ async def test_pages_out_of_range_or_a_deadline_and_a_timeout_launch_nothing():
 
 async def test_a_read_cancelled_twice_after_its_launch_reports_only_once_the_copy_has_ended():
     w, lease, gate = await _claimed_whole()
-    read = asyncio.create_task(reported(w, lease.read_once(w.dst)))
-    for _ in range(2):
-        await settle(5)
-        read.cancel()
-    await settle(5)
-    assert not read.done()  # the copy still runs: the cancels wait for it
-    gate.set()
-    with pytest.raises(asyncio.CancelledError):
-        await read
-    assert_nothing_after(w, w.timeline.first("outcome"))
+    await _cancelled_twice_after_the_copy(w, lease.read_once(w.dst), gate)
     assert all(w.client.of(cp, "give_up") for cp in SPANS)
 
 

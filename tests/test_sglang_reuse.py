@@ -317,7 +317,7 @@ def test_a_sender_whose_abort_pdkvs_loop_has_not_confirmed_in_time_has_cleared_i
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from transfer.metadata import RoomStatus
-    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+    from transfer.sglang.conn import PdkvKVManager
 
     _env(bootstrap.url, 0, 1)
     args, _ = _kv_args(range(LAYERS), fill=True, drafts=1)
@@ -326,13 +326,8 @@ def test_a_sender_whose_abort_pdkvs_loop_has_not_confirmed_in_time_has_cleared_i
         rooms = {part: exporter.exporter.rooms for part, exporter in mgr.exporters.items()}
         for exporter in mgr.exporters.values():
             monkeypatch.setattr(exporter.exporter, "abort_room", _slowly(exporter.exporter.abort_room, 1.0))
-        sender = PdkvKVSender(mgr, bootstrap.url, ROOM)
-        sender.init(len(A_PAGES), aux_index=A_AUX)
-        sender.should_send_kv_chunk(2, False)
-        sender.send(np.array(A_PAGES[:2], dtype=np.int32))
+        sender = _sent_and_pinned(mgr, bootstrap.url, rooms)
         end = time.monotonic() + 30
-        while not all(r.proves(ROOM) for r in rooms.values()) and time.monotonic() < end:
-            time.sleep(0.01)
         assert all(r.proves(ROOM) for r in rooms.values())  # pinned: a ticket's read would prove
         monkeypatch.setattr(mgr, "timeouts", mgr.timeouts.replace(request=0.05))
         sender.abort()
@@ -353,20 +348,14 @@ def test_a_sender_whose_abort_cannot_reach_pdkvs_stopped_loop_clears_its_pin_wor
     every part's pin word first, so that no read of pages SGLang hands back can be proved."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from transfer.sglang.conn import PdkvKVManager, PdkvKVSender
+    from transfer.sglang.conn import PdkvKVManager
 
     _env(bootstrap.url, 0, 1)
     args, _ = _kv_args(range(LAYERS), fill=True, drafts=1)
     mgr = PdkvKVManager(args, "prefill", server_args=None, is_mla_backend=True)
     try:
         rooms = {part: exporter.exporter.rooms for part, exporter in mgr.exporters.items()}
-        sender = PdkvKVSender(mgr, bootstrap.url, ROOM)
-        sender.init(len(A_PAGES), aux_index=A_AUX)
-        sender.should_send_kv_chunk(2, False)
-        sender.send(np.array(A_PAGES[:2], dtype=np.int32))
-        end = time.monotonic() + 30
-        while not all(r.proves(ROOM) for r in rooms.values()) and time.monotonic() < end:
-            time.sleep(0.01)
+        sender = _sent_and_pinned(mgr, bootstrap.url, rooms)
         assert all(r.proves(ROOM) for r in rooms.values())
         for exporter in mgr.exporters.values():
             exporter._bg.stop()
@@ -377,6 +366,20 @@ def test_a_sender_whose_abort_cannot_reach_pdkvs_stopped_loop_clears_its_pin_wor
     finally:
         with contextlib.suppress(ClosedError):
             mgr.close()
+
+
+def _sent_and_pinned(mgr, url: str, rooms: dict):  # type: ignore[no-untyped-def,type-arg]
+    """A sender of ROOM that has sent its first chunk, once every part's pin word proves it."""
+    from transfer.sglang.conn import PdkvKVSender
+
+    sender = PdkvKVSender(mgr, url, ROOM)
+    sender.init(len(A_PAGES), aux_index=A_AUX)
+    sender.should_send_kv_chunk(2, False)
+    sender.send(np.array(A_PAGES[:2], dtype=np.int32))
+    end = time.monotonic() + 30
+    while not all(r.proves(ROOM) for r in rooms.values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    return sender
 
 
 def _slowly(abort_room, delay: float = 0.2):  # type: ignore[no-untyped-def]

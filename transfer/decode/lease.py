@@ -272,9 +272,8 @@ class RoomLease:
     def _begin(
         self, dst_pages: PageIds, limit: Deadline, landing: Landing | None = None, skip: int = 0, started: float = 0.0
     ) -> Fetch:
-        """A read's start: its clock (from `started`, else now), its checked destination pages
-        and its budget `limit`."""
-        self._check_read(skip)
+        """A read's start, `_check_read` passed: its clock (from `started`, else now), its
+        checked destination pages and its budget `limit`."""
         started, ctx = started or time.perf_counter(), self._ctx
         dst = page_ids(dst_pages, ctx.pool.layout.num_pages, "destination pages")
         if self._start is None:
