@@ -8,10 +8,10 @@
 # `lane`: the lane's figures for docs/benchmarks.md: how soon the host sees a kernel end, by
 # mechanism (bench_gather.py --seen), and bench_fetch's pool and engine-buffer lanes.
 # `sglang` (also in `all` where SGLang imports): its conformance test on CUDA buffers and
-# bench_sglang's GPU row. The image lacks SGLang: carry its wheel's package unpacked in
-# SGLANG_DIR (default .sgl) and the few wheels its imports need in SGLANG_WHEELS (default
-# .whl2; `scripts/sglang-cpu.txt` lists them); with nixl's wheel that is about the 64 MiB
-# a call may carry.
+# bench_sglang's GPU row. The image lacks SGLang: carry its wheel's package in SGLANG_DIR
+# (default .sgl), unpacked or as `sglang.tar.xz` (its `sglang/` without the `.so` files: ~11
+# MB, where unpacked it is about what a call may carry beside nixl's wheel), and the few wheels
+# its imports need in SGLANG_WHEELS (default .whl2; `scripts/sglang-cpu.txt` lists them).
 # Elsewhere: run the same steps by hand after installing those packages.
 set -uo pipefail
 OUT=${OUT:-/tmp}
@@ -24,13 +24,14 @@ for extra in "$GPU_WHEELS" "$SGLANG_WHEELS"; do
   if compgen -G "$extra/*.whl" >/dev/null; then wheels+=("$extra"/*.whl); fi
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
+if [ -f "$SGLANG_DIR/sglang.tar.xz" ]; then tar -xJf "$SGLANG_DIR/sglang.tar.xz" -C /tmp/site || exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD/$SGLANG_DIR:$PWD PYTHONUNBUFFERED=1
 python3 -c "import cuda.bindings.driver, nccl.bindings.nccl" 2>&1 | tail -1 || true  # the gpu extra: say if missing
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"
 quiet() { grep -v "NIXL INFO\|UCX  WARN"; }
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_gather.py tests/test_plan.py tests/test_pool.py tests/test_engine_kv.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu.py tests/test_gather.py tests/test_plan.py tests/test_lease_launch.py tests/test_stream_fetch.py tests/test_pool.py tests/test_engine_kv.py 2>&1 | quiet | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   timeout 300 python3 scripts/bench_fetch.py --device cuda --sizes 1024,8192,32768 --runs 5 2>&1 | quiet | tail -14 | tee "$OUT/bench_gpu.log"
