@@ -439,9 +439,10 @@ def _engine_room(mode: str, tokens: int, run: int) -> int:
 
 
 async def _engine_read(
-    fetcher: DecodeFetcher, engine_id: str, mode: str, room: int, src: list, dst: list, reports: dict
+    fetcher: DecodeFetcher, engine_id: str, mode: str, room: int, src: list, dst: list, reports: dict, gap: float
 ) -> FetchResult:
-    """One read of `room` the way `mode` says, timed from the call that starts it."""
+    """One read of `room` the way `mode` says, timed from the call that starts it; claimed ahead,
+    `gap` seconds after the claim (SGLang's receiver reads once the prefill is done)."""
     if mode == "ticket":
         pins = [reports[c][1][room] for c in range(ENGINE_CP)]
         if any(p is None for p in pins):
@@ -451,6 +452,7 @@ async def _engine_read(
     if mode == "claims":
         return await fetcher.fetch(engine_id, room, dst)
     lease = await fetcher.claim(engine_id, room)  # at the receiver's bootstrap, before the pages are known
+    await asyncio.sleep(gap)
     t0 = time.perf_counter()
     result = await lease.read_once(dst)
     return msgspec.structs.replace(result, seconds=time.perf_counter() - t0)
@@ -514,8 +516,9 @@ async def engine_bench(args: argparse.Namespace, vmm: bool) -> list[EngineRow]:
                             for b in bufs:  # poison: the warm-up read is checked byte-exact
                                 b.fill_(0x5A)
                         result = await _engine_read(
-                            fetcher, engine_id, mode, _engine_room(mode, n, r), src[n], dst[n], reports
-                        )
+                            fetcher, engine_id, mode, _engine_room(mode, n, r), src[n], dst[n], reports,
+                            args.ahead_gap_ms / 1e3,
+                        )  # fmt: skip
                         if r == 0:
                             if device == "cuda":
                                 torch.cuda.synchronize()
@@ -629,6 +632,12 @@ def main() -> None:
         action="store_true",
         help="with --engine-buffers: add rows from owners on expandable segments (VMM memory); "
         "the path column says how they were read",
+    )
+    ap.add_argument(
+        "--ahead-gap-ms",
+        type=float,
+        default=0.0,
+        help="with --engine-buffers: read a room claimed ahead this long after its claim (0: at once)",
     )
     args = ap.parse_args()
     if args.vmm and not args.engine_buffers:
