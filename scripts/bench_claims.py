@@ -8,8 +8,9 @@ fetch makes is timed where the decode sends it: the table gives the p50 of each 
 the median of the paired differences (claims minus ticket, run by run), the control
 requests a claims fetch makes, and how long its requests took: from the fetch's call to
 its first request's answer (the arbiter's claim), to its last claim's answer, and the
-control requests still in flight after that (releases, polls). Medians over --runs after
-a warm-up.
+control requests still in flight after that (releases, polls); and the arbiter's relay of
+the claims to the other ranks, as its `/metrics` timed it (`pdkv_claim_relay_seconds`, each
+claims fetch's own), which the claims done wait for. Medians over --runs after a warm-up.
 
     .venv/bin/python scripts/bench_claims.py [--sizes 64,1024,8192,32768] [--runs 15]
 """
@@ -28,6 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_MODULES", "^ib")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
@@ -71,6 +74,19 @@ def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
     return undo
 
 
+async def relay_seconds(d: Deployment) -> tuple[float, float]:
+    """The arbiter's relays so far, as its `/metrics` says: (count, seconds in all)."""
+    text = await d.client.get_text(f"{d.engines[0].controls[0]}/metrics")
+    got = {
+        s.name.rsplit("_", 1)[-1]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "pdkv_claim_relay_seconds"
+        for s in f.samples
+        if s.labels.get("outcome") == "ok"
+    }
+    return got.get("count", 0.0), got.get("sum", 0.0)
+
+
 async def bench(args: argparse.Namespace) -> None:
     pool_tokens = 4 * max(args.sizes) + 4096  # room for the rooms still being freed
     spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens, device="cpu")
@@ -91,7 +107,7 @@ async def bench(args: argparse.Namespace) -> None:
                 return reply
 
             for n in args.sizes:
-                rows.append((n, await bench_size(fetcher, prefill, alloc, log, n, args.runs)))
+                rows.append((n, await bench_size(fetcher, prefill, lambda: relay_seconds(d), alloc, log, n, args.runs)))
     finally:
         undo()
     print_table(rows, args)
@@ -100,15 +116,18 @@ async def bench(args: argparse.Namespace) -> None:
 async def bench_size(
     fetcher: DecodeFetcher,
     prefill: Callable[[int, int, bool], Awaitable[PrefillReply]],
+    relays: Callable[[], Awaitable[tuple[float, float]]],
     alloc: Any,
     log: list[Sent],
     n: int,
     runs: int,
 ) -> dict[str, list[float]]:
-    s: dict[str, list[float]] = {k: [] for k in ("ticket", "claims", "diff", "msgs", "first", "claimed", "after")}
+    keys = ("ticket", "claims", "diff", "msgs", "first", "claimed", "relay", "after")
+    s: dict[str, list[float]] = {k: [] for k in keys}
     dst = alloc.alloc(max(1, n // 64))
     try:
         for i in range(runs + 1):  # the first is a warm-up
+            relayed = await relays()  # scraped before the prefills: the fetches find the arbiter as they would
             room = (n << 20) + 2 * i
             reply = await prefill(room, n, True)
             await prefill(room + 1, n, False)
@@ -126,6 +145,9 @@ async def bench_size(
                     s["claimed"].append(max(claims) - t0)
                     s["after"].append(sum(1 for what, *_ in log if what != "claim"))
                 took[mode] = result.seconds
+            count, seconds = await relays()
+            if i and count == relayed[0] + 1:  # the claims fetch's one relay
+                s["relay"].append(seconds - relayed[1])
             if i:
                 s["ticket"].append(took["ticket"])
                 s["claims"].append(took["claims"])
@@ -140,15 +162,19 @@ def print_table(rows: list[tuple[int, dict[str, list[float]]]], args: argparse.N
         f"DSA layout, CP=4 owners on cpu, decode on cpu, {args.runs} runs after a warm-up, ticket and claims "
         "fetches alternating; medians (ms)"
     )
-    head = ("tokens", "ticket p50", "claims p50", "claims-ticket", "ctl msgs", "1st answer", "claims done", "after")
+    head = ["tokens", "ticket p50", "claims p50", "claims-ticket", "ctl msgs", "1st answer", "claims done"]
+    head += ["relay", "after"]
     print("".join(f"{h:>14}" for h in head))
     for n, s in rows:
-        med = {k: statistics.median(v) for k, v in s.items()}
+        med = {k: statistics.median(v) if v else float("nan") for k, v in s.items()}
         cells = [f"{n:>14}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("ticket", "claims", "diff")]
-        cells += [f"{med['msgs']:>14.0f}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("first", "claimed")]
+        cells += [f"{med['msgs']:>14.0f}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("first", "claimed", "relay")]
         cells += [f"{med['after']:>14.0f}"]
         print("".join(cells))
-    print("1st answer / claims done: from the claims fetch's call; after: control requests after the claims")
+    print(
+        "1st answer / claims done: from the claims fetch's call; relay: the arbiter's, to the other ranks "
+        "(its /metrics); after: control requests after the claims"
+    )
 
 
 def main() -> None:

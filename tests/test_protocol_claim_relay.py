@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdkv import DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
 from pdkv.errors import DeadlineExceeded, MetadataError, PeerLostError
@@ -72,19 +73,43 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return sent
 
 
+async def _relays(deployment: Deployment, outcome: str = "ok") -> list[tuple[float, float]]:
+    """Each rank's `pdkv_claim_relay_seconds` for this engine's relays of `outcome` (ok: every
+    rank granted; refused): (count, sum), scraped from its `/metrics`."""
+    found = []
+    for control in deployment.engines[0].controls:
+        text = await deployment.client.get_text(f"{control}/metrics")
+        wanted = {"engine": ENGINE, "outcome": outcome}
+        samples = {
+            s.name.rsplit("_", 1)[-1]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if f.name == "pdkv_claim_relay_seconds" and wanted.items() <= s.labels.items()
+        }
+        found.append((samples.get("count", 0.0), samples.get("sum", 0.0)))
+    return found
+
+
 async def test_a_fetch_by_claims_makes_one_call_to_the_arbiter(deployment, monkeypatch):  # type: ignore[no-untyped-def]
     """The decode's only control message is its call to the lowest rank; the claims on the
-    others are the arbiter's relays (still counted, one an owner), the read is proved by the
-    pin words and released by notification."""
+    others are the arbiter's relays (still counted, one an owner; timed on the arbiter's
+    `/metrics`), the read is proved by the pin words and released by notification."""
     n, room = 300, 9_000_000
     await prefill(deployment, deployment.engines[0], room, n)
     pool = DSAKVPool(tiny(size=8192))
+    before = await _relays(deployment)
     async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
         await fetcher.describe(ENGINE)  # looked up before: the lookup is not what is counted
         sent = _record(monkeypatch)
+        t0 = time.perf_counter()
         result = await fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 1))
+        took = time.perf_counter() - t0
     assert sent == [f"{deployment.engines[0].controls[0]}/v1/claims"]
     assert result.control_messages == 3 and kv_is_exact(pool, ENGINE, room, n, fragmented_pages(pool, n, 1))
+    after = await _relays(deployment)
+    assert after[0][0] == before[0][0] + 1  # the arbiter relayed this one claim, and timed it
+    assert 0 < after[0][1] - before[0][1] < took  # inside the fetch's own time
+    assert after[1:] == before[1:]  # the others relay nothing
     await _until_unpinned(deployment)
 
 
@@ -153,6 +178,7 @@ async def test_an_owner_that_never_answers_the_relay_fails_the_fetch_typed_in_ti
     stopped = next(c for c in deployment.launcher.children if c.name == f"{ENGINE}-cp2")
     pool = DSAKVPool(tiny(size=8192))
     pool.slab.fill_(UNTOUCHED)
+    refused = await _relays(deployment, "refused")
     async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1, timeouts=Timeouts(request=request)) as f:
         await f.describe(ENGINE)
         os.kill(stopped.pid, signal.SIGSTOP)
@@ -166,6 +192,7 @@ async def test_an_owner_that_never_answers_the_relay_fails_the_fetch_typed_in_ti
         await f.give_up_room(ENGINE, room, timeout=10)
     assert took < deadline + request + 1.0, took
     assert bool(torch.all(pool.slab == UNTOUCHED))
+    assert (await _relays(deployment, "refused"))[0][0] == refused[0][0] + 1  # the arbiter's relay, unanswered
     await _until_unpinned(deployment)
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "REGISTER_FAILURES",
     "NOTIFICATION_FAILURES",
     "RETRANSMISSIONS",
+    "CLAIM_RELAY_SECONDS",
     "SCOPE_LABELS",
     "FETCH_SECONDS",
     "READ_SECONDS",
@@ -73,6 +74,7 @@ __all__ = [
     "fetching",
     "fetch_engine",
     "observe_fetch",
+    "observe_claim_relay",
     "observe_fetch_failure",
     "observe_lookup",
     "observe_notification_failure",
@@ -151,6 +153,15 @@ NOTIFICATION_FAILURES = Counter(
 RETRANSMISSIONS = Counter(
     "pdkv_notification_retransmissions", "Notifications sent again, unacknowledged in time, by kind", [*_S, "kind"]
 )
+# On an engine's arbiter (its lowest CP rank): what a decode's claim by one call waits for
+# beyond that rank's own grant. A relay is a few process wake-ups: finer buckets below 1 ms.
+CLAIM_RELAY_SECONDS = Histogram(
+    "pdkv_claim_relay_seconds",
+    "An arbiter's relay of a decode's claim to its engine's other ranks, by outcome (ok | refused: a rank "
+    "refused it, or was not reached or not registered)",
+    [*_S, "engine", "outcome"],
+    buckets=(0.0001, 0.0002, 0.0005, *_SECONDS[1:]),
+)
 BUILD_INFO = Gauge(
     "pdkv_build_info",
     "pdkv's version, wire schema and the lanes this build carries (always 1)",
@@ -190,6 +201,11 @@ def observe_fetch(result: FetchResult) -> None:
     FETCH_DESCRIPTORS.labels(*scope, engine).observe(result.descriptors)
     if result.seconds > 0:
         FETCH_RATE.labels(*scope, engine).observe(result.nbytes / result.seconds)
+
+
+def observe_claim_relay(engine_id: str, seconds: float, ok: bool) -> None:
+    """An arbiter's relay of one claim to its engine's other ranks (`transfer.prefill.peers`)."""
+    CLAIM_RELAY_SECONDS.labels(*_scope, engine_id, "ok" if ok else "refused").observe(seconds)
 
 
 def observe_fetch_failure(engine_id: str, error: BaseException) -> None:

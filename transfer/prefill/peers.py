@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pdkv.errors import PdkvError, PeerLostError
 from transfer.control import ControlClient
 from transfer.deadline import Deadline
 from transfer.metadata import ClaimAll, ClaimAllReply, ClaimRequest, OwnerClaim, OwnerRef, error_reply
+from transfer.metrics import observe_claim_relay
 from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
 
@@ -45,11 +47,16 @@ class Peers:
     async def relay(self, ask: ClaimRequest, others: list[OwnerRef], deadline: Deadline) -> list[OwnerClaim]:
         """`ask` on each of `others` at once: each one's state, or the error that refused it,
         all within `deadline` (a rank not answering by then answers `DeadlineExceeded`)."""
+        started = time.perf_counter()
         try:
             urls = await self._urls(others, deadline)
         except PdkvError as exc:  # the registry is away: every rank answers why (the decode asks them itself)
-            return [OwnerClaim(cp_rank=o.cp_rank, error=error_reply(exc)) for o in others]
-        return list(await asyncio.gather(*(self._one(ask, o, urls.get(o.cp_rank), deadline) for o in others)))
+            answers = [OwnerClaim(cp_rank=o.cp_rank, error=error_reply(exc)) for o in others]
+        else:
+            answers = list(await asyncio.gather(*(self._one(ask, o, urls.get(o.cp_rank), deadline) for o in others)))
+        ok = all(a.error is None for a in answers)
+        observe_claim_relay(self._engine_id, time.perf_counter() - started, ok)
+        return answers
 
     async def _one(self, ask: ClaimRequest, owner: OwnerRef, url: str | None, deadline: Deadline) -> OwnerClaim:
         try:
