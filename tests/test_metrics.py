@@ -350,7 +350,7 @@ def test_the_grafana_dashboard_parses_and_queries_only_pdkv_metrics_that_exist()
     panels = dashboard["panels"]
     titles = " | ".join(p["title"] for p in panels).lower()
     wanted_panels = ("transfer rate", "latency p50 / p99", "failures by error", "pinned pages", "in flight")
-    wanted_panels += ("aborted and expired rooms", "notification failures", "registry health")
+    wanted_panels += ("aborted and expired rooms", "notification failures", "registry health", "claim relay")
     for wanted in wanted_panels:
         assert wanted in titles
     for p in panels:
@@ -365,4 +365,5 @@ def test_the_grafana_dashboard_parses_and_queries_only_pdkv_metrics_that_exist()
     assert {"pdkv_rooms_aborted_total", "pdkv_rooms_expired_total", "pdkv_notification_failures_total"} <= named
     assert {"pdkv_notification_retransmissions_total", "pdkv_registry_lookup_seconds_bucket"} <= named
     assert {"pdkv_registry_lookup_failures_total", "pdkv_registry_register_failures_total"} <= named
+    assert "pdkv_claim_relay_seconds_bucket" in named
     assert named <= exposed, f"not in pdkv's registry: {sorted(named - exposed)}"
