@@ -187,8 +187,8 @@ class RoomLease:
                     return await observed(self._read_pinned(prepared, job, early))
                 job, _ = await begin(None)
                 result = await observed(self._read(job))
-                with self._activity.call():  # close waits for the proof and the release too
-                    freed = False if await self._proved_by_pins() else await self.release()
+                self._activity.check()  # a fetcher closed during the read: no proof, its claims given up
+                freed = False if await self._proved_by_pins() else await self.release()
                 if to_proof:
                     result = msgspec.structs.replace(result, seconds=time.perf_counter() - job.started)
             except BaseException:

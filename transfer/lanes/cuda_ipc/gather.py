@@ -20,7 +20,6 @@ context and with it every request on that GPU.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import queue
@@ -156,9 +155,11 @@ async def _to_its_end(launch: Launch, waiter: _Waiter) -> None:
 
 def _wait_here(launch: Launch) -> None:
     """Block this thread (the launch's own, its context current) until `launch` has ended;
-    a sticky CUDA error ends it too, and is the caller's failure already."""
-    with contextlib.suppress(Exception):
+    a sticky CUDA error ends it too, and is the caller's failure already (logged only)."""
+    try:
         launch.wait()
+    except Exception as exc:
+        logger.debug("a failed read's kernel ended with %s", exc)
 
 
 def _wait_then_wake(
