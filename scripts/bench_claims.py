@@ -30,9 +30,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_MODULES", "^ib")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from pdkv import DSAKVPool, dsa_v32  # noqa: E402
+from tests.scrape import histogram_totals  # noqa: E402
 from transfer.app.api import PrefillReply, PrefillRequest  # noqa: E402
 from transfer.app.options import HelpFormatter  # noqa: E402
 from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
@@ -77,14 +76,7 @@ def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
 async def relay_seconds(d: Deployment) -> tuple[float, float]:
     """The arbiter's relays so far, as its `/metrics` says: (count, seconds in all)."""
     text = await d.client.get_text(f"{d.engines[0].controls[0]}/metrics")
-    got = {
-        s.name.rsplit("_", 1)[-1]: s.value
-        for f in text_string_to_metric_families(text)
-        if f.name == "pdkv_claim_relay_seconds"
-        for s in f.samples
-        if s.labels.get("outcome") == "ok"
-    }
-    return got.get("count", 0.0), got.get("sum", 0.0)
+    return histogram_totals(text, "pdkv_claim_relay_seconds", outcome="ok")
 
 
 async def bench(args: argparse.Namespace) -> None:

@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import pytest_asyncio
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdkv import DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
 from pdkv.errors import DeadlineExceeded, MetadataError, PeerLostError
 from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from tests.scrape import histogram_totals
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient, _Channel
 from transfer.deadline import Deadline
@@ -76,18 +76,8 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 async def _relays(deployment: Deployment, outcome: str = "ok") -> list[tuple[float, float]]:
     """Each rank's `pdkv_claim_relay_seconds` for this engine's relays of `outcome` (ok: every
     rank granted; refused): (count, sum), scraped from its `/metrics`."""
-    found = []
-    for control in deployment.engines[0].controls:
-        text = await deployment.client.get_text(f"{control}/metrics")
-        wanted = {"engine": ENGINE, "outcome": outcome}
-        samples = {
-            s.name.rsplit("_", 1)[-1]: s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if f.name == "pdkv_claim_relay_seconds" and wanted.items() <= s.labels.items()
-        }
-        found.append((samples.get("count", 0.0), samples.get("sum", 0.0)))
-    return found
+    texts = [await deployment.client.get_text(f"{c}/metrics") for c in deployment.engines[0].controls]
+    return [histogram_totals(t, "pdkv_claim_relay_seconds", engine=ENGINE, outcome=outcome) for t in texts]
 
 
 async def test_a_fetch_by_claims_makes_one_call_to_the_arbiter(deployment, monkeypatch):  # type: ignore[no-untyped-def]
