@@ -295,7 +295,8 @@ def test_lane_fetch_is_byte_exact_for_cp_1_to_4_over_odd_layer_counts():
                         reply = await prefill(d, engine, room, n, ticket=ticket)
                         result = await fetcher.fetch(engine.engine_id, room, pages, ticket=reply.ticket)
                         assert {o.lane for o in result.owners} == {"cuda_ipc"}
-                        assert result.control_messages == (0 if ticket else len(engine.controls))  # claims: one a rank
+                        # claims: one a rank, or one call where the arbiter handed out held claims
+                        assert result.control_messages in ((0,) if ticket else (1, len(engine.controls)))
                         assert kv_is_exact(pool, engine.engine_id, room, n, pages), (engine.engine_id, n)
             for _ in range(100):  # every room released on every rank, tickets' too
                 stats = [await d.client.get_json(f"{c}/v1/stats") for e in d.engines for c in e.controls]

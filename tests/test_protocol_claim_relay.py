@@ -1,6 +1,7 @@
 """Claims in one round trip (issue 44): a decode asks the arbiter (the lowest CP rank) on its
 claim channel, and the arbiter grants its own claim, relays it to the other ranks and
-answers for all. Real processes (a registry, an engine of CP=3) and real sockets."""
+answers for all. Real processes (a registry, an engine of CP=3 whose ranks hold no claims
+for the arbiter) and real sockets."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ from transfer.timeouts import Timeouts
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SPEC = DeploymentSpec(
-    engines=(3,), decoders=0, preset="tiny", prefill_pool_tokens=4096, decode_pool_tokens=8192, start_timeout=180
+    engines=(3,),
+    decoders=0,
+    preset="tiny",
+    prefill_pool_tokens=4096,
+    decode_pool_tokens=8192,
+    start_timeout=180,
+    hold_claims=False,  # every claim relayed: the relay is what is tested here (held claims: test_protocol_held)
 )
 ENGINE = "prefill0"
 UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote

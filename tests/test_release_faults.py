@@ -315,7 +315,8 @@ async def test_every_room_is_freed_within_the_bound_when_notifications_drop(regi
                 dst = [p + 600 for p in pages[room]]
                 result = await fetcher.fetch(engine.name, room, dst)  # by claims: a claim a rank, no release
                 done[room], freed_on[room] = time.monotonic(), result.freed_on
-                assert result.control_messages == 2 and not result.freed and _exact(pool, pages[room], dst)
+                # 1: the arbiter handed out the claim the other rank held (test_protocol_held)
+                assert result.control_messages in (1, 2) and not result.freed and _exact(pool, pages[room], dst)
 
             for group in range(0, len(tickets), 8):
                 await asyncio.gather(*(by_ticket(r) for r in tickets[group : group + 8]))

@@ -408,14 +408,15 @@ async def test_oversized_bodies_leave_every_service_flat(deployment):
 
 async def test_a_complete_room_read_by_claims_costs_one_claim_per_owner(deployment):
     """The control messages of a fetch without a ticket (a ticket's fetch makes none): a claim
-    per owner, whose answer names the owner's pin; the read is proved by the pin words and
-    released by notifications, which free the room on every owner (issue 44)."""
+    per owner, whose answer names the owner's pin, or only the call to the arbiter where it
+    handed out the claims the others held (test_protocol_held); the read is proved by the pin
+    words and released by notifications, which free the room on every owner (issue 44)."""
     engine, n, room = deployment.engines[2], 300, 7_600_000  # CP=3
     await prefill(deployment, engine, room, n)
     pool = DSAKVPool(tiny(size=8192))
     async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
         result = await fetcher.fetch("prefill2", room, fragmented_pages(pool, n, 12))
-    assert result.control_messages == 3 and kv_is_exact(pool, "prefill2", room, n, fragmented_pages(pool, n, 12))
+    assert result.control_messages in (1, 3) and kv_is_exact(pool, "prefill2", room, n, fragmented_pages(pool, n, 12))
     assert not result.freed and result.freed_on == ()  # released by notification: not known at return
     await _until_unpinned(deployment, engine)
 

@@ -76,6 +76,8 @@ __all__ = [
     "OwnerRef",
     "OwnerClaim",
     "ClaimAllReply",
+    "HeldClaim",
+    "HeldReply",
     "ClaimRelease",
     "ReadFrom",
     "ReleaseNotice",
@@ -90,7 +92,7 @@ __all__ = [
     "decode_any",
 ]
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -415,11 +417,14 @@ class ClaimAll(_Wire, frozen=True):
 
 
 class OwnerClaim(_Wire, frozen=True):
-    """One owner's answer to a relayed claim: the room as the claim found it, or why not."""
+    """One owner's answer to a relayed claim: the room as the claim found it, or why not.
+    `claim`: the token the owner holds the claimant's claim under, where it is not the one
+    asked (the arbiter handed out a claim held for it, `HeldClaim`)."""
 
     cp_rank: Count
     state: RoomState | None = None
     error: ErrorReply | None = None
+    claim: ClaimToken | None = None
 
     def __post_init__(self) -> None:
         if (self.state is None) == (self.error is None):
@@ -431,6 +436,24 @@ class ClaimAllReply(_Wire, frozen=True):
 
     arbiter: RoomState
     others: Annotated[list[OwnerClaim], Meta(max_length=1024)]
+
+
+class HeldClaim(_Wire, frozen=True):
+    """A rank other than the arbiter holds one of a whole room's claims, under `claim`, for
+    its arbiter to hand out: a claimant the arbiter grants first then reads with no relay.
+    `state`: the room there, whole, with its pin. Sent on the arbiter's claim channel."""
+
+    cp_rank: Count
+    incarnation: Name
+    claim: ClaimToken
+    state: RoomState
+
+
+class HeldReply(_Wire, frozen=True):
+    """The arbiter's answer to `HeldClaim`: whether it keeps it to hand out."""
+
+    room: U63
+    kept: bool
 
 
 class ReleaseNotice(_Wire, frozen=True):

@@ -111,6 +111,11 @@ class ReadinessHub:
         if consumer not in self._subs and not self._closed:  # not back meanwhile
             self._on_lost(consumer)
 
+    @property
+    def consumers(self) -> list[str]:
+        """The consumers with a stream open."""
+        return list(self._subs)
+
     def publish(self, state: RoomState, consumers: Iterable[str]) -> None:
         for consumer in consumers:
             sub = self._subs.get(consumer)

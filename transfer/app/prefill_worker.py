@@ -290,6 +290,7 @@ class PrefillEngineRank:
             host=a.host,
             timeouts=self.timeouts,
             secret=secret,
+            hold_claims=a.held_claims,
         )
         await self.exporter.start()
         intake = None
@@ -380,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SMs the NCCL owner broadcast may take beside the model's compute (0: NCCL's choice; see README)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-held-claims",
+        dest="held_claims",
+        action="store_false",
+        help="hold no claim of whole rooms for the arbiter to hand out: every claim is relayed",
+    )
     add_service_flags(ap)
     return ap.parse_args(argv)
 

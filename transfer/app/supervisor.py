@@ -60,6 +60,9 @@ class DeploymentSpec:
     # request during the fetch). True: both start at once and the decode reads layers as
     # they are written (claims and readiness polls over HTTP).
     overlap: bool = False
+    # The prefill ranks hold a claim of each whole room for their arbiter to hand out, so a
+    # claim needs no relay (`transfer.prefill.held`); False: every claim is relayed.
+    hold_claims: bool = True
     secret: str | None = None
     start_timeout: float = 120.0
     log_level: str = "WARNING"
@@ -185,6 +188,8 @@ class Supervisor:
             "--broadcast-ctas": s.broadcast_ctas,
         }
         args, module = _flatten(flags), "transfer.app.prefill_worker"
+        if not s.hold_claims:
+            args.append("--no-held-claims")
         return [
             self._spawn(f"{engine_id}-cp{r}", module, [*args, "--cp-rank", str(r)], s.prefill_host) for r in range(cp)
         ]

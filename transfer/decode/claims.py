@@ -74,6 +74,12 @@ class Claim:
     # where the owner pins (a lease then proves the read by the pin words, `RoomLease`)
     final: dict[int, RoomState] = field(default_factory=dict)
     messages: int = 0  # control requests made under it (claims, polls, releases)
+    # cp rank -> the token that rank holds this claim under, where not `token`: a claim the
+    # rank held for the arbiter, which handed it to this claimant (`transfer.prefill.held`)
+    tokens: dict[int, str] = field(default_factory=dict)
+
+    def token_on(self, rank: int) -> str:
+        return self.tokens.get(rank, self.token)
 
     @property
     def open_ranks(self) -> set[int]:
@@ -140,6 +146,8 @@ class ClaimProtocol:
             if answer.state is not None and answer.state.status is not RoomStatus.UNKNOWN:
                 claim.granted.add(r)
                 claim.states[r] = answer.state
+                if answer.claim is not None:
+                    claim.tokens[r] = answer.claim
             elif answer.error is None or _unreached(error := error_from(answer.error, f"cp rank {r}")):
                 direct.append(self.claim_owner(others[r], claim, deadline))  # not published there yet, or not reached
             else:
@@ -184,7 +192,8 @@ class ClaimProtocol:
             claim.granted.add(r.cp_rank)
             claim.states[r.cp_rank] = reply.arbiter
             claim.asked.update(others)  # relayed: each may hold the claim now
-            claim.messages += len(reply.others)  # the arbiter's relays, each a claim as if sent from here
+            # the arbiter's relays, each a claim as if sent from here (a claim it handed out was none)
+            claim.messages += sum(a.claim is None for a in reply.others)
             answers = {a.cp_rank: a for a in reply.others}
             if set(answers) != set(others):
                 raise MetadataError(f"the arbiter answered for cp ranks {sorted(answers)}, asked {sorted(others)}")
@@ -226,7 +235,8 @@ class ClaimProtocol:
         pushed = await self.ctx.feed.wait(url, claim.room, after, deadline.left(timeouts.poll), after_pages)
         if pushed is not None and pushed.status in (RoomStatus.PENDING, RoomStatus.READY):
             return pushed
-        url = f"{url}/v1/rooms/{claim.room}?after={after}&after_pages={after_pages}&claim={claim.token}"
+        token = claim.token_on(owner.rank.cp_rank)
+        url = f"{url}/v1/rooms/{claim.room}?after={after}&after_pages={after_pages}&claim={token}"
         limit = deadline.left(timeouts.poll + timeouts.request)
         return await self._control(claim, "GET", url, RoomState, None, limit)
 
@@ -330,7 +340,8 @@ class ClaimProtocol:
 
         A refusal (`ClaimLostError`) raises: those pages may have been reused mid-read.
         """
-        notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=claim.token, give_up=give_up)
+        token = claim.token_on(owner.rank.cp_rank)
+        notice = ReleaseNotice(room=claim.room, consumer_id=self.ctx.consumer_id, claim=token, give_up=give_up)
         url = f"{owner.rank.control_url}/v1/rooms/{claim.room}/release"
         # A give-up names no layout (a room, a consumer, a token): it travels in the owner's
         # own envelope, so a decode whose layout the owner refuses still frees the room. It

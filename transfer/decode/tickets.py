@@ -486,16 +486,21 @@ class TicketProtocol:
     def release_claims(self, pins: list[tuple[Owner, OwnerPin]], claim: Claim) -> None:
         """Release `claim` on these owners by a notification each (its bytes proved by their
         pin words, so no answer is needed), sent again as `release_pins`' until it took."""
-        body = encode(ClaimRelease(room=claim.room, claim=claim.token), self.ctx.fingerprint)
-        self.releases.send([(o, p, body) for o, p in pins], claim.room)
+        fp = self.ctx.fingerprint
+        notes = [(o, p, encode(ClaimRelease(room=claim.room, claim=claim.token_on(p.cp_rank)), fp)) for o, p in pins]
+        self.releases.send(notes, claim.room)
 
     def read_from(self, owners: dict[int, Owner], claim: Claim, start: int) -> None:
         """Tell each owner that `claim`'s reads start at page `start` (the decode holds the
         pages below): a notification each, no answer, not sent again. An owner frees those
         pages once every reader of the room has said where it starts; one that never hears
         keeps them pinned until the release (only owners with a pin table are connected here)."""
-        body = encode(ReadFrom(room=claim.room, claim=claim.token, start=start), self.ctx.fingerprint)
-        told = [(o.rank.agent_name, body) for r, o in owners.items() if o.rank.pins is not None and r in claim.granted]
+        fp = self.ctx.fingerprint
+        told = [
+            (o.rank.agent_name, encode(ReadFrom(room=claim.room, claim=claim.token_on(r), start=start), fp))
+            for r, o in owners.items()
+            if o.rank.pins is not None and r in claim.granted
+        ]
         try:
             unsent = self.signals.notify(told) if told and not self.signals.closed else []
         except PdkvError as exc:

@@ -32,6 +32,7 @@ from transfer.lanes.ucx.nixl import heap_guard_reason, protect_owner_heap
 from transfer.lanes.ucx.transport import UcxTransport
 from transfer.logctx import request_context
 from transfer.metadata import (
+    HeldClaim,
     LayoutSpec,
     MemoryDescriptor,
     OwnerPin,
@@ -83,6 +84,7 @@ class PrefillExporter:
         secret: str | None = None,
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
         group_size: int = 1,
+        hold_claims: bool = True,
     ) -> None:
         """`host`: where the control endpoint listens (loopback by default; the wildcard for
         every interface); `advertise`: the address it registers for decodes, by default `host`
@@ -90,7 +92,9 @@ class PrefillExporter:
         is refused (`AddressError`) unless the registry is on loopback too. `on_free(room,
         pages)`: pages no decode will read any more, each page once: a room's pages as it ends,
         and, where every reader holds its first pages (a decode's prefix), those ahead of its
-        end (`RoomTable.read_from`); a room's end is its publication's `on_end`."""
+        end (`RoomTable.read_from`); a room's end is its publication's `on_end`. `hold_claims`:
+        a rank above the arbiter holds one claim of each whole room for the arbiter to hand
+        out, so that the room's first claimant needs no relay (`transfer.prefill.held`)."""
         advertised = advertised_for(host, advertise, registry_url)
         self.pool = pool
         self._group_size = group_size  # engines in its serving group (`RankDescriptor.group_size`)
@@ -128,6 +132,8 @@ class PrefillExporter:
         self._ucx_failing: str | None = None  # why UCX progress last failed, while it fails
         self._over_tcp = False  # UCX may answer this owner's READs over TCP (set at start)
         self._tasks: list[asyncio.Task[None]] = []
+        self._hold_claims = hold_claims and cp_rank > 0
+        self._holding: set[asyncio.Task[bool]] = set()  # held claims on their way to the arbiter
         self._written: asyncio.Queue[tuple[int, int | None, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -183,9 +189,9 @@ class PrefillExporter:
         untrack_exporter(self)
         self._readiness.close()  # event streams end before the HTTP server stops
         await self._service.close()  # and claim channels
-        for t in self._tasks:
+        for t in [*self._tasks, *self._holding]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._holding, return_exceptions=True)
         self._tasks = []
         with contextlib.suppress(PdkvError):
             await self._registry.leave(self.engine_id, self.cp_rank)
@@ -268,6 +274,7 @@ class PrefillExporter:
         """`publish` now on the host; on a GPU once the writes queued before have landed."""
         if self.pool.device.type != "cuda":
             publish()  # refusals (a bad chunk) reach the caller
+            self._hold(room)
             return
         if written is None:
             written = torch.cuda.Event()
@@ -285,6 +292,19 @@ class PrefillExporter:
             except PdkvError as exc:  # refused after the caller returned: its decodes see the room aborted
                 logger.error("room %d aborted: readiness after its writes refused: %s", room, exc)
                 self.rooms.abort(room, pub, exc)
+            else:
+                self._hold(room)
+
+    def _hold(self, room: int) -> None:
+        """Where `room` is now whole here and has a claim free, hold one for the arbiter to
+        hand out (`transfer.prefill.held`)."""
+        if not self._hold_claims or (token := self.rooms.hold(room)) is None:
+            return
+        state = self._service.with_pin(self.rooms.state(room))
+        held = HeldClaim(cp_rank=self.cp_rank, incarnation=self.incarnation, claim=token, state=state)
+        task = asyncio.create_task(self._peers.hold(held, Deadline.after(self.timeouts.request)))
+        self._holding.add(task)
+        task.add_done_callback(self._holding.discard)
 
     def abort_room(self, room: int, pub: int | None = None, reason: PdkvError | None = None) -> bool:
         """Free `room` now (only its publication `pub`, where given); its decodes fail, told
@@ -367,6 +387,13 @@ class PrefillExporter:
         }
 
     def _stats(self) -> dict[str, int]:
-        """What `/v1/stats` reports: the rooms' counters and the bytes registered with UCX."""
+        """What `/v1/stats` reports: the rooms' counters, the bytes registered with UCX and,
+        as the arbiter, the claimants it answered from claims the other ranks held for it."""
         registered = self.transport.local_regions.total if self.transport else 0
-        return {**self.room_metrics(), "registered_bytes": registered}
+        held = self._service.held
+        return {
+            **self.room_metrics(),
+            "registered_bytes": registered,
+            "claims_held": held.kept,
+            "claims_handed_out": held.handed_out,
+        }

@@ -7,7 +7,8 @@ own client keeps open to them (`ControlClient.call`), and answers the decode wit
 makes one round trip instead of two steps. The other ranks' control URLs come from the
 registry (the decode names only ranks and incarnations, so a request cannot make the
 arbiter send anything anywhere else); the lookup is cached and asked again when a decode
-names an incarnation the cache does not hold.
+names an incarnation the cache does not hold. A higher rank tells its arbiter here of the
+claims it holds for it (`hold`, `transfer.prefill.held`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ import time
 from pdkv.errors import PdkvError, PeerLostError
 from transfer.control import ControlClient
 from transfer.deadline import Deadline
-from transfer.metadata import ClaimAll, ClaimAllReply, ClaimRequest, OwnerClaim, OwnerRef, error_reply
+from transfer.metadata import (
+    ClaimAll,
+    ClaimAllReply,
+    ClaimRequest,
+    HeldClaim,
+    HeldReply,
+    OwnerClaim,
+    OwnerRef,
+    error_reply,
+)
 from transfer.metrics import observe_claim_relay
 from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
@@ -77,6 +87,41 @@ class Peers:
             logger.debug("room %d: relaying a claim to cp rank %d: %s", ask.room, owner.cp_rank, exc)
             return OwnerClaim(cp_rank=owner.cp_rank, error=error_reply(exc))
 
+    async def hold(self, held: HeldClaim, deadline: Deadline) -> bool:
+        """Tell the engine's arbiter (its lowest rank) of `held`: whether it keeps it. A claim
+        it does not keep stays held here until a relayed claim (or a ticket) takes it over."""
+        try:
+            url = await self._arbiter_url(deadline)
+            if url is None:
+                return False
+            reply = await self._client.call(
+                f"{url}/v1/claims",
+                held,
+                HeldReply,
+                fingerprint=self._fp,
+                expect_fingerprint=self._fp,
+                timeout=deadline.left(),
+            )
+        except PdkvError as exc:
+            logger.debug("room %d: telling the arbiter of a held claim: %s", held.state.room, exc)
+            self._known.clear()  # looked up again next time: the arbiter may have moved
+            return False
+        return reply.kept
+
+    async def _arbiter_url(self, deadline: Deadline) -> str | None:
+        """The control URL of the lowest rank registered, if it is lower than this one."""
+
+        def lowest() -> str | None:
+            lower = [r for r in self._known if r < self._cp_rank]
+            return self._known[min(lower)][1] if lower else None
+
+        if (url := lowest()) is None:
+            async with self._lookup:
+                if lowest() is None:
+                    await self._look_up(deadline)
+            url = lowest()
+        return url
+
     async def _urls(self, others: list[OwnerRef], deadline: Deadline) -> dict[int, str]:
         """The control URL of each of `others` that is registered as that incarnation; the
         registry is asked again (once) where the cache does not hold one."""
@@ -95,11 +140,12 @@ class Peers:
                 return urls
             # Half the budget at most: with the registry away, the decode still has time to
             # claim the ranks itself.
-            engine = await self._registry.lookup(self._engine_id, deadline.within(deadline.remaining() / 2))
-            self._known = {
-                r.cp_rank: (r.incarnation, r.control_url) for r in engine.ranks if r.cp_rank != self._cp_rank
-            }
+            await self._look_up(deadline.within(deadline.remaining() / 2))
             return found()
+
+    async def _look_up(self, deadline: Deadline) -> None:
+        engine = await self._registry.lookup(self._engine_id, deadline)
+        self._known = {r.cp_rank: (r.incarnation, r.control_url) for r in engine.ranks if r.cp_rank != self._cp_rank}
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -31,6 +31,7 @@ class Room:
     slot: int = -1  # its pin table slot; -1: none
     nonce: int = 0
     ticket: str = ""  # "", "issued" (holds one of the claims), "released"
+    held: str = ""  # the open claim this rank holds for its arbiter to hand out, while no reader used it
     aux: bytes | None = None  # the engine's per-request bytes, given with the last chunk
     pub: int = 0  # this publication of the room id (`publish`'s answer)
     on_end: OnEnd | None = None

@@ -26,6 +26,12 @@ word is cleared before the pages are freed. A decode that READs the nonce after 
 READs has the same proof a release gives, without a request. Its release arrives as a UCX
 notification (`release_ticket`) and counts as one of the room's consumers.
 
+A rank other than its engine's arbiter holds one claim of each whole room it could grant
+(`hold`) for the arbiter to hand out (`transfer.prefill.held`): a claimant the arbiter grants
+first then needs no relay. Every claim passes the arbiter first, so a claim this rank could
+not grant otherwise (or a ticket, or a give-up) takes that held claim over: the arbiter, having
+granted others, never hands it out.
+
 A decode that holds the room's first pages already (its prefix) reads only the pages past
 them, and says so (`read_from`: its claim reads from page N). Once every reader still to
 read has said where it starts, the pages below the lowest start are freed at once
@@ -65,6 +71,7 @@ from transfer.prefill.room import Room, RoomCounters
 logger = logging.getLogger(__name__)
 
 _REMEMBER_FINISHED = 1 << 16
+HELD = ""  # the consumer of a claim held for the arbiter: whoever it hands it to, unknown here
 
 
 class RoomTable:
@@ -251,12 +258,46 @@ class RoomTable:
             )
         r.consumers = max(r.consumers, readers)
         if token not in r.open_claims:
-            if r.granted >= r.consumers:
+            if r.granted >= r.consumers and not self._take_held(r):
                 raise RoomClaimedError(
                     f"room {room}: all {r.consumers} consumer claim(s) taken; {consumer} may not read it again"
                 )
             r.open_claims[token] = consumer
         return self.state(room)
+
+    def granted(self, room: int) -> int:
+        """The claims (and ticket) the live `room` granted so far; -1 if it is not live."""
+        r = self._live.get(room)
+        return -1 if r is None else r.granted
+
+    def hold(self, room: int) -> str | None:
+        """Hold one of the whole `room`'s claims for the arbiter to hand out: its token, or
+        None where none is free (claimed, a ticket out), the room is not whole, was sent by
+        chunks, has no pin slot or freed pages ahead, or holds one already."""
+        self._end_revoked(room)
+        r = self._live.get(room)
+        if r is None or r.held or r.ticket or r.slot < 0 or r.total_pages >= 0 or r.freed_upto > 0:
+            return None
+        if r.ready_upto != self.layers.stop or r.granted >= r.consumers:
+            return None
+        r.held = secrets.token_hex(16)
+        r.open_claims[r.held] = HELD  # no stream's loss gives it up
+        return r.held
+
+    def _take_held(self, r: Room) -> bool:
+        """Drop `r`'s held claim to free its place for another claim (or a ticket); False if
+        it has none, or a reader has used it (the arbiter handed it out)."""
+        if not r.held:
+            return False
+        del r.open_claims[r.held]
+        r.held = ""
+        return True
+
+    def _used(self, r: Room, token: str) -> None:
+        """A reader used `token`: if it is the held claim, the arbiter handed it out, and no
+        other claim may take it over any more."""
+        if token == r.held:
+            r.held = ""
 
     def _aborted(self, room: int) -> RoomAbortedError:
         why = self._why.get(room)
@@ -306,6 +347,7 @@ class RoomTable:
         self._end_revoked(room)
         r = self._live.get(room)
         if r is not None and token in r.open_claims:
+            self._used(r, token)
             return
         if r is not None:
             why = "it is not an open claim of the room"
@@ -344,9 +386,10 @@ class RoomTable:
                 self._remember(room, RoomStatus.ABORTED)
             return ReleaseReply(room=room, freed=False, unreleased=0)
         if token in r.open_claims:
+            self._used(r, token)
             del r.open_claims[token]
             r.starts.pop(token, None)
-        elif r.granted >= r.consumers:
+        elif r.granted >= r.consumers and not self._take_held(r):
             raise ClaimLostError(f"room {room}: every claim is held by another consumer; nothing to give up")
         r.released += 1
         r.given_up += 1
@@ -374,7 +417,9 @@ class RoomTable:
         await wait_until(whole_or_gone, lambda: self._tick, timeout)
         self._end_revoked(room)
         r = self._live.get(room)
-        if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket or r.granted >= r.consumers:
+        if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket:
+            return None
+        if r.granted >= r.consumers and not self._take_held(r):
             return None
         r.ticket = "issued"
         return r.slot, r.nonce

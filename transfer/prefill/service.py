@@ -4,7 +4,10 @@
     GET  /v1/claims                  a channel (`transfer.control.serve_channel`) of calls
                                      ClaimAll -> ClaimAllReply: a claim here (as POST .../claim)
                                      and, asked of the arbiter (the lowest CP rank), relayed to
-                                     the other ranks it names (`transfer.prefill.peers`)
+                                     the other ranks it names (`transfer.prefill.peers`), or
+                                     answered by the claims they hold for it;
+                                     HeldClaim -> HeldReply: a higher rank holds one for it
+                                     (`transfer.prefill.held`)
     GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
     GET  /v1/rooms/{room}?after=N&after_pages=P&claim=T
                                      RoomState once layers beyond N (or, for a room sent
@@ -42,6 +45,8 @@ from transfer.metadata import (
     ClaimAllReply,
     ClaimRelease,
     ClaimRequest,
+    HeldClaim,
+    HeldReply,
     OwnerClaim,
     OwnerPin,
     OwnerRef,
@@ -52,11 +57,11 @@ from transfer.metadata import (
     TicketRelease,
     claim_token,
     consumer_name,
-    decode,
     decode_any,
     encode,
 )
-from transfer.prefill.rooms import RoomTable
+from transfer.prefill.held import HeldClaims
+from transfer.prefill.rooms import HELD, RoomTable
 from transfer.readiness import HEARTBEAT, STREAM_TYPE, ReadinessHub, frame
 from transfer.timeouts import Timeouts
 
@@ -93,6 +98,7 @@ class PrefillService:
         self.rooms, self._hub, self._fp, self._timeouts = rooms, hub, fingerprint, timeouts
         self._cp_rank, self._incarnation, self._engine_id = cp_rank, incarnation, engine_id
         self._relay = relay
+        self.held = HeldClaims(timeouts.pin)  # as the arbiter: the claims the other ranks hold for it
         self._channels: set[web.WebSocketResponse] = set()
 
     def add_routes(self, app: web.Application, readiness: Readiness, stats: Stats) -> None:
@@ -129,8 +135,10 @@ class PrefillService:
         return msgspec.structs.replace(state, pin=self.owner_pin(*pin))
 
     def push(self, state: RoomState, consumers: set[str]) -> None:
-        """A room moved: tell the readiness streams of `consumers`."""
-        self._hub.publish(self.with_pin(state), consumers)
+        """A room moved: tell the readiness streams of `consumers`; every stream where one of
+        them holds a claim the arbiter may have handed out (its holder is not known here: a
+        decode keeps only the rooms it reads)."""
+        self._hub.publish(self.with_pin(state), self._hub.consumers if HELD in consumers else consumers)
 
     def on_notification(self, peer: str, message: bytes) -> None:
         """A UCX notification: a release (a ticket's, or a claim's), or where a claim holder's
@@ -204,16 +212,29 @@ class PrefillService:
         return reply(self.with_pin(state), self._fp)
 
     async def _channel(self, request: web.Request) -> web.StreamResponse:
-        return await serve_channel(request, self._claim_all, self._channels)
+        return await serve_channel(request, self._call, self._channels)
 
-    async def _claim_all(self, data: bytes) -> bytes:
+    async def _call(self, data: bytes) -> bytes:
+        asked = cast("ClaimAll | HeldClaim", decode_any(data, (ClaimAll, HeldClaim), self._fp))
+        if isinstance(asked, HeldClaim):
+            return self._keep(asked)
+        return await self._claim_all(asked)
+
+    def _keep(self, held: HeldClaim) -> bytes:
+        """A higher rank holds a claim of a whole room for this rank to hand out."""
+        if held.cp_rank <= self._cp_rank:
+            raise MetadataError(f"cp rank {self._cp_rank} keeps claims held by higher ranks only, not {held.cp_rank}")
+        kept = self._relay is not None and self.held.keep(held)
+        return encode(HeldReply(room=held.state.room, kept=kept), self._fp)
+
+    async def _claim_all(self, asked: ClaimAll) -> bytes:
         """A claim here, then on every other rank the call names: one call for the decode.
 
         Granted here first: a claimant refused here (another won the room) is refused before
         any other rank is asked, so of two racing for a room one holds it everywhere. Every
         claimant asks the same rank first (the lowest), so a rank refuses to arbitrate for a
-        lower one."""
-        asked = decode(data, ClaimAll, self._fp)
+        lower one. The room's first claimant, where every other rank holds a claim for this
+        one, gets those: no relay (`transfer.prefill.held`)."""
         ask, others, room = asked.ask, asked.others, asked.ask.room
         ranks = [o.cp_rank for o in others]
         if len(set(ranks)) != len(ranks) or any(r <= self._cp_rank for r in ranks):
@@ -223,12 +244,15 @@ class PrefillService:
         deadline = Deadline.from_wire(asked.budget_ms)
         with self.about(room):
             await self.rooms.wait(room, -1, deadline.left(self._timeouts.poll))  # until it is published
+            first = self.rooms.granted(room) == 0
             state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
-            relayed: list[OwnerClaim] = []
-            if state.status is not RoomStatus.UNKNOWN and others:  # unpublished here: nothing granted, ask again
-                assert self._relay is not None
+            relayed: list[OwnerClaim] | None = None
+            if first and state.status is RoomStatus.READY and others:
+                relayed = self.held.hand_out(room, others, state.src_pages)
+            if relayed is None and state.status is not RoomStatus.UNKNOWN and others:
+                assert self._relay is not None  # unpublished here: nothing granted, ask again
                 relayed = await self._relay(ask, list(others), deadline)
-        return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed), self._fp)
+        return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed or []), self._fp)
 
     async def close(self) -> None:
         """End the open channels (a closing service must not wait for their peers)."""

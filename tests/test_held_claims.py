@@ -1,0 +1,120 @@
+"""Claims a rank holds for its arbiter to hand out (`RoomTable.hold`, `HeldClaims`): the
+logic on each side, without processes (the protocol end to end: test_protocol_held)."""
+
+import time
+
+import numpy as np
+import pytest
+
+from pdkv import ClaimLostError, RoomClaimedError
+from transfer.metadata import HeldClaim, OwnerPin, OwnerRef, RoomState, RoomStatus
+from transfer.prefill.held import HeldClaims
+from transfer.prefill.rooms import RoomTable
+
+B, C = "b" * 32, "c" * 32
+
+
+def whole(room: int = 1, consumers: int = 1) -> RoomTable:
+    t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=np.zeros(8, dtype=np.int64))
+    t.publish(room, np.array([4, 5]), consumers=consumers)
+    t.mark_ready(room, 2)
+    return t
+
+
+async def test_a_room_holds_one_claim_once_whole_and_only_a_claim_it_could_grant():
+    t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=np.zeros(8, dtype=np.int64))
+    t.publish(1, np.array([4, 5]))
+    assert t.hold(1) is None  # layer 1 not ready yet
+    t.mark_ready(1, 2)
+    token = t.hold(1)
+    assert token is not None and t.hold(1) is None  # one a room
+    assert t.granted(1) == 1 and t.being_read  # it holds the room's one claim, and a READ may come
+    t.publish(2, np.array([6]))
+    t.mark_ready(2, 2)
+    t.claim(2, B, "d0")
+    assert t.hold(2) is None  # its one claim is taken
+    t.publish_chunked(3, 2)
+    t.add_chunk(3, np.array([7, 8]))
+    assert t.hold(3) is None  # sent by chunks: read as it comes, by claims
+    assert RoomTable(range(0, 2), num_pages=32, pin_seconds=60).hold(9) is None  # not live
+    no_pins = RoomTable(range(0, 2), num_pages=32, pin_seconds=60)
+    no_pins.publish(1, np.array([4]))
+    no_pins.mark_ready(1, 2)
+    assert no_pins.hold(1) is None  # no pin word: nothing could prove a read of it
+
+
+async def test_a_claim_the_room_could_not_grant_otherwise_takes_the_held_one_over():
+    """The arbiter granted another claimant (so it never hands the held claim out): the
+    relayed claim takes its place, and the held token pins nothing any more."""
+    t = whole()
+    held = t.hold(1)
+    assert held is not None
+    assert t.claim(1, B, "d0").status is RoomStatus.READY
+    with pytest.raises(RoomClaimedError):
+        t.claim(1, C, "d1")  # one consumer: B holds the room
+    with pytest.raises(ClaimLostError):
+        t.check_claim(1, held)
+    assert t.release(1, B).freed
+
+
+async def test_a_held_claim_a_reader_used_is_never_taken_over():
+    """Once its reader (the claimant it was handed to) used it, it is that reader's claim."""
+    t = whole()
+    held = t.hold(1)
+    assert held is not None
+    t.check_claim(1, held)  # the reader polled under it
+    with pytest.raises(RoomClaimedError):
+        t.claim(1, B, "d1")
+    t2 = whole(consumers=1)
+    held2 = t2.hold(1)
+    assert held2 is not None
+    assert t2.read_from(1, held2, 1) == 1  # its reader said where it reads from: its prefix is freed
+    with pytest.raises(ClaimLostError):
+        t2.give_up(1, C)  # a stranger's give-up takes nothing of it
+    assert t2.release(1, held2).freed
+
+
+async def test_a_ticket_or_a_give_up_takes_the_held_claim_over():
+    t = whole()
+    assert t.hold(1) is not None
+    pin = await t.pin(1, timeout=1)
+    assert pin is not None and t.tickets_out == 1 and t.granted(1) == 1  # the ticket took its place
+    assert t.release_ticket(1, *pin)
+    t2 = whole()
+    assert t2.hold(1) is not None
+    reply = t2.give_up(1, C)  # a claimant the arbiter granted gives up where its claim never came
+    assert reply.freed and t2.state(1).status is RoomStatus.ABORTED
+
+
+def _held(rank: int, incarnation: str = "i1", pages: list[int] | None = None, **state: object) -> HeldClaim:
+    pin = OwnerPin(cp_rank=rank, incarnation=incarnation, slot=rank, nonce=100 + rank)
+    s = RoomState(room=1, status=RoomStatus.READY, src_pages=pages or [4, 5], ready_upto=2, pin=pin)
+    s = RoomState(**{**{f: getattr(s, f) for f in s.__struct_fields__}, **state})
+    return HeldClaim(cp_rank=rank, incarnation=incarnation, claim=f"{rank:x}" * 32, state=s)
+
+
+OTHERS = [OwnerRef(cp_rank=1, incarnation="i1"), OwnerRef(cp_rank=2, incarnation="i1")]
+
+
+def test_the_arbiter_hands_out_every_rank_held_claim_once_or_none():
+    held = HeldClaims(keep_s=60)
+    assert held.keep(_held(1))
+    assert held.hand_out(1, OTHERS, [4, 5]) is None  # rank 2 holds none yet: nothing taken
+    assert held.keep(_held(2))
+    assert held.hand_out(1, OTHERS[:1] + [OwnerRef(cp_rank=2, incarnation="i2")], [4, 5]) is None  # restarted
+    assert held.hand_out(1, OTHERS, [4, 6]) is None  # other pages than the arbiter's
+    answers = held.hand_out(1, OTHERS, [4, 5])
+    assert answers is not None and [(a.cp_rank, a.claim) for a in answers] == [(1, "1" * 32), (2, "2" * 32)]
+    assert held.hand_out(1, OTHERS, [4, 5]) is None and held.handed_out == 1  # once
+
+
+def test_a_held_claim_that_says_nothing_readable_or_has_lapsed_is_not_handed_out():
+    held = HeldClaims(keep_s=60)
+    assert not held.keep(_held(1, status=RoomStatus.PENDING))
+    assert not held.keep(_held(1, pin=None))
+    assert not held.keep(_held(1, pin=OwnerPin(cp_rank=2, incarnation="i1", slot=1, nonce=1)))  # another's pin
+    assert not held.keep(_held(1, ready_pages=2))  # sent by chunks
+    lapsing = HeldClaims(keep_s=0.01)
+    assert lapsing.keep(_held(1)) and lapsing.keep(_held(2))
+    time.sleep(0.02)
+    assert lapsing.hand_out(1, OTHERS, [4, 5]) is None

@@ -1,0 +1,206 @@
+"""Claims held for the arbiter (issue 44): each rank above the arbiter holds one claim of a
+whole room and tells the arbiter, which hands those to the room's first claimant, so that a
+fetch by claims of a finished room is one round trip to one process, with no relay. Real
+processes (a registry, an engine of CP=3), real sockets, real UCX reads."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import msgspec
+import pytest
+import pytest_asyncio
+import torch
+
+from pdkv import ClaimLostError, DSAKVPool, RoomClaimedError, tiny
+from pdkv.errors import MetadataError
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from tests.scrape import histogram_totals
+from transfer.app.router import Deployment, DeploymentSpec
+from transfer.control import ControlClient
+from transfer.decode import DecodeFetcher, FetchResult
+from transfer.metadata import HeldClaim, HeldReply, OwnerPin, RoomState
+from transfer.timeouts import Timeouts
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SPEC = DeploymentSpec(
+    engines=(3,), decoders=0, preset="tiny", prefill_pool_tokens=4096, decode_pool_tokens=8192, start_timeout=180
+)
+ENGINE = "prefill0"
+UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def deployment():  # type: ignore[no-untyped-def]
+    async with Deployment(SPEC) as d:
+        yield d
+
+
+async def _stats(deployment: Deployment) -> list[dict[str, int]]:
+    return [await deployment.client.get_json(f"{c}/v1/stats") for c in deployment.engines[0].controls]
+
+
+async def _relayed(deployment: Deployment) -> float:
+    """The claims the arbiter relayed, as its `/metrics` counts them."""
+    text = await deployment.client.get_text(f"{deployment.engines[0].controls[0]}/metrics")
+    return histogram_totals(text, "pdkv_claim_relay_seconds", engine=ENGINE, outcome="ok")[0]
+
+
+async def _until(deployment: Deployment, done, within: float = 15.0) -> list[dict[str, int]]:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + within
+    while not done(stats := await _stats(deployment)):
+        assert time.monotonic() < end, stats
+        await asyncio.sleep(0.02)
+    return stats
+
+
+async def _whole(deployment: Deployment, room: int, n: int, consumers: int = 1) -> None:
+    """Prefill `room`, then wait until the arbiter keeps both other ranks' held claims of it."""
+    before = (await _stats(deployment))[0]["claims_held"]
+    await prefill(deployment, deployment.engines[0], room, n, consumers)
+    await _until(deployment, lambda s: s[0]["claims_held"] >= before + 2)
+
+
+async def _unpinned(deployment: Deployment) -> None:
+    await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s))
+
+
+async def test_the_first_claimant_of_a_whole_room_reads_it_with_no_relay(deployment):  # type: ignore[no-untyped-def]
+    """Its one control message is the call to the arbiter, which relays nothing: it answers
+    with the claims the other ranks hold; the read is exact, proved by the pin words, and
+    the notifications under the held tokens release the room on every rank."""
+    n, room = 300, 9_500_000
+    await _whole(deployment, room, n)
+    relayed, handed = await _relayed(deployment), (await _stats(deployment))[0]["claims_handed_out"]
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        result = await fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 1))
+    assert result.control_messages == 1 and kv_is_exact(pool, ENGINE, room, n, fragmented_pages(pool, n, 1))
+    assert await _relayed(deployment) == relayed
+    assert (await _stats(deployment))[0]["claims_handed_out"] == handed + 1
+    stats = await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s))
+    assert all(r["aborted"] == 0 and r["expired"] == 0 for r in stats)  # released, by the held tokens too
+
+
+async def test_two_consumers_racing_for_a_whole_room_one_reads_it_and_the_loser_gets_no_byte(deployment):  # type: ignore[no-untyped-def]
+    n = 300
+    pools = [DSAKVPool(tiny(size=8192)) for _ in range(2)]
+    async with (
+        DecodeFetcher(pools[0], deployment.registry_url, ucx_workers=1) as a,
+        DecodeFetcher(pools[1], deployment.registry_url, ucx_workers=1) as b,
+    ):
+        for i in range(4):
+            room = 9_510_000 + i
+            await _whole(deployment, room, n)
+            for pool in pools:
+                pool.slab.fill_(UNTOUCHED)
+            pages = [fragmented_pages(pool, n, 2 + i) for pool in pools]
+            order = [1, 0] if i % 2 else [0, 1]
+            tasks = {k: asyncio.create_task((a, b)[k].fetch(ENGINE, room, pages[k], timeout=30)) for k in order}
+            outcomes = await asyncio.gather(tasks[0], tasks[1], return_exceptions=True)
+            won = [k for k in (0, 1) if isinstance(outcomes[k], FetchResult)]
+            assert len(won) == 1, outcomes
+            lost = 1 - won[0]
+            assert isinstance(outcomes[lost], RoomClaimedError), outcomes
+            assert kv_is_exact(pools[won[0]], ENGINE, room, n, pages[won[0]])
+            assert bool(torch.all(pools[lost].slab == UNTOUCHED)), f"room {room}: bytes landed in the loser's pool"
+    await _unpinned(deployment)
+
+
+async def test_a_second_reader_is_relayed_beside_the_claims_handed_to_the_first(deployment):  # type: ignore[no-untyped-def]
+    """A room for two readers: the first gets the held claims, the second is relayed, and the
+    ranks grant it beside them (the held claim is the first reader's, not taken over); both
+    read it exact, and the room ends once both released."""
+    n, room = 300, 9_520_000
+    await _whole(deployment, room, n, consumers=2)
+    relayed = await _relayed(deployment)
+    pools = [DSAKVPool(tiny(size=8192)) for _ in range(2)]
+    async with (
+        DecodeFetcher(pools[0], deployment.registry_url, ucx_workers=1) as a,
+        DecodeFetcher(pools[1], deployment.registry_url, ucx_workers=1) as b,
+    ):
+        first = await a.fetch(ENGINE, room, fragmented_pages(pools[0], n, 5), readers=2)
+        second = await b.fetch(ENGINE, room, fragmented_pages(pools[1], n, 6), readers=2)
+    assert first.control_messages == 1 and second.control_messages == 3  # one call; one call and two relays
+    assert await _relayed(deployment) == relayed + 1
+    assert kv_is_exact(pools[0], ENGINE, room, n, fragmented_pages(pools[0], n, 5))
+    assert kv_is_exact(pools[1], ENGINE, room, n, fragmented_pages(pools[1], n, 6))
+    await _unpinned(deployment)
+
+
+async def test_a_room_claimed_while_it_is_written_is_read_once_however_its_claims_meet_the_held_ones(deployment):  # type: ignore[no-untyped-def]
+    """A claim asked as the room is written: on the arbiter it finds the room unpublished,
+    unfinished (relayed; a rank where the room is not published yet is claimed by the decode,
+    and that claim takes the place of any the rank held meanwhile) or whole with the claims
+    held (handed out), by the timing. Either way exactly one of the two, the read is exact and
+    the room ends released on every rank, nothing aborted."""
+    n, room = 600, 9_530_000
+    before = await _stats(deployment)
+    relayed = await _relayed(deployment)
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        fetch = asyncio.create_task(fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 7), timeout=30))
+        await asyncio.sleep(0.05)  # the decode's claim is the room's first, in any order with the prefill
+        await prefill(deployment, deployment.engines[0], room, n)
+        await fetch
+    assert kv_is_exact(pool, ENGINE, room, n, fragmented_pages(pool, n, 7))
+    after = await _unpinned_stats(deployment)
+    handed = after[0]["claims_handed_out"] - before[0]["claims_handed_out"]
+    assert sorted([await _relayed(deployment) - relayed, handed]) == [0, 1]
+    assert [r["released"] - b["released"] for r, b in zip(after, before)] == [1, 1, 1]
+    assert [r["aborted"] - b["aborted"] for r, b in zip(after, before)] == [0, 0, 0]
+
+
+async def _unpinned_stats(deployment: Deployment) -> list[dict[str, int]]:
+    return await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s))
+
+
+async def test_a_ticket_takes_the_place_of_the_claims_held_for_the_arbiter(deployment):  # type: ignore[no-untyped-def]
+    """The router's path: the prefill's reply carries the ticket, each rank's part of it taking
+    the place of the claim it held; the ticket's fetch reads it exact and ends it everywhere."""
+    n, room = 300, 9_540_000
+    reply = await prefill(deployment, deployment.engines[0], room, n, ticket=True)
+    assert reply.ticket is not None
+    pool = DSAKVPool(tiny(size=8192))
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        result = await fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 8), ticket=reply.ticket)
+    assert result.control_messages == 0 and kv_is_exact(pool, ENGINE, room, n, fragmented_pages(pool, n, 8))
+    stats = await _unpinned_stats(deployment)
+    assert all(r["tickets_out"] == 0 and r["aborted"] == 0 and r["expired"] == 0 for r in stats)
+
+
+async def test_a_held_claim_is_kept_only_from_a_higher_rank_and_a_forged_one_proves_nothing(deployment):  # type: ignore[no-untyped-def]
+    """A rank keeps held claims for higher ranks only (refused typed otherwise). One sent in a
+    rank's name with another nonce than its pin word holds is handed out like any other, and
+    the fetch that got it fails typed at the proof, never reporting the room read."""
+    n, room = 300, 9_550_000
+    controls = deployment.engines[0].controls
+    pool = DSAKVPool(tiny(size=8192))
+    fp = pool.layout.fingerprint
+    await _whole(deployment, room, n)
+    client = ControlClient(Timeouts())
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        incarnation = (await fetcher.describe(ENGINE))[2].incarnation
+        try:
+            state = await client.request("GET", f"{controls[2]}/v1/rooms/{room}", RoomState)  # rank 2's room
+            pin = OwnerPin(cp_rank=2, incarnation=incarnation, slot=0, nonce=12345)
+            forged = HeldClaim(
+                cp_rank=2,
+                incarnation=incarnation,
+                claim=secrets.token_hex(16),
+                state=msgspec.structs.replace(state, pin=pin),
+            )
+            lower = msgspec.structs.replace(forged, cp_rank=0)
+            with pytest.raises(MetadataError, match="higher ranks only"):
+                await client.call(f"{controls[0]}/v1/claims", lower, HeldReply, fingerprint=fp, timeout=5)
+            kept = await client.call(f"{controls[0]}/v1/claims", forged, HeldReply, fingerprint=fp, timeout=5)
+            assert kept.kept
+        finally:
+            await client.aclose()
+        with pytest.raises(ClaimLostError):
+            await fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 9), timeout=10)
+        await fetcher.give_up_room(ENGINE, room, timeout=10)
+    await _unpinned(deployment)
