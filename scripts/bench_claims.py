@@ -10,9 +10,12 @@ requests a claims fetch makes, and how long its requests took: from the fetch's 
 its first request's answer (the arbiter's claim), to its last claim's answer, and the
 control requests still in flight after that (releases, polls); and the arbiter's relay of
 the claims to the other ranks, as its `/metrics` timed it (`pdkv_claim_relay_seconds`, each
-claims fetch's own), which the claims done wait for. Medians over --runs after a warm-up.
+claims fetch's own), which the claims done wait for; and the share of claims fetches the
+arbiter answered from the claims the other ranks held for it, with no relay ("held",
+`transfer.prefill.held`; `--no-held-claims`: none held, every claim relayed). Medians over
+--runs after a warm-up.
 
-    .venv/bin/python scripts/bench_claims.py [--sizes 64,1024,8192,32768] [--runs 15]
+    .venv/bin/python scripts/bench_claims.py [--sizes 64,1024,8192,32768] [--runs 15] [--no-held-claims]
 """
 
 from __future__ import annotations
@@ -81,7 +84,14 @@ async def relay_seconds(d: Deployment) -> tuple[float, float]:
 
 async def bench(args: argparse.Namespace) -> None:
     pool_tokens = 4 * max(args.sizes) + 4096  # room for the rooms still being freed
-    spec = DeploymentSpec(engines=(4,), decoders=0, preset="dsa_v32", prefill_pool_tokens=pool_tokens, device="cpu")
+    spec = DeploymentSpec(
+        engines=(4,),
+        decoders=0,
+        preset="dsa_v32",
+        prefill_pool_tokens=pool_tokens,
+        device="cpu",
+        hold_claims=args.held_claims,
+    )
     pool = DSAKVPool(dsa_v32(size=pool_tokens, device="cpu"))
     pool.slab.fill_(1)  # first-touch faults are not transfer cost
     alloc = fragmented_allocator(pool.layout.num_pages, 7)
@@ -114,7 +124,7 @@ async def bench_size(
     n: int,
     runs: int,
 ) -> dict[str, list[float]]:
-    keys = ("ticket", "claims", "diff", "msgs", "first", "claimed", "relay", "after")
+    keys = ("ticket", "claims", "diff", "msgs", "first", "claimed", "relay", "after", "held")
     s: dict[str, list[float]] = {k: [] for k in keys}
     dst = alloc.alloc(max(1, n // 64))
     try:
@@ -133,6 +143,7 @@ async def bench_size(
                     result = await fetcher.fetch("prefill0", room + 1, dst)
                     claims = [a for what, _, a in log if what == "claim"]
                     s["msgs"].append(result.control_messages)
+                    s["held"].append(float(result.control_messages == 1))  # one call, nothing relayed
                     s["first"].append(min(a for _, _, a in log) - t0)
                     s["claimed"].append(max(claims) - t0)
                     s["after"].append(sum(1 for what, *_ in log if what != "claim"))
@@ -155,17 +166,17 @@ def print_table(rows: list[tuple[int, dict[str, list[float]]]], args: argparse.N
         "fetches alternating; medians (ms)"
     )
     head = ["tokens", "ticket p50", "claims p50", "claims-ticket", "ctl msgs", "1st answer", "claims done"]
-    head += ["relay", "after"]
+    head += ["relay", "after", "held"]
     print("".join(f"{h:>14}" for h in head))
     for n, s in rows:
         med = {k: statistics.median(v) if v else float("nan") for k, v in s.items()}
         cells = [f"{n:>14}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("ticket", "claims", "diff")]
         cells += [f"{med['msgs']:>14.0f}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("first", "claimed", "relay")]
-        cells += [f"{med['after']:>14.0f}"]
+        cells += [f"{med['after']:>14.0f}", f"{statistics.fmean(s['held']) if s['held'] else 0.0:>14.2f}"]
         print("".join(cells))
     print(
         "1st answer / claims done: from the claims fetch's call; relay: the arbiter's, to the other ranks "
-        "(its /metrics); after: control requests after the claims"
+        "(its /metrics); after: control requests after the claims; held: the share answered from held claims"
     )
 
 
@@ -173,6 +184,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64,1024,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument(
+        "--no-held-claims", dest="held_claims", action="store_false", help="the ranks hold no claims: all relayed"
+    )
     asyncio.run(bench(ap.parse_args()))
 
 
