@@ -56,7 +56,7 @@ def _read_transports(log: str) -> set[str]:
     return found
 
 
-def _main_job_across(hosts: HostNet, tmp_path: Path, requests: int) -> dict:
+def _main_job_across(hosts: HostNet, tmp_path: Path, requests: int, *flags: str) -> dict:
     """The main job (tiny preset) with registry and prefill on one host, decode and router
     on the other; its summary, every request verified byte for byte by the decode."""
     prefill, summary = hosts.where("prefill"), tmp_path / "summary.json"
@@ -67,7 +67,7 @@ def _main_job_across(hosts: HostNet, tmp_path: Path, requests: int) -> dict:
         "transfer.app",
         *("--preset", "tiny", "--requests", str(requests), "--mix", "64:1,512:1,2048:1", *pools),
         *("--registry-host", prefill, "--prefill-host", prefill, "--decode-host", hosts.where("decode")),
-        *("--no-progress", "--workdir", str(tmp_path), "--json", str(summary)),
+        *("--no-progress", "--workdir", str(tmp_path), "--json", str(summary), *flags),
         UCX_PROTO_INFO="y",
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -82,6 +82,17 @@ def test_main_job_across_hosts_reads_over_tcp(hosts: HostNet, tmp_path: Path) ->
     # The decode's READs went over the bridge, not through a same-host copy.
     transports = _read_transports((tmp_path / "decode0.log").read_text(errors="replace"))
     assert transports == {"tcp"}, transports
+
+
+def test_a_finished_room_claimed_from_another_host_is_answered_from_held_claims(hosts: HostNet, tmp_path: Path) -> None:
+    """The router carries no ticket: each decode claims its finished room from the other host,
+    and the arbiter answers from the claims its three other ranks hold (one call, nothing
+    relayed) wherever they had reached it; the decode reads each rank under the token it holds
+    there. Every request verified byte for byte."""
+    requests = 12
+    result = _main_job_across(hosts, tmp_path, requests, "--no-tickets")
+    messages = result["control_messages"]
+    assert requests <= messages < 4 * requests, messages  # 1 a fetch answered from held claims, 4 relayed
 
 
 @pytest.mark.skipif(_NO_DELAY is not None, reason=f"no delayed link here: {_NO_DELAY}")

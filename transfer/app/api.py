@@ -59,4 +59,5 @@ class DecodeReply(_Api, frozen=True):
     read_seconds: float = 0.0  # inside UCX READs, summed over owners (lanes read several at once)
     reads: Count = 0  # batched READs; more than one per owner means it began before prefill ended
     decoder: str = ""  # which decode worker fetched: `fetch_started` is on its clock
+    control_messages: Count = 0  # the fetch's (`FetchResult.control_messages`)
     fetch_started: float = 0.0  # that worker's monotonic clock when the fetch began

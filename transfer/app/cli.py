@@ -53,6 +53,7 @@ class Summary:
     restarts: dict[str, int] = field(default_factory=dict)  # engine -> restarts
     engine_deaths: tuple[str, ...] = ()  # each death and what came of it
     copy_label: str = ""  # what copy_gbps measured (`copy_scale`)
+    control_messages: int = 0  # the fetches' control messages, in all (a ticket's fetch makes none)
 
 
 HOST_COPY = "machine copy GB/s (one thread, for scale)"
@@ -151,6 +152,7 @@ def summarise(
         restarts={e: n for e, n in (restarts or {}).items() if n},
         engine_deaths=tuple(d.describe() for d in deaths or ()),
         copy_label=copy_label,
+        control_messages=sum(r.control_messages for r in replies),
     )
 
 
@@ -165,6 +167,7 @@ def render(s: Summary, spec: DeploymentSpec) -> str:
         (s.copy_label or HOST_COPY, f"{s.copy_gbps:.2f}"),
         ("TTFT-on-decode p50 / p99", f"{s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f} ms"),
         ("fetch p50 / p99", f"{s.fetch_p50_ms:.0f} / {s.fetch_p99_ms:.0f} ms"),
+        ("control messages a fetch", f"{s.control_messages / max(s.ok, 1):.2f}"),
         ("wall time", f"{s.wall_seconds:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -226,6 +229,7 @@ async def run(args: argparse.Namespace) -> int:
         owner_progress=None if args.owner_progress_ms is None else args.owner_progress_ms / 1e3,
         broadcast_ctas=args.broadcast_ctas,
         max_restarts=args.max_restarts,
+        tickets=args.tickets,
     )
     cps = ",".join(map(str, args.engines))
     print(f"starting: prefill CP {cps} and {args.decoders} decode worker(s) ({args.preset})", file=sys.stderr)

@@ -94,6 +94,7 @@ class DecodeWorker:
                 reads=sum(o.reads for o in result.owners),
                 read_seconds=result.read_seconds,
                 decoder=self.fetcher.consumer_id,
+                control_messages=result.control_messages,
                 fetch_started=started,
             )
         finally:

@@ -254,4 +254,11 @@ def parser(prog: str = PROG, description: str = "The main job: a local PD deploy
         metavar="N",
         help="restarts of each prefill engine after one of its ranks died (the whole CP group restarts; 0: none)",
     )
+    ap.add_argument(
+        "--no-tickets",
+        dest="tickets",
+        action="store_false",
+        help="the router carries no ticket: each decode claims its room once the prefill replied (one call "
+        "to the arbiter, answered from the claims the engine's other ranks hold for it)",
+    )
     return ap

@@ -252,14 +252,14 @@ class Router:
         """Both legs carry what remains of the deadline; each worker bounds its work by it."""
         deadline = req.deadline
         budget = deadline.to_wire()
-        overlap = self.services.spec.overlap
+        overlap, tickets = self.services.spec.overlap, self.services.spec.tickets
         pre = PrefillRequest(
             room=req.room,
             num_tokens=req.num_tokens,
             prefix_id=req.prefix_id,
             prefix_tokens=req.prefix_tokens,
             budget_ms=budget,
-            ticket=not overlap,
+            ticket=tickets and not overlap,
         )
         dec = DecodeRequest(
             engine_id=engine.engine_id,
@@ -282,7 +282,7 @@ class Router:
                 for leg in (prefill, decode):
                     if leg.done() and leg.exception() is not None:
                         raise leg.exception()  # type: ignore[misc]
-            else:  # the prefill's reply carries the room's ticket to the decode
+            else:  # the prefill's reply carries the room's ticket (where asked) to the decode
                 done = await self._unless_lost(prefill, engine, decoder, generation)
                 assert done is not None
                 dec = msgspec.structs.replace(dec, ticket=done.ticket, budget_ms=deadline.to_wire())

@@ -60,6 +60,9 @@ class DeploymentSpec:
     # request during the fetch). True: both start at once and the decode reads layers as
     # they are written (claims and readiness polls over HTTP).
     overlap: bool = False
+    # False (and no overlap): the decode starts once the prefill replied, but without the
+    # room's ticket, and claims it (a router that carries none; held claims answer it).
+    tickets: bool = True
     # The prefill ranks hold a claim of each whole room for their arbiter to hand out, so a
     # claim needs no relay (`transfer.prefill.held`); False: every claim is relayed.
     hold_claims: bool = True
