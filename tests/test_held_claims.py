@@ -8,7 +8,7 @@ import pytest
 
 from pdkv import ClaimLostError, RoomClaimedError
 from transfer.metadata import HeldClaim, OwnerPin, OwnerRef, RoomState, RoomStatus
-from transfer.prefill.held import HeldClaims
+from transfer.prefill.held import HeldClaims, pages_digest
 from transfer.prefill.rooms import RoomTable
 
 B, C = "b" * 32, "c" * 32
@@ -74,23 +74,73 @@ async def test_a_held_claim_a_reader_used_is_never_taken_over():
     assert t2.release(1, held2).freed
 
 
-async def test_a_ticket_or_a_give_up_takes_the_held_claim_over():
+async def test_a_ticket_takes_the_held_claim_over_a_give_up_never_does():
+    """This rank's own ticket takes the held claim's place. A give-up (from anyone, of a claim
+    this rank never saw) does not: the arbiter may have handed the held claim out."""
     t = whole()
     assert t.hold(1) is not None
     pin = await t.pin(1, timeout=1)
     assert pin is not None and t.tickets_out == 1 and t.granted(1) == 1  # the ticket took its place
     assert t.release_ticket(1, *pin)
     t2 = whole()
-    assert t2.hold(1) is not None
-    reply = t2.give_up(1, C)  # a claimant the arbiter granted gives up where its claim never came
-    assert reply.freed and t2.state(1).status is RoomStatus.ABORTED
+    held = t2.hold(1)
+    assert held is not None
+    with pytest.raises(ClaimLostError):
+        t2.give_up(1, C)
+    t2.check_claim(1, held)  # still there for its reader
+
+
+async def test_a_held_claim_the_arbiter_returns_ends_unread_and_only_that_one():
+    """Returned as the arbiter's room ended: it ends unread (the room aborted where nobody
+    read it), once, and only while unused."""
+    t = whole(consumers=2)
+    held = t.hold(1)
+    assert held is not None
+    t.claim(1, B, "d0")
+    assert not t.drop_held(1, C, ended=True)  # not the held claim: nothing done
+    assert t.drop_held(1, held, ended=True) and t.granted(1) == 2 and t.state(1).status is RoomStatus.READY
+    assert not t.drop_held(1, held, ended=True)  # once
+    assert t.release(1, B).freed and t.counters.released == 1
+    t2 = whole()
+    held2 = t2.hold(1)
+    assert held2 is not None
+    t2.check_claim(1, held2)  # its reader used it: the arbiter handed it out
+    assert not t2.drop_held(1, held2, ended=True)
+    t3 = whole()
+    held3 = t3.hold(1)
+    assert held3 is not None and t3.drop_held(1, held3, ended=True)
+    assert t3.state(1).status is RoomStatus.ABORTED and t3.counters.aborted == 1  # nobody read it
+
+
+async def test_a_held_claim_the_arbiter_refused_frees_its_place_for_the_claim_it_granted():
+    """Refused because the arbiter had granted the room to another claimant already (whose
+    claim comes here directly, the room not published here at its relay): its place is free
+    again, nothing ends."""
+    t = whole()
+    held = t.hold(1)
+    assert held is not None and t.drop_held(1, held, ended=False)
+    assert t.granted(1) == 0 and t.counters.aborted == 0
+    t.claim(1, B, "d0")
+    assert t.release(1, B).freed
+
+
+async def test_a_room_published_for_a_ticket_holds_nothing():
+    t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=np.zeros(8, dtype=np.int64))
+    t.publish(1, np.array([4, 5]), hold=False)
+    t.mark_ready(1, 2)
+    assert t.hold(1) is None
 
 
 def _held(rank: int, incarnation: str = "i1", pages: list[int] | None = None, **state: object) -> HeldClaim:
     pin = OwnerPin(cp_rank=rank, incarnation=incarnation, slot=rank, nonce=100 + rank)
-    s = RoomState(room=1, status=RoomStatus.READY, src_pages=pages or [4, 5], ready_upto=2, pin=pin)
+    s = RoomState(room=1, status=RoomStatus.READY, ready_upto=2, pin=pin)
     s = RoomState(**{**{f: getattr(s, f) for f in s.__struct_fields__}, **state})
-    return HeldClaim(cp_rank=rank, incarnation=incarnation, claim=f"{rank:x}" * 32, state=s)
+    digest = pages_digest(pages or [4, 5])
+    return HeldClaim(cp_rank=rank, incarnation=incarnation, claim=f"{rank:x}" * 32, state=s, pages=digest)
+
+
+def _kept(held: HeldClaims, claim: HeldClaim) -> bool:
+    return held.keep(claim)[0]
 
 
 OTHERS = [OwnerRef(cp_rank=1, incarnation="i1"), OwnerRef(cp_rank=2, incarnation="i1")]
@@ -98,23 +148,37 @@ OTHERS = [OwnerRef(cp_rank=1, incarnation="i1"), OwnerRef(cp_rank=2, incarnation
 
 def test_the_arbiter_hands_out_every_rank_held_claim_once_or_none():
     held = HeldClaims(keep_s=60)
-    assert held.keep(_held(1))
+    assert _kept(held, _held(1))
     assert held.hand_out(1, OTHERS, [4, 5]) is None  # rank 2 holds none yet: nothing taken
-    assert held.keep(_held(2))
+    assert _kept(held, _held(2))
     assert held.hand_out(1, OTHERS[:1] + [OwnerRef(cp_rank=2, incarnation="i2")], [4, 5]) is None  # restarted
     assert held.hand_out(1, OTHERS, [4, 6]) is None  # other pages than the arbiter's
     answers = held.hand_out(1, OTHERS, [4, 5])
     assert answers is not None and [(a.cp_rank, a.claim) for a in answers] == [(1, "1" * 32), (2, "2" * 32)]
+    assert all(a.state is not None and a.state.src_pages == [4, 5] for a in answers)  # the arbiter's, matched
     assert held.hand_out(1, OTHERS, [4, 5]) is None and held.handed_out == 1  # once
+
+
+def test_a_held_claim_another_replaces_is_given_back():
+    """A rank holds one claim a room: another in its name replaces it, and the one replaced
+    goes back to be ended (it was not that rank's, or it is stale)."""
+    held = HeldClaims(keep_s=60)
+    first = _held(1)
+    assert held.keep(first) == (True, None)
+    assert held.keep(first) == (True, None)  # the same one again: nothing to give back
+    other = HeldClaim(cp_rank=1, incarnation="i1", claim="e" * 32, state=first.state, pages=first.pages)
+    assert held.keep(other) == (True, first)
+    assert [h.claim for h in held.pop(1)] == ["e" * 32] and held.pop(1) == []
 
 
 def test_a_held_claim_that_says_nothing_readable_or_has_lapsed_is_not_handed_out():
     held = HeldClaims(keep_s=60)
-    assert not held.keep(_held(1, status=RoomStatus.PENDING))
-    assert not held.keep(_held(1, pin=None))
-    assert not held.keep(_held(1, pin=OwnerPin(cp_rank=2, incarnation="i1", slot=1, nonce=1)))  # another's pin
-    assert not held.keep(_held(1, ready_pages=2))  # sent by chunks
+    assert not _kept(held, _held(1, status=RoomStatus.PENDING))
+    assert not _kept(held, _held(1, pin=None))
+    assert not _kept(held, _held(1, pin=OwnerPin(cp_rank=2, incarnation="i1", slot=1, nonce=1)))  # another's pin
+    assert not _kept(held, _held(1, ready_pages=2))  # sent by chunks
+    assert not _kept(held, _held(1, src_pages=[4, 5]))  # its pages come as their digest only
     lapsing = HeldClaims(keep_s=0.01)
-    assert lapsing.keep(_held(1)) and lapsing.keep(_held(2))
+    assert _kept(lapsing, _held(1)) and _kept(lapsing, _held(2))
     time.sleep(0.02)
     assert lapsing.hand_out(1, OTHERS, [4, 5]) is None

@@ -22,6 +22,7 @@ from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient
 from transfer.decode import DecodeFetcher, FetchResult
 from transfer.metadata import HeldClaim, HeldReply, OwnerPin, RoomState
+from transfer.prefill.held import pages_digest
 from transfer.timeouts import Timeouts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -111,8 +112,8 @@ async def test_two_consumers_racing_for_a_whole_room_one_reads_it_and_the_loser_
 
 
 async def test_a_second_reader_is_relayed_beside_the_claims_handed_to_the_first(deployment):  # type: ignore[no-untyped-def]
-    """A room for two readers: the first gets the held claims, the second is relayed, and the
-    ranks grant it beside them (the held claim is the first reader's, not taken over); both
+    """A room published for two consumers: the first gets the held claims, the second is
+    relayed, and the ranks grant it beside them (the held claim is the first reader's, not taken over); both
     read it exact, and the room ends once both released."""
     n, room = 300, 9_520_000
     await _whole(deployment, room, n, consumers=2)
@@ -122,8 +123,8 @@ async def test_a_second_reader_is_relayed_beside_the_claims_handed_to_the_first(
         DecodeFetcher(pools[0], deployment.registry_url, ucx_workers=1) as a,
         DecodeFetcher(pools[1], deployment.registry_url, ucx_workers=1) as b,
     ):
-        first = await a.fetch(ENGINE, room, fragmented_pages(pools[0], n, 5), readers=2)
-        second = await b.fetch(ENGINE, room, fragmented_pages(pools[1], n, 6), readers=2)
+        first = await a.fetch(ENGINE, room, fragmented_pages(pools[0], n, 5))
+        second = await b.fetch(ENGINE, room, fragmented_pages(pools[1], n, 6))
     assert first.control_messages == 1 and second.control_messages == 3  # one call; one call and two relays
     assert await _relayed(deployment) == relayed + 1
     assert kv_is_exact(pools[0], ENGINE, room, n, fragmented_pages(pools[0], n, 5))
@@ -191,7 +192,8 @@ async def test_a_held_claim_is_kept_only_from_a_higher_rank_and_a_forged_one_pro
                 cp_rank=2,
                 incarnation=incarnation,
                 claim=secrets.token_hex(16),
-                state=msgspec.structs.replace(state, pin=pin),
+                state=msgspec.structs.replace(state, pin=pin, src_pages=[]),
+                pages=pages_digest(state.src_pages),
             )
             lower = msgspec.structs.replace(forged, cp_rank=0)
             with pytest.raises(MetadataError, match="higher ranks only"):
@@ -204,3 +206,59 @@ async def test_a_held_claim_is_kept_only_from_a_higher_rank_and_a_forged_one_pro
             await fetcher.fetch(ENGINE, room, fragmented_pages(pool, n, 9), timeout=10)
         await fetcher.give_up_room(ENGINE, room, timeout=10)
     await _unpinned(deployment)
+
+
+async def test_a_give_up_of_a_claim_never_seen_takes_nothing_from_the_reader_handed_the_held_claims(deployment):  # type: ignore[no-untyped-def]
+    """A room for two: A gets the held claims, B is relayed, gives up, then gives the room up
+    on every rank (as an aborted SGLang request does, with a claim no rank saw). A's claims
+    stand: it reads the room exact and releases it."""
+    n, room = 300, 9_560_000
+    await _whole(deployment, room, n, consumers=2)
+    pools = [DSAKVPool(tiny(size=8192)) for _ in range(2)]
+    async with (
+        DecodeFetcher(pools[0], deployment.registry_url, ucx_workers=1) as a,
+        DecodeFetcher(pools[1], deployment.registry_url, ucx_workers=1) as b,
+    ):
+        handed = (await _stats(deployment))[0]["claims_handed_out"]
+        lease = await a.claim(ENGINE, room, timeout=20)
+        assert (await _stats(deployment))[0]["claims_handed_out"] == handed + 1
+        other = await b.claim(ENGINE, room, timeout=20)
+        await other.give_up()
+        await b.give_up_room(ENGINE, room, timeout=10)
+        pages = fragmented_pages(pools[0], n, 10)
+        await lease.read(pages)
+        assert await lease.release() and kv_is_exact(pools[0], ENGINE, room, n, pages)
+    await _unpinned(deployment)
+
+
+async def test_a_group_of_readers_is_relayed_so_that_every_rank_counts_it(deployment):  # type: ignore[no-untyped-def]
+    """Two readers of a room published for one (a decode's attention-TP ranks): the first
+    claim names the group, which must reach every rank, so it is relayed, held claims or not;
+    both read it exact, and it ends once both released."""
+    n, room = 300, 9_570_000
+    await _whole(deployment, room, n)
+    pools = [DSAKVPool(tiny(size=8192)) for _ in range(2)]
+    async with (
+        DecodeFetcher(pools[0], deployment.registry_url, ucx_workers=1) as a,
+        DecodeFetcher(pools[1], deployment.registry_url, ucx_workers=1) as b,
+    ):
+        first = await a.fetch(ENGINE, room, fragmented_pages(pools[0], n, 11), readers=2, timeout=20)
+        second = await b.fetch(ENGINE, room, fragmented_pages(pools[1], n, 12), readers=2, timeout=20)
+    assert first.control_messages == 3 and second.control_messages == 3
+    assert kv_is_exact(pools[0], ENGINE, room, n, fragmented_pages(pools[0], n, 11))
+    assert kv_is_exact(pools[1], ENGINE, room, n, fragmented_pages(pools[1], n, 12))
+    await _unpinned(deployment)
+
+
+async def test_a_room_given_up_before_any_claim_ends_on_every_rank_at_once(deployment):  # type: ignore[no-untyped-def]
+    """Its decode gives a finished room up unread (an aborted request): the arbiter returns the
+    claims the others held for it as its own room ends, and every rank ends it aborted now,
+    not at its pin's expiry."""
+    n, room = 300, 9_580_000
+    await _whole(deployment, room, n)
+    before = await _stats(deployment)
+    async with DecodeFetcher(DSAKVPool(tiny(size=8192)), deployment.registry_url, ucx_workers=1) as fetcher:
+        await fetcher.give_up_room(ENGINE, room, timeout=10)
+    after = await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s), within=10)
+    assert [r["aborted"] - b["aborted"] for r, b in zip(after, before)] == [1, 1, 1]
+    assert all(r["expired"] == b["expired"] for r, b in zip(after, before))

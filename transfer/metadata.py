@@ -43,6 +43,10 @@ Schema history:
  15: ClaimAll, OwnerRef, OwnerClaim, ClaimAllReply: a decode asks the arbiter (the lowest CP
      rank) for its claim on every owner at once; the arbiter grants its own first (it
      decides a race) and relays the claim to the other owners: one round trip for the decode.
+ 16: HeldClaim, ReturnHeld, HeldReply, OwnerClaim.claim: the ranks above the arbiter hold a
+     claim of each whole room for it, and it hands those to the room's first claimant with
+     no relay (the token each rank holds it under); a held claim it will not hand out it
+     returns.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ __all__ = [
     "ClaimAllReply",
     "HeldClaim",
     "HeldReply",
+    "ReturnHeld",
     "ClaimRelease",
     "ReadFrom",
     "ReleaseNotice",
@@ -441,19 +446,32 @@ class ClaimAllReply(_Wire, frozen=True):
 class HeldClaim(_Wire, frozen=True):
     """A rank other than the arbiter holds one of a whole room's claims, under `claim`, for
     its arbiter to hand out: a claimant the arbiter grants first then reads with no relay.
-    `state`: the room there, whole, with its pin. Sent on the arbiter's claim channel."""
+    `state`: the room there, whole, with its pin, less its pages, which `pages` names (their
+    digest, `transfer.prefill.held.pages_digest`). Sent on the arbiter's claim channel."""
 
     cp_rank: Count
     incarnation: Name
     claim: ClaimToken
     state: RoomState
+    pages: Annotated[bytes, Meta(min_length=16, max_length=16)]
+
+
+class ReturnHeld(_Wire, frozen=True):
+    """The arbiter will not hand out the claim a rank holds for it under `claim` (its own room
+    ended first): the rank ends that claim unread. Sent on the rank's claim channel."""
+
+    room: U63
+    claim: ClaimToken
 
 
 class HeldReply(_Wire, frozen=True):
-    """The arbiter's answer to `HeldClaim`: whether it keeps it to hand out."""
+    """The answer to `HeldClaim` (whether the arbiter keeps it to hand out; if not, `ended`:
+    its own room ended, unread, so the rank ends the held claim unread too, else the rank frees
+    its place) or to `ReturnHeld` (whether the rank still held it, and so ended it)."""
 
     room: U63
     kept: bool
+    ended: bool = False
 
 
 class ReleaseNotice(_Wire, frozen=True):

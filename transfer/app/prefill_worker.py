@@ -178,9 +178,9 @@ class PrefillEngineRank:
         self.room_pages[req.room] = pages
         try:
             # The room's end, not its frees: a reader with a prefix frees the pages below it first.
-            self.exporter.publish_room(
-                req.room, pages, req.consumers, on_end=lambda *_: self.finished_local.append(req.room)
-            )
+            # A room whose ticket the reply carries holds no claim for the arbiter: the ticket takes that claim.
+            end = lambda *_: self.finished_local.append(req.room)  # noqa: E731
+            self.exporter.publish_room(req.room, pages, req.consumers, on_end=end, hold=not req.ticket)
         except PdkvError as exc:  # e.g. aborted before it ran: write anyway, keep in step
             logger.info("room %d not exported: %s", req.room, exc)
             self.finished_local.append(req.room)

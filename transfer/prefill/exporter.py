@@ -15,8 +15,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -40,6 +42,7 @@ from transfer.metadata import (
     RoomState,
 )
 from transfer.metrics import track_exporter, untrack_exporter
+from transfer.prefill.held import pages_digest
 from transfer.prefill.peers import Peers
 from transfer.prefill.pins import PinWords
 from transfer.prefill.rooms import OnEnd, RoomTable
@@ -106,7 +109,9 @@ class PrefillExporter:
         self._pins = PinWords(PIN_SLOTS)
         # A reader gone for a heartbeat (its releases had time to land) no longer holds its claims.
         self._readiness = ReadinessHub(lambda consumer: self.rooms.give_up_consumer(consumer), timeouts.heartbeat)
-        self.rooms = RoomTable(pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._pushed)
+        self.rooms = RoomTable(
+            pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._pushed, self._ended
+        )
         self._ipc = IpcExporter(secret, timeouts)
         # As its engine's arbiter (the lowest rank) it relays decodes' claims to the other ranks.
         self._peers = Peers(self._registry, engine_id, cp_rank, pool.layout.fingerprint, timeouts, secret)
@@ -119,6 +124,7 @@ class PrefillExporter:
             incarnation=self.incarnation,
             engine_id=engine_id,
             relay=self._peers.relay,
+            give_back=self._give_back,
         )
         app = make_app(secret, engine=engine_id, rank=cp_rank)
         self._service.add_routes(app, self.readiness, self._stats)
@@ -133,7 +139,8 @@ class PrefillExporter:
         self._over_tcp = False  # UCX may answer this owner's READs over TCP (set at start)
         self._tasks: list[asyncio.Task[None]] = []
         self._hold_claims = hold_claims and cp_rank > 0
-        self._holding: set[asyncio.Task[bool]] = set()  # held claims on their way to the arbiter
+        self._holding: set[asyncio.Task[None]] = set()  # held claims on their way to and from the arbiter
+        self._closing = False
         self._written: asyncio.Queue[tuple[int, int | None, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -186,6 +193,7 @@ class PrefillExporter:
 
     async def aclose(self) -> None:
         self._pins.clear()  # from now on no read proves itself by a word of this owner
+        self._closing = True  # no held claim is sent or returned from here
         untrack_exporter(self)
         self._readiness.close()  # event streams end before the HTTP server stops
         await self._service.close()  # and claim channels
@@ -233,10 +241,14 @@ class PrefillExporter:
     # ---- the model side ----------------------------------------------------------------------
     # A publication id (what publish_* return) names one publication of a room id: calls
     # that pass it act on that publication only, never on another of the same room id.
-    def publish_room(self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None) -> int:
+    def publish_room(
+        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None, hold: bool = True
+    ) -> int:
         """`room`'s KV will be in `src_pages`; pin them until released or expired. Returns
-        the publication's id; `on_end(status, reason)` runs (on this loop) as it ends."""
-        return self.rooms.publish(room, src_pages, consumers, on_end)
+        the publication's id; `on_end(status, reason)` runs (on this loop) as it ends.
+        `hold`: False for a room whose ticket will be issued (`pin`): no claim of it is held
+        for the arbiter (`transfer.prefill.held`)."""
+        return self.rooms.publish(room, src_pages, consumers, on_end, hold)
 
     def mark_ready(
         self, room: int, upto_layer: int, written: torch.cuda.Event | None = None, pub: int | None = None
@@ -301,8 +313,27 @@ class PrefillExporter:
         if not self._hold_claims or (token := self.rooms.hold(room)) is None:
             return
         state = self._service.with_pin(self.rooms.state(room))
-        held = HeldClaim(cp_rank=self.cp_rank, incarnation=self.incarnation, claim=token, state=state)
-        task = asyncio.create_task(self._peers.hold(held, Deadline.after(self.timeouts.request)))
+        state = msgspec.structs.replace(state, src_pages=[])  # named by their digest
+        pages = pages_digest(self.rooms.pages_of(room))
+        held = HeldClaim(cp_rank=self.cp_rank, incarnation=self.incarnation, claim=token, state=state, pages=pages)
+        self._background(self._tell_arbiter(held))
+
+    async def _tell_arbiter(self, held: HeldClaim) -> None:
+        reply = await self._peers.hold(held, Deadline.after(self.timeouts.request))
+        if reply is not None and not reply.kept:  # the arbiter will not hand it out
+            self.rooms.drop_held(held.state.room, held.claim, reply.ended)
+
+    def _ended(self, room: int) -> None:
+        self._service.room_ended(room)
+
+    def _give_back(self, room: int, held: list[HeldClaim]) -> None:
+        self._background(self._peers.return_held(room, held, Deadline.after(self.timeouts.request)))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        if self._closing:
+            work.close()
+            return
+        task = asyncio.create_task(work)
         self._holding.add(task)
         task.add_done_callback(self._holding.discard)
 

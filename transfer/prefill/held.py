@@ -2,23 +2,38 @@
 
 A rank other than the arbiter holds one claim of each whole room it could grant and tells
 the arbiter (`RoomTable.hold`, sent by `Peers.hold`). A claimant the arbiter grants the
-room's first claim to, with every other rank's held claim here for the incarnation the
-claimant names and for the same pages, gets those claims in the arbiter's answer: it reads
-with no relay, one round trip to one process. Every other claimant is relayed as before, and
-each rank lets a relayed claim take its held one over (the arbiter, having granted others,
-never hands it out). What a held claim's answer tells the claimant is what that rank would
-answer; the pin words after the data prove the room stayed pinned there, as for any read.
+room's first claim to (one reader, not a group), with every other rank's held claim here for
+the incarnation the claimant names and for the same pages, gets those claims in the arbiter's
+answer: it reads with no relay, one round trip to one process. Every other claimant is relayed
+as before, and each rank lets a relayed claim take its held one over (the arbiter, having
+granted another, never hands it out). A held claim the arbiter does not hand out goes back:
+refused as it comes where the room was claimed or ended here first (the rank drops it), else
+returned as the arbiter's room ends (`ReturnHeld`: ended unread where nothing took it over).
+What a held claim's answer tells the claimant is what that rank would answer; the pin words
+after the data prove the room stayed pinned there, as for any read. A give-up never takes a
+held claim over (it may come from anyone), and the claim held is a capability: only a peer
+that passed the control secret can offer one, as only such a peer can relay a claim.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import msgspec
+import numpy as np
+
 from transfer.metadata import HeldClaim, OwnerClaim, OwnerRef, RoomStatus
 
 _MAX_ROOMS = 1 << 14  # rooms whose held claims are kept; the oldest go first
+
+
+def pages_digest(pages: Sequence[int] | np.ndarray) -> bytes:
+    """What a held claim names a room's pages by: a long room's list would cost the arbiter
+    its size for every room, for the pin's time."""
+    return hashlib.blake2b(np.asarray(pages, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 class HeldClaims:
@@ -30,19 +45,23 @@ class HeldClaims:
         self._rooms: OrderedDict[int, dict[int, tuple[float, HeldClaim]]] = OrderedDict()
         self.handed_out = 0  # claimants answered from held claims, with no relay
 
-    def keep(self, held: HeldClaim) -> bool:
-        """Keep `held` to hand out; False for one that says nothing it could be read by."""
+    def keep(self, held: HeldClaim) -> tuple[bool, HeldClaim | None]:
+        """Keep `held` to hand out: whether it was kept (not one that says nothing it could be
+        read by), and the claim that rank held for the room before, which it replaces (to give
+        back: a rank holds one a room, so that one was not its own)."""
         s = held.state
-        if s.status is not RoomStatus.READY or s.pin is None or s.pin.cp_rank != held.cp_rank:
-            return False
+        if s.status is not RoomStatus.READY or s.pin is None or s.pin.cp_rank != held.cp_rank or s.src_pages:
+            return False, None
         if s.pin.incarnation != held.incarnation or s.ready_pages is not None:
-            return False
+            return False, None
         now = time.monotonic()
-        self._rooms.setdefault(s.room, {})[held.cp_rank] = (now + self._keep_s, held)
+        by_rank = self._rooms.setdefault(s.room, {})
+        before = by_rank.get(held.cp_rank)
+        by_rank[held.cp_rank] = (now + self._keep_s, held)
         self._rooms.move_to_end(s.room)
         while len(self._rooms) > _MAX_ROOMS or (self._rooms and self._oldest_gone(now)):
             self._rooms.popitem(last=False)
-        return True
+        return True, None if before is None or before[1].claim == held.claim else before[1]
 
     def hand_out(self, room: int, others: Sequence[OwnerRef], src_pages: list[int]) -> list[OwnerClaim] | None:
         """Every one of `others`' held claims of `room`, as each would answer the claim, taken
@@ -51,16 +70,23 @@ class HeldClaims:
         by_rank = self._rooms.get(room)
         if by_rank is None:
             return None
-        now = time.monotonic()
+        now, digest = time.monotonic(), pages_digest(src_pages)
         answers: list[OwnerClaim] = []
         for o in others:
             until, held = by_rank.get(o.cp_rank, (0.0, None))
-            if held is None or until <= now or held.incarnation != o.incarnation or held.state.src_pages != src_pages:
+            if held is None or until <= now or held.incarnation != o.incarnation or held.pages != digest:
                 return None
-            answers.append(OwnerClaim(cp_rank=o.cp_rank, state=held.state, claim=held.claim))
+            state = msgspec.structs.replace(held.state, src_pages=src_pages)
+            answers.append(OwnerClaim(cp_rank=o.cp_rank, state=state, claim=held.claim))
         del self._rooms[room]
         self.handed_out += 1
         return answers
+
+    def pop(self, room: int) -> list[HeldClaim]:
+        """`room`'s held claims, taken out: its room ended here, so they go back to their ranks
+        (where a claim took one over since, there is nothing to give back)."""
+        by_rank = self._rooms.pop(room, None)
+        return [] if by_rank is None else [held for _, held in by_rank.values()]
 
     def _oldest_gone(self, now: float) -> bool:
         oldest = next(iter(self._rooms.values()))

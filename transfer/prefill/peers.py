@@ -28,6 +28,7 @@ from transfer.metadata import (
     HeldReply,
     OwnerClaim,
     OwnerRef,
+    ReturnHeld,
     error_reply,
 )
 from transfer.metrics import observe_claim_relay
@@ -87,13 +88,14 @@ class Peers:
             logger.debug("room %d: relaying a claim to cp rank %d: %s", ask.room, owner.cp_rank, exc)
             return OwnerClaim(cp_rank=owner.cp_rank, error=error_reply(exc))
 
-    async def hold(self, held: HeldClaim, deadline: Deadline) -> bool:
-        """Tell the engine's arbiter (its lowest rank) of `held`: whether it keeps it. A claim
-        it does not keep stays held here until a relayed claim (or a ticket) takes it over."""
+    async def hold(self, held: HeldClaim, deadline: Deadline) -> HeldReply | None:
+        """Tell the engine's arbiter (its lowest rank) of `held`: its answer, None where none
+        came (the claim then stays held until a relayed claim or a ticket takes it over, or
+        the room's pin expires)."""
         try:
             url = await self._arbiter_url(deadline)
             if url is None:
-                return False
+                return None
             reply = await self._client.call(
                 f"{url}/v1/claims",
                 held,
@@ -105,8 +107,30 @@ class Peers:
         except PdkvError as exc:
             logger.debug("room %d: telling the arbiter of a held claim: %s", held.state.room, exc)
             self._known.clear()  # looked up again next time: the arbiter may have moved
-            return False
-        return reply.kept
+            return None
+        return reply
+
+    async def return_held(self, room: int, returned: list[HeldClaim], deadline: Deadline) -> None:
+        """As the arbiter, whose `room` ended: give each held claim of `returned` back to its
+        rank, which ends it unread where nothing took it over (else its pin expires there)."""
+        refs = [OwnerRef(cp_rank=h.cp_rank, incarnation=h.incarnation) for h in returned]
+        try:
+            urls = await self._urls(refs, deadline)
+        except PdkvError as exc:
+            logger.debug("room %d: returning held claims: %s", room, exc)
+            return
+
+        async def one(held: HeldClaim) -> None:
+            url = urls.get(held.cp_rank)
+            if url is None:
+                return  # that incarnation is gone, and its rooms with it
+            back, fp = ReturnHeld(room=room, claim=held.claim), self._fp
+            try:
+                await self._client.call(f"{url}/v1/claims", back, HeldReply, fingerprint=fp, timeout=deadline.left())
+            except PdkvError as exc:
+                logger.debug("room %d: returning cp rank %d's held claim: %s", room, held.cp_rank, exc)
+
+        await asyncio.gather(*(one(h) for h in returned))
 
     async def _arbiter_url(self, deadline: Deadline) -> str | None:
         """The control URL of the lowest rank registered, if it is lower than this one."""

@@ -27,10 +27,13 @@ READs has the same proof a release gives, without a request. Its release arrives
 notification (`release_ticket`) and counts as one of the room's consumers.
 
 A rank other than its engine's arbiter holds one claim of each whole room it could grant
-(`hold`) for the arbiter to hand out (`transfer.prefill.held`): a claimant the arbiter grants
-first then needs no relay. Every claim passes the arbiter first, so a claim this rank could
-not grant otherwise (or a ticket, or a give-up) takes that held claim over: the arbiter, having
-granted others, never hands it out.
+(`hold`, where its publication allows) for the arbiter to hand out (`transfer.prefill.held`):
+a claimant the arbiter grants first then needs no relay. A claim reaches this rank only once
+the arbiter granted it, and the arbiter hands held claims out only as a room's first claim,
+so a claim this rank could not grant otherwise takes the held claim over (as does this rank's
+own ticket), unless a reader has used it. A give-up never does (it may come from anyone, for
+a claim this rank never saw): the arbiter returns a held claim it will not hand out
+(`drop_held`).
 
 A decode that holds the room's first pages already (its prefix) reads only the pages past
 them, and says so (`read_from`: its claim reads from page N). Once every reader still to
@@ -86,9 +89,11 @@ class RoomTable:
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
         pins: np.ndarray | None = None,
         on_change: Callable[[RoomState, set[str]], None] = lambda state, consumers: None,
+        on_ended: Callable[[int], None] = lambda room: None,
     ) -> None:
         """`pins`: the int64 pin table decodes READ (zeroed here); None: no tickets.
-        `on_change(state, consumers)`: a room moved; `consumers` hold claims on it."""
+        `on_change(state, consumers)`: a room moved; `consumers` hold claims on it.
+        `on_ended(room)`: a room ended, however."""
         self.layers = layers
         self.num_pages = num_pages
         self.pin_seconds = pin_seconds
@@ -100,6 +105,7 @@ class RoomTable:
         self._tick = asyncio.Event()  # set and replaced on every change
         self.counters = RoomCounters()
         self._on_change = on_change
+        self._on_ended = on_ended
         self._pins = pins
         if pins is not None:
             pins[:] = 0
@@ -108,9 +114,13 @@ class RoomTable:
         self._revoked: set[int] = set()
 
     # ---- the model side -------------------------------------------------------------------
-    def publish(self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None) -> int:
+    def publish(
+        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None, hold: bool = True
+    ) -> int:
         """Pin `src_pages` for `room`; returns this publication's id. `on_end(status,
-        reason)` runs once as it ends. A room id live or used already is refused."""
+        reason)` runs once as it ends. A room id live or used already is refused. `hold`:
+        once whole, one of its claims may be held for the arbiter (`hold`); not for a room
+        whose ticket will be issued."""
         self._end_revoked(room)
         if room in self._revoked:  # revoked before its publication came: it ends aborted unborn
             self._revoked.discard(room)
@@ -122,6 +132,7 @@ class RoomTable:
         pages = page_ids(src_pages, self.num_pages, f"room {room} source pages")
         pinned_until = Deadline.after(self.pin_seconds)
         r = Room(room, pages, consumers, pinned_until, self.layers.start, pub=next(self._pubs), on_end=on_end)
+        r.holdable = hold
         self._live[room] = r
         if self._pins is not None and self._free_slots:  # else: no ticket for this room, claims still work
             r.slot, r.nonce = self._free_slots.pop(), secrets.randbits(63) or 1
@@ -265,6 +276,11 @@ class RoomTable:
             r.open_claims[token] = consumer
         return self.state(room)
 
+    def pages_of(self, room: int) -> np.ndarray:
+        """The live `room`'s source pages (empty if it is not live)."""
+        r = self._live.get(room)
+        return np.zeros(0, dtype=np.int64) if r is None else r.src_pages
+
     def granted(self, room: int) -> int:
         """The claims (and ticket) the live `room` granted so far; -1 if it is not live."""
         r = self._live.get(room)
@@ -276,13 +292,28 @@ class RoomTable:
         chunks, has no pin slot or freed pages ahead, or holds one already."""
         self._end_revoked(room)
         r = self._live.get(room)
-        if r is None or r.held or r.ticket or r.slot < 0 or r.total_pages >= 0 or r.freed_upto > 0:
+        if r is None or not r.holdable or r.held or r.ticket or r.slot < 0 or r.total_pages >= 0 or r.freed_upto:
             return None
         if r.ready_upto != self.layers.stop or r.granted >= r.consumers:
             return None
         r.held = secrets.token_hex(16)
         r.open_claims[r.held] = HELD  # no stream's loss gives it up
         return r.held
+
+    def drop_held(self, room: int, token: str, ended: bool) -> bool:
+        """The arbiter will not hand out the claim held under `token`. `ended`: the arbiter's
+        room ended unread, so it ends unread here too, as a give-up of it would; else (the
+        arbiter granted another claimant) its place is free again for that claimant's claim.
+        False, and nothing done, unless it is still the room's held claim, unused."""
+        self._end_revoked(room)
+        r = self._live.get(room)
+        if r is None or not r.held or r.held != token:
+            return False
+        if ended:
+            self.give_up(room, token)
+        else:
+            self._take_held(r)
+        return True
 
     def _take_held(self, r: Room) -> bool:
         """Drop `r`'s held claim to free its place for another claim (or a ticket); False if
@@ -389,7 +420,7 @@ class RoomTable:
             self._used(r, token)
             del r.open_claims[token]
             r.starts.pop(token, None)
-        elif r.granted >= r.consumers and not self._take_held(r):
+        elif r.granted >= r.consumers:  # never the held claim: the arbiter may have handed it out
             raise ClaimLostError(f"room {room}: every claim is held by another consumer; nothing to give up")
         r.released += 1
         r.given_up += 1
@@ -523,6 +554,7 @@ class RoomTable:
         self._on_free(room, r.src_pages[r.freed_upto :])  # those below were freed ahead (`_narrow`)
         if r.on_end is not None:
             r.on_end(status, why)
+        self._on_ended(room)
         self._notify()
         if claimants:
             self._on_change(RoomState(room=room, status=status, reason=why), claimants)

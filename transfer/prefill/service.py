@@ -7,7 +7,8 @@
                                      the other ranks it names (`transfer.prefill.peers`), or
                                      answered by the claims they hold for it;
                                      HeldClaim -> HeldReply: a higher rank holds one for it
-                                     (`transfer.prefill.held`)
+                                     (`transfer.prefill.held`); ReturnHeld -> HeldReply:
+                                     the arbiter will not hand out the one held here
     GET  /v1/events?consumer=C       a stream of RoomState frames for the rooms C claimed
     GET  /v1/rooms/{room}?after=N&after_pages=P&claim=T
                                      RoomState once layers beyond N (or, for a room sent
@@ -52,6 +53,7 @@ from transfer.metadata import (
     OwnerRef,
     ReadFrom,
     ReleaseNotice,
+    ReturnHeld,
     RoomState,
     RoomStatus,
     TicketRelease,
@@ -73,6 +75,9 @@ Stats = Callable[[], dict[str, int]]
 """What `/v1/stats` reports (the rooms' counters and the registered bytes)."""
 Relay = Callable[[ClaimRequest, list[OwnerRef], Deadline], Awaitable[list[OwnerClaim]]]
 """A claim relayed to the engine's other ranks, each one's answer (`Peers.relay`)."""
+GiveBack = Callable[[int, list[HeldClaim]], None]
+"""Claims held for this rank, as the arbiter, that it will not hand out: back to their ranks
+(`Peers.return_held`, in the background)."""
 
 
 class PrefillService:
@@ -92,12 +97,13 @@ class PrefillService:
         incarnation: str,
         engine_id: str,
         relay: Relay | None = None,
+        give_back: GiveBack = lambda room, held: None,
     ) -> None:
         """`relay`: how this rank, as its engine's arbiter, relays a claim to the other
         ranks (`ClaimAll`); None: it refuses such requests (`NotReadyError`)."""
         self.rooms, self._hub, self._fp, self._timeouts = rooms, hub, fingerprint, timeouts
         self._cp_rank, self._incarnation, self._engine_id = cp_rank, incarnation, engine_id
-        self._relay = relay
+        self._relay, self._give_back = relay, give_back
         self.held = HeldClaims(timeouts.pin)  # as the arbiter: the claims the other ranks hold for it
         self._channels: set[web.WebSocketResponse] = set()
 
@@ -215,17 +221,28 @@ class PrefillService:
         return await serve_channel(request, self._call, self._channels)
 
     async def _call(self, data: bytes) -> bytes:
-        asked = cast("ClaimAll | HeldClaim", decode_any(data, (ClaimAll, HeldClaim), self._fp))
+        kinds = (ClaimAll, HeldClaim, ReturnHeld)  # as one of them; mypy infers only their base
+        asked = cast("ClaimAll | HeldClaim | ReturnHeld", decode_any(data, kinds, self._fp))
         if isinstance(asked, HeldClaim):
             return self._keep(asked)
+        if isinstance(asked, ReturnHeld):
+            with self.about(asked.room):
+                dropped = self.rooms.drop_held(asked.room, asked.claim, ended=True)
+            return encode(HeldReply(room=asked.room, kept=dropped), self._fp)
         return await self._claim_all(asked)
 
     def _keep(self, held: HeldClaim) -> bytes:
-        """A higher rank holds a claim of a whole room for this rank to hand out."""
+        """A higher rank holds a claim of a whole room for this rank to hand out: kept unless
+        this rank's room was claimed or ended first (then the rank drops it)."""
         if held.cp_rank <= self._cp_rank:
             raise MetadataError(f"cp rank {self._cp_rank} keeps claims held by higher ranks only, not {held.cp_rank}")
-        kept = self._relay is not None and self.held.keep(held)
-        return encode(HeldReply(room=held.state.room, kept=kept), self._fp)
+        room = held.state.room
+        ended = self.rooms.state(room).status in (RoomStatus.RELEASED, RoomStatus.ABORTED)
+        usable = self.rooms.granted(room) <= 0 and not ended
+        kept, replaced = (False, None) if not usable or self._relay is None else self.held.keep(held)
+        if replaced is not None:
+            self._give_back(room, [replaced])
+        return encode(HeldReply(room=room, kept=kept, ended=ended), self._fp)
 
     async def _claim_all(self, asked: ClaimAll) -> bytes:
         """A claim here, then on every other rank the call names: one call for the decode.
@@ -247,12 +264,19 @@ class PrefillService:
             first = self.rooms.granted(room) == 0
             state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
             relayed: list[OwnerClaim] | None = None
-            if first and state.status is RoomStatus.READY and others:
+            if first and ask.readers == 1 and state.status is RoomStatus.READY and others:
+                # A group's size must reach every rank: a group is relayed.
                 relayed = self.held.hand_out(room, others, state.src_pages)
             if relayed is None and state.status is not RoomStatus.UNKNOWN and others:
                 assert self._relay is not None  # unpublished here: nothing granted, ask again
                 relayed = await self._relay(ask, list(others), deadline)
         return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed or []), self._fp)
+
+    def room_ended(self, room: int) -> None:
+        """`room` ended here: the claims held for it go back unused."""
+        returned = self.held.pop(room)
+        if returned:
+            self._give_back(room, returned)
 
     async def close(self) -> None:
         """End the open channels (a closing service must not wait for their peers)."""
