@@ -75,7 +75,8 @@ def prefill_rank(rank: int, init: str, registry: str, pins: Queue[bytes], done: 
 async def export(rank: int, pool: LayerSplitDSAKVPool, registry: str, pins: Queue[bytes], done: Event) -> None:
     async with PrefillExporter(pool, ENGINE, rank, CP, registry) as exporter:  # registers this rank
         for room, pages in ROOMS.items():
-            exporter.publish_room(room, pages)  # pinned until the decode released it (or `Timeouts.pin`)
+            # Pinned until the decode released it (or `Timeouts.pin`); room 1 is read by ticket (below).
+            exporter.publish_room(room, pages, hold=room != 1)
             for layer in range(pool.layout.layer_num):  # every rank calls every write; owners keep theirs
                 kv, index = token_bytes(room, layer)
                 lay = pool.layout

@@ -16,20 +16,20 @@ B, C = "b" * 32, "c" * 32
 
 def whole(room: int = 1, consumers: int = 1) -> RoomTable:
     t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=np.zeros(8, dtype=np.int64))
-    t.publish(room, np.array([4, 5]), consumers=consumers)
+    t.publish(room, np.array([4, 5]), consumers=consumers, hold=True)
     t.mark_ready(room, 2)
     return t
 
 
 async def test_a_room_holds_one_claim_once_whole_and_only_a_claim_it_could_grant():
     t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=np.zeros(8, dtype=np.int64))
-    t.publish(1, np.array([4, 5]))
+    t.publish(1, np.array([4, 5]), hold=True)
     assert t.hold(1) is None  # layer 1 not ready yet
     t.mark_ready(1, 2)
     token = t.hold(1)
     assert token is not None and t.hold(1) is None  # one a room
     assert t.granted(1) == 1 and t.being_read  # it holds the room's one claim, and a READ may come
-    t.publish(2, np.array([6]))
+    t.publish(2, np.array([6]), hold=True)
     t.mark_ready(2, 2)
     t.claim(2, B, "d0")
     assert t.hold(2) is None  # its one claim is taken
@@ -38,7 +38,7 @@ async def test_a_room_holds_one_claim_once_whole_and_only_a_claim_it_could_grant
     assert t.hold(3) is None  # sent by chunks: read as it comes, by claims
     assert RoomTable(range(0, 2), num_pages=32, pin_seconds=60).hold(9) is None  # not live
     no_pins = RoomTable(range(0, 2), num_pages=32, pin_seconds=60)
-    no_pins.publish(1, np.array([4]))
+    no_pins.publish(1, np.array([4]), hold=True)
     no_pins.mark_ready(1, 2)
     assert no_pins.hold(1) is None  # no pin word: nothing could prove a read of it
 
@@ -74,20 +74,17 @@ async def test_a_held_claim_a_reader_used_is_never_taken_over():
     assert t2.release(1, held2).freed
 
 
-async def test_a_ticket_takes_the_held_claim_over_a_give_up_never_does():
-    """This rank's own ticket takes the held claim's place. A give-up (from anyone, of a claim
-    this rank never saw) does not: the arbiter may have handed the held claim out."""
+async def test_a_room_published_to_hold_gets_no_ticket_and_a_give_up_never_takes_its_held_claim():
+    """No ticket for a room published to hold, on any rank (so all refuse alike). A give-up
+    (from anyone, of a claim this rank never saw) does not take the held claim: the arbiter
+    may have handed it out."""
     t = whole()
-    assert t.hold(1) is not None
-    pin = await t.pin(1, timeout=1)
-    assert pin is not None and t.tickets_out == 1 and t.granted(1) == 1  # the ticket took its place
-    assert t.release_ticket(1, *pin)
-    t2 = whole()
-    held = t2.hold(1)
+    assert await t.pin(1, timeout=1) is None
+    held = t.hold(1)
     assert held is not None
     with pytest.raises(ClaimLostError):
-        t2.give_up(1, C)
-    t2.check_claim(1, held)  # still there for its reader
+        t.give_up(1, C)
+    t.check_claim(1, held)  # still there for its reader
 
 
 async def test_a_held_claim_the_arbiter_returns_ends_unread_and_only_that_one():
@@ -126,9 +123,9 @@ async def test_a_held_claim_the_arbiter_refused_frees_its_place_for_the_claim_it
 
 async def test_a_room_published_for_a_ticket_holds_nothing():
     t = RoomTable(range(0, 2), num_pages=32, pin_seconds=60, pins=np.zeros(8, dtype=np.int64))
-    t.publish(1, np.array([4, 5]), hold=False)
+    t.publish(1, np.array([4, 5]))
     t.mark_ready(1, 2)
-    assert t.hold(1) is None
+    assert t.hold(1) is None and await t.pin(1, timeout=1) is not None
 
 
 def _held(rank: int, incarnation: str = "i1", pages: list[int] | None = None, **state: object) -> HeldClaim:
@@ -168,7 +165,18 @@ def test_a_held_claim_another_replaces_is_given_back():
     assert held.keep(first) == (True, None)  # the same one again: nothing to give back
     other = HeldClaim(cp_rank=1, incarnation="i1", claim="e" * 32, state=first.state, pages=first.pages)
     assert held.keep(other) == (True, first)
-    assert [h.claim for h in held.pop(1)] == ["e" * 32] and held.pop(1) == []
+    assert [h.claim for h in held.pop(1, unread=False)] == ["e" * 32] and held.pop(1, unread=False) == []
+
+
+def test_claims_handed_out_go_back_only_where_the_room_ended_unread():
+    """Handed to a claimant whose answer was lost (or who died): the arbiter's room ends
+    unread, and the ranks are told to end theirs; read, they are left to their reader."""
+    for unread in (False, True):
+        held = HeldClaims(keep_s=60)
+        assert _kept(held, _held(1)) and _kept(held, _held(2))
+        assert held.hand_out(1, OTHERS, [4, 5]) is not None
+        back = held.pop(1, unread)
+        assert [h.cp_rank for h in back] == ([1, 2] if unread else [])
 
 
 def test_a_held_claim_that_says_nothing_readable_or_has_lapsed_is_not_handed_out():

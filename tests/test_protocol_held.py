@@ -6,6 +6,7 @@ processes (a registry, an engine of CP=3), real sockets, real UCX reads."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 
@@ -21,7 +22,18 @@ from tests.scrape import histogram_totals
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient
 from transfer.decode import DecodeFetcher, FetchResult
-from transfer.metadata import HeldClaim, HeldReply, OwnerPin, RoomState
+from transfer.metadata import (
+    ClaimAll,
+    ClaimAllReply,
+    ClaimRequest,
+    HeldClaim,
+    HeldReply,
+    OwnerPin,
+    OwnerRef,
+    ReleaseNotice,
+    ReleaseReply,
+    RoomState,
+)
 from transfer.prefill.held import pages_digest
 from transfer.timeouts import Timeouts
 
@@ -262,3 +274,36 @@ async def test_a_room_given_up_before_any_claim_ends_on_every_rank_at_once(deplo
     after = await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s), within=10)
     assert [r["aborted"] - b["aborted"] for r, b in zip(after, before)] == [1, 1, 1]
     assert all(r["expired"] == b["expired"] for r, b in zip(after, before))
+
+
+async def test_a_claimant_whose_answer_was_lost_gives_the_room_up_on_every_rank(deployment):  # type: ignore[no-untyped-def]
+    """The arbiter handed the held claims out, but its answer never reached the claimant,
+    which gives its own token up everywhere (as a fetch whose call failed does): that frees
+    nothing on the other ranks (it never learnt their tokens), but the arbiter, its room
+    ended unread, gives the handed claims back, and every rank ends the room now, not at its
+    pin's expiry."""
+    n, room = 300, 9_590_000
+    await _whole(deployment, room, n)
+    before = await _stats(deployment)
+    controls = deployment.engines[0].controls
+    pool = DSAKVPool(tiny(size=8192))
+    fp = pool.layout.fingerprint
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        ranks = await fetcher.describe(ENGINE)
+    client = ControlClient(Timeouts())
+    token = secrets.token_hex(16)
+    try:
+        ask = ClaimRequest(room=room, consumer_id="lost-answer", claim=token)
+        others = [OwnerRef(cp_rank=r, incarnation=ranks[r].incarnation) for r in (1, 2)]
+        call = ClaimAll(ask=ask, others=others, budget_ms=5000)
+        reply = await client.call(f"{controls[0]}/v1/claims", call, ClaimAllReply, fingerprint=fp, timeout=10)
+        assert all(o.claim is not None for o in reply.others)  # handed out; the claimant never hears it
+        notice = ReleaseNotice(room=room, consumer_id="lost-answer", claim=token, give_up=True)
+        await client.request("POST", f"{controls[0]}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
+        for control in controls[1:]:  # the token it knows holds nothing there: refused, or the room ended already
+            with contextlib.suppress(ClaimLostError):
+                await client.request("POST", f"{control}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
+    finally:
+        await client.aclose()
+    after = await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s), within=10)
+    assert [r["aborted"] - b["aborted"] for r, b in zip(after, before)] == [1, 1, 1]

@@ -89,7 +89,7 @@ async def _serve(engine: str, rank: int, registry_url: str, conn) -> None:  # ty
             cmd, *args = await loop.run_in_executor(None, conn.recv)
             if cmd == "publish":
                 room, pages, consumers, ticket = args
-                exporter.publish_room(room, np.asarray(pages), consumers)
+                exporter.publish_room(room, np.asarray(pages), consumers, hold=not ticket)
                 exporter.mark_ready(room, owned.stop)
                 pin = await exporter.pin(room, 10.0) if ticket else None
                 conn.send(None if pin is None else (pin.slot, pin.nonce))

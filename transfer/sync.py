@@ -13,7 +13,7 @@ a handle or by a callback (which runs on pdkv's thread: keep it short).
     fetcher.close()
 
     exporter = SyncExporter(pool, "prefill0", cp_rank, cp_size, registry_url)
-    exporter.publish_room(room, pages)
+    exporter.publish_room(room, pages, hold=False)  # read by ticket: no claim held for the arbiter
     exporter.mark_ready(room, upto_layer)  # records a CUDA event on the caller's stream
     ticket_pin = exporter.pin(room)        # a handle: poll() / result()
 """
@@ -461,12 +461,13 @@ class SyncExporter:
     # that publication only: after a refused publish (the room id was live or used) they
     # fail, rather than reach the room that holds the id.
     def publish_room(
-        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None
+        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None, hold: bool = True
     ) -> Handle[int]:
         """Pin `src_pages` for `room`; a handle says whether it was accepted (its publication).
-        `on_end(status, reason)` runs on pdkv's thread as the room ends."""
+        `on_end(status, reason)` runs on pdkv's thread as the room ends; `hold`: False for a
+        room to be read by ticket (`PrefillExporter.publish_room`)."""
         pages = np.array(src_pages, copy=True)
-        return Handle(self._bg.submit(_call(self.exporter.publish_room, room, pages, consumers, on_end)))
+        return Handle(self._bg.submit(_call(self.exporter.publish_room, room, pages, consumers, on_end, hold)))
 
     def mark_ready(self, room: int, upto_layer: int, publication: Handle[int] | None = None) -> None:
         """Owned layers below `upto_layer` of `room` are written (on a GPU: queued on the

@@ -366,7 +366,9 @@ class ClaimProtocol:
     async def _give_up(self, owner: Owner, claim: Claim, deadline: Deadline) -> bool:
         """`release(give_up=True)` on one owner, not waited for once the owner is lost."""
         url = owner.rank.control_url
-        if self.ctx.feed.lost(url):  # it gave the claim up itself as our stream to it died
+        # It gave our claims up itself as our stream to it died: not one it held for the
+        # arbiter, which no stream's loss ends (`transfer.prefill.held`).
+        if self.ctx.feed.lost(url) and claim.token_on(owner.rank.cp_rank) == claim.token:
             return False
         return await _unless_lost(self.ctx.feed, url, self.release(owner, claim, deadline, give_up=True), deadline)
 

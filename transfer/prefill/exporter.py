@@ -138,7 +138,8 @@ class PrefillExporter:
         self._ucx_failing: str | None = None  # why UCX progress last failed, while it fails
         self._over_tcp = False  # UCX may answer this owner's READs over TCP (set at start)
         self._tasks: list[asyncio.Task[None]] = []
-        self._hold_claims = hold_claims and cp_rank > 0
+        self._holds = hold_claims and cp_size > 1  # rooms published to hold get no ticket, on every rank
+        self._hold_claims = self._holds and cp_rank > 0
         self._holding: set[asyncio.Task[None]] = set()  # held claims on their way to and from the arbiter
         self._closing = False
         self._written: asyncio.Queue[tuple[int, int | None, torch.cuda.Event, Callable[[], None]]] = asyncio.Queue()
@@ -246,9 +247,10 @@ class PrefillExporter:
     ) -> int:
         """`room`'s KV will be in `src_pages`; pin them until released or expired. Returns
         the publication's id; `on_end(status, reason)` runs (on this loop) as it ends.
-        `hold`: False for a room whose ticket will be issued (`pin`): no claim of it is held
-        for the arbiter (`transfer.prefill.held`)."""
-        return self.rooms.publish(room, src_pages, consumers, on_end, hold)
+        `hold`: the engine's ranks hold a claim of it for the arbiter (`transfer.prefill.held`,
+        where the exporter holds claims); False for a room whose ticket will be issued (`pin`
+        gives none for a room published to hold, on every rank alike)."""
+        return self.rooms.publish(room, src_pages, consumers, on_end, hold and self._holds)
 
     def mark_ready(
         self, room: int, upto_layer: int, written: torch.cuda.Event | None = None, pub: int | None = None
@@ -345,7 +347,9 @@ class PrefillExporter:
     async def pin(self, room: int, timeout: float) -> OwnerPin | None:
         """This rank's part of `room`'s ticket, once every owned layer is readable.
 
-        None if the room has no pin slot or died meanwhile: its decode reads by claims.
+        None if the room has no pin slot, died meanwhile, or was published to hold claims
+        (`publish_room(..., hold=False)` for a room to read by ticket): its decode reads by
+        claims.
         """
         got = await self.rooms.pin(room, timeout)
         if got is None:

@@ -43,6 +43,9 @@ class HeldClaims:
     def __init__(self, keep_s: float) -> None:
         self._keep_s = keep_s
         self._rooms: OrderedDict[int, dict[int, tuple[float, HeldClaim]]] = OrderedDict()
+        # Rooms whose held claims went to a claimant, until the room ends here: given back if
+        # it ends unread (the answer lost, the claimant dead), when no claimant uses them.
+        self._handed: OrderedDict[int, list[HeldClaim]] = OrderedDict()
         self.handed_out = 0  # claimants answered from held claims, with no relay
 
     def keep(self, held: HeldClaim) -> tuple[bool, HeldClaim | None]:
@@ -78,15 +81,21 @@ class HeldClaims:
                 return None
             state = msgspec.structs.replace(held.state, src_pages=src_pages)
             answers.append(OwnerClaim(cp_rank=o.cp_rank, state=state, claim=held.claim))
-        del self._rooms[room]
+        self._handed[room] = [held for _, held in self._rooms.pop(room).values()]
+        while len(self._handed) > _MAX_ROOMS:
+            self._handed.popitem(last=False)
         self.handed_out += 1
         return answers
 
-    def pop(self, room: int) -> list[HeldClaim]:
-        """`room`'s held claims, taken out: its room ended here, so they go back to their ranks
-        (where a claim took one over since, there is nothing to give back)."""
+    def pop(self, room: int, unread: bool) -> list[HeldClaim]:
+        """`room` ended here: the held claims to give back to their ranks, which end each unread
+        where nothing used it or took it over. Those not handed out; with `unread` (the room
+        ended with no reader: its claimant's answer lost, or the claimant gone) those handed
+        out too, which no reader used then."""
         by_rank = self._rooms.pop(room, None)
-        return [] if by_rank is None else [held for _, held in by_rank.values()]
+        back = [] if by_rank is None else [held for _, held in by_rank.values()]
+        handed = self._handed.pop(room, [])
+        return back + handed if unread else back
 
     def _oldest_gone(self, now: float) -> bool:
         oldest = next(iter(self._rooms.values()))

@@ -133,18 +133,13 @@ class Peers:
         await asyncio.gather(*(one(h) for h in returned))
 
     async def _arbiter_url(self, deadline: Deadline) -> str | None:
-        """The control URL of the lowest rank registered, if it is lower than this one."""
-
-        def lowest() -> str | None:
-            lower = [r for r in self._known if r < self._cp_rank]
-            return self._known[min(lower)][1] if lower else None
-
-        if (url := lowest()) is None:
+        """The control URL of rank 0, the arbiter decodes ask (None: not registered)."""
+        if 0 not in self._known:
             async with self._lookup:
-                if lowest() is None:
+                if 0 not in self._known:
                     await self._look_up(deadline)
-            url = lowest()
-        return url
+        known = self._known.get(0)
+        return None if known is None else known[1]
 
     async def _urls(self, others: list[OwnerRef], deadline: Deadline) -> dict[int, str]:
         """The control URL of each of `others` that is registered as that incarnation; the

@@ -32,7 +32,7 @@ class Room:
     nonce: int = 0
     ticket: str = ""  # "", "issued" (holds one of the claims), "released"
     held: str = ""  # the open claim this rank holds for its arbiter to hand out, while no reader used it
-    holdable: bool = True  # its publication lets a claim be held (not where a ticket will be issued)
+    holdable: bool = False  # published to hold a claim for the arbiter (then never a ticket)
     aux: bytes | None = None  # the engine's per-request bytes, given with the last chunk
     pub: int = 0  # this publication of the room id (`publish`'s answer)
     on_end: OnEnd | None = None

@@ -30,10 +30,10 @@ A rank other than its engine's arbiter holds one claim of each whole room it cou
 (`hold`, where its publication allows) for the arbiter to hand out (`transfer.prefill.held`):
 a claimant the arbiter grants first then needs no relay. A claim reaches this rank only once
 the arbiter granted it, and the arbiter hands held claims out only as a room's first claim,
-so a claim this rank could not grant otherwise takes the held claim over (as does this rank's
-own ticket), unless a reader has used it. A give-up never does (it may come from anyone, for
-a claim this rank never saw): the arbiter returns a held claim it will not hand out
-(`drop_held`).
+so a claim this rank could not grant otherwise takes the held claim over, unless a reader has
+used it. A give-up never does (it may come from anyone, for a claim this rank never saw), nor
+a ticket (a room whose ticket will be issued is published not to hold): the arbiter gives back
+a held claim it will not hand out (`drop_held`).
 
 A decode that holds the room's first pages already (its prefix) reads only the pages past
 them, and says so (`read_from`: its claim reads from page N). Once every reader still to
@@ -115,12 +115,12 @@ class RoomTable:
 
     # ---- the model side -------------------------------------------------------------------
     def publish(
-        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None, hold: bool = True
+        self, room: int, src_pages: np.ndarray, consumers: int = 1, on_end: OnEnd | None = None, hold: bool = False
     ) -> int:
         """Pin `src_pages` for `room`; returns this publication's id. `on_end(status,
         reason)` runs once as it ends. A room id live or used already is refused. `hold`:
-        once whole, one of its claims may be held for the arbiter (`hold`); not for a room
-        whose ticket will be issued."""
+        its engine holds claims for its arbiter: once whole, one of its claims may be held
+        (`hold`), and it gets no ticket (`pin`), so that every rank refuses it alike."""
         self._end_revoked(room)
         if room in self._revoked:  # revoked before its publication came: it ends aborted unborn
             self._revoked.discard(room)
@@ -206,8 +206,9 @@ class RoomTable:
         remembered aborted (a router's abort may come first), unless `pub` names one."""
         r = self._live.get(room)
         if r is None or (pub is not None and r.pub != pub):
-            if r is None and pub is None:
+            if r is None and pub is None and room not in self._finished:
                 self._remember(room, RoomStatus.ABORTED)
+                self._on_ended(room)  # claims held for it elsewhere go back
             return False
         self._finish(room, RoomStatus.ABORTED, reason)
         self.counters.aborted += 1
@@ -415,6 +416,7 @@ class RoomTable:
         if r is None:
             if room not in self._finished:
                 self._remember(room, RoomStatus.ABORTED)
+                self._on_ended(room)  # claims held for it elsewhere go back
             return ReleaseReply(room=room, freed=False, unreleased=0)
         if token in r.open_claims:
             self._used(r, token)
@@ -438,8 +440,9 @@ class RoomTable:
 
     async def pin(self, room: int, timeout: float) -> tuple[int, int] | None:
         """Issue `room`'s ticket once every layer is ready: its (slot, nonce). The ticket
-        holds one of the room's claims. None if the room has no pin slot, died, or every
-        claim is taken (a decode that began before the prefill ended claimed it)."""
+        holds one of the room's claims. None if the room has no pin slot, died, every claim
+        is taken (a decode that began before the prefill ended claimed it), or it was
+        published to hold a claim for the arbiter (read by claims, then)."""
 
         def whole_or_gone() -> bool:  # not `wait`: a chunked room moves with each chunk, whole or not
             r = self._live.get(room)
@@ -448,9 +451,9 @@ class RoomTable:
         await wait_until(whole_or_gone, lambda: self._tick, timeout)
         self._end_revoked(room)
         r = self._live.get(room)
-        if r is None or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket:
+        if r is None or r.holdable or r.slot < 0 or r.ready_upto < self.layers.stop or r.ticket:
             return None
-        if r.granted >= r.consumers and not self._take_held(r):
+        if r.granted >= r.consumers:
             return None
         r.ticket = "issued"
         return r.slot, r.nonce

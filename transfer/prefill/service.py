@@ -237,6 +237,8 @@ class PrefillService:
         if held.cp_rank <= self._cp_rank:
             raise MetadataError(f"cp rank {self._cp_rank} keeps claims held by higher ranks only, not {held.cp_rank}")
         room = held.state.room
+        if self._cp_rank != 0:  # not the arbiter (rank 0 was not registered when it was looked up)
+            return encode(HeldReply(room=room, kept=False), self._fp)
         ended = self.rooms.state(room).status in (RoomStatus.RELEASED, RoomStatus.ABORTED)
         usable = self.rooms.granted(room) <= 0 and not ended
         kept, replaced = (False, None) if not usable or self._relay is None else self.held.keep(held)
@@ -273,8 +275,10 @@ class PrefillService:
         return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed or []), self._fp)
 
     def room_ended(self, room: int) -> None:
-        """`room` ended here: the claims held for it go back unused."""
-        returned = self.held.pop(room)
+        """`room` ended here: the claims held for it go back, those handed to a claimant too
+        where nobody read it here (the claimant's answer was lost, or it is gone)."""
+        unread = self.rooms.state(room).status is RoomStatus.ABORTED
+        returned = self.held.pop(room, unread)
         if returned:
             self._give_back(room, returned)
 
