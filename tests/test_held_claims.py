@@ -11,7 +11,7 @@ from transfer.metadata import HeldClaim, OwnerPin, OwnerRef, RoomState, RoomStat
 from transfer.prefill.held import HeldClaims, pages_digest
 from transfer.prefill.rooms import RoomTable
 
-B, C = "b" * 32, "c" * 32
+A, B, C = "a" * 32, "b" * 32, "c" * 32
 
 
 def whole(room: int = 1, consumers: int = 1) -> RoomTable:
@@ -88,8 +88,8 @@ async def test_a_room_published_to_hold_gets_no_ticket_and_a_give_up_never_takes
 
 
 async def test_a_held_claim_the_arbiter_returns_ends_unread_and_only_that_one():
-    """Returned as the arbiter's room ended: it ends unread (the room aborted where nobody
-    read it), once, and only while unused."""
+    """Given back as its claim ended unread at the arbiter: it ends unread here (the room
+    aborted where nobody read it), once, used by a reader or not."""
     t = whole(consumers=2)
     held = t.hold(1)
     assert held is not None
@@ -102,7 +102,9 @@ async def test_a_held_claim_the_arbiter_returns_ends_unread_and_only_that_one():
     held2 = t2.hold(1)
     assert held2 is not None
     t2.check_claim(1, held2)  # its reader used it: the arbiter handed it out
-    assert not t2.drop_held(1, held2, ended=True)
+    assert not t2.drop_held(1, held2, ended=False)  # a refusal takes only an unused one
+    assert t2.drop_held(1, held2, ended=True)  # its claimant's claim ended unread at the arbiter
+    assert t2.state(1).status is RoomStatus.ABORTED
     t3 = whole()
     held3 = t3.hold(1)
     assert held3 is not None and t3.drop_held(1, held3, ended=True)
@@ -146,14 +148,14 @@ OTHERS = [OwnerRef(cp_rank=1, incarnation="i1"), OwnerRef(cp_rank=2, incarnation
 def test_the_arbiter_hands_out_every_rank_held_claim_once_or_none():
     held = HeldClaims(keep_s=60)
     assert _kept(held, _held(1))
-    assert held.hand_out(1, OTHERS, [4, 5]) is None  # rank 2 holds none yet: nothing taken
+    assert held.hand_out(1, OTHERS, [4, 5], A) is None  # rank 2 holds none yet: nothing taken
     assert _kept(held, _held(2))
-    assert held.hand_out(1, OTHERS[:1] + [OwnerRef(cp_rank=2, incarnation="i2")], [4, 5]) is None  # restarted
-    assert held.hand_out(1, OTHERS, [4, 6]) is None  # other pages than the arbiter's
-    answers = held.hand_out(1, OTHERS, [4, 5])
+    assert held.hand_out(1, OTHERS[:1] + [OwnerRef(cp_rank=2, incarnation="i2")], [4, 5], A) is None  # restarted
+    assert held.hand_out(1, OTHERS, [4, 6], A) is None  # other pages than the arbiter's
+    answers = held.hand_out(1, OTHERS, [4, 5], A)
     assert answers is not None and [(a.cp_rank, a.claim) for a in answers] == [(1, "1" * 32), (2, "2" * 32)]
     assert all(a.state is not None and a.state.src_pages == [4, 5] for a in answers)  # the arbiter's, matched
-    assert held.hand_out(1, OTHERS, [4, 5]) is None and held.handed_out == 1  # once
+    assert held.hand_out(1, OTHERS, [4, 5], A) is None and held.handed_out == 1  # once
 
 
 def test_a_held_claim_another_replaces_is_given_back():
@@ -168,13 +170,24 @@ def test_a_held_claim_another_replaces_is_given_back():
     assert [h.claim for h in held.pop(1, unread=False)] == ["e" * 32] and held.pop(1, unread=False) == []
 
 
+def test_claims_handed_out_go_back_once_their_claimant_gave_up_there():
+    """The claimant the held claims went to gave its claim up on the arbiter (or vanished):
+    they go back at once, whatever becomes of the room (another reader may still read it)."""
+    held = HeldClaims(keep_s=60)
+    assert _kept(held, _held(1)) and _kept(held, _held(2))
+    assert held.hand_out(1, OTHERS, [4, 5], A) is not None
+    assert held.given_up(1, B) == []  # another claimant's: not its claims
+    assert [h.cp_rank for h in held.given_up(1, A)] == [1, 2] and held.given_up(1, A) == []
+    assert held.pop(1, unread=True) == []  # given back once
+
+
 def test_claims_handed_out_go_back_only_where_the_room_ended_unread():
     """Handed to a claimant whose answer was lost (or who died): the arbiter's room ends
     unread, and the ranks are told to end theirs; read, they are left to their reader."""
     for unread in (False, True):
         held = HeldClaims(keep_s=60)
         assert _kept(held, _held(1)) and _kept(held, _held(2))
-        assert held.hand_out(1, OTHERS, [4, 5]) is not None
+        assert held.hand_out(1, OTHERS, [4, 5], A) is not None
         back = held.pop(1, unread)
         assert [h.cp_rank for h in back] == ([1, 2] if unread else [])
 
@@ -189,4 +202,4 @@ def test_a_held_claim_that_says_nothing_readable_or_has_lapsed_is_not_handed_out
     lapsing = HeldClaims(keep_s=0.01)
     assert _kept(lapsing, _held(1)) and _kept(lapsing, _held(2))
     time.sleep(0.02)
-    assert lapsing.hand_out(1, OTHERS, [4, 5]) is None
+    assert lapsing.hand_out(1, OTHERS, [4, 5], A) is None

@@ -307,3 +307,33 @@ async def test_a_claimant_whose_answer_was_lost_gives_the_room_up_on_every_rank(
         await client.aclose()
     after = await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s), within=10)
     assert [r["aborted"] - b["aborted"] for r, b in zip(after, before)] == [1, 1, 1]
+
+
+async def test_the_claims_handed_to_a_claimant_that_gave_up_go_back_while_another_reads_on(deployment):  # type: ignore[no-untyped-def]
+    """A room for two: the first claimant is handed the held claims and gives its claim up on
+    the arbiter unread (as the arbiter does for a claimant whose stream is lost); the arbiter
+    gives those claims back at once, the second reader is relayed and reads it exact, and
+    the room ends released on every rank, not at its pin's expiry."""
+    n, room = 300, 9_600_000
+    await _whole(deployment, room, n, consumers=2)
+    controls = deployment.engines[0].controls
+    pool = DSAKVPool(tiny(size=8192))
+    fp = pool.layout.fingerprint
+    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
+        ranks = await fetcher.describe(ENGINE)
+        client = ControlClient(Timeouts())
+        token = secrets.token_hex(16)
+        try:
+            ask = ClaimRequest(room=room, consumer_id="gone", claim=token)
+            others = [OwnerRef(cp_rank=r, incarnation=ranks[r].incarnation) for r in (1, 2)]
+            call = ClaimAll(ask=ask, others=others, budget_ms=5000)
+            reply = await client.call(f"{controls[0]}/v1/claims", call, ClaimAllReply, fingerprint=fp, timeout=10)
+            assert all(o.claim is not None for o in reply.others)  # handed out
+            notice = ReleaseNotice(room=room, consumer_id="gone", claim=token, give_up=True)
+            await client.request("POST", f"{controls[0]}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
+        finally:
+            await client.aclose()
+        pages = fragmented_pages(pool, n, 13)
+        await fetcher.fetch(ENGINE, room, pages, timeout=20)
+    assert kv_is_exact(pool, ENGINE, room, n, pages)
+    await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s), within=10)

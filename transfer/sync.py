@@ -434,6 +434,7 @@ class SyncExporter:
         secret: str | None = None,
         on_free: Callable[[int, np.ndarray], None] = lambda room, pages: None,
         group_size: int = 1,
+        hold_claims: bool = True,
     ) -> None:
         self._bg = BackgroundLoop(f"pdkv-{engine_id}-cp{cp_rank}")
         self.timeouts = timeouts
@@ -453,6 +454,7 @@ class SyncExporter:
                 secret=secret,
                 on_free=on_free,
                 group_size=group_size,
+                hold_claims=hold_claims,
             )
 
         self.exporter = _start_or_stop(self._bg, make, self._start)

@@ -110,7 +110,14 @@ class PrefillExporter:
         # A reader gone for a heartbeat (its releases had time to land) no longer holds its claims.
         self._readiness = ReadinessHub(lambda consumer: self.rooms.give_up_consumer(consumer), timeouts.heartbeat)
         self.rooms = RoomTable(
-            pool.owned, pool.layout.num_pages, timeouts.pin, on_free, self._pins.words, self._pushed, self._ended
+            pool.owned,
+            pool.layout.num_pages,
+            timeouts.pin,
+            on_free,
+            self._pins.words,
+            self._pushed,
+            self._ended,
+            lambda room, token: self._service.claim_given_up(room, token),
         )
         self._ipc = IpcExporter(secret, timeouts)
         # As its engine's arbiter (the lowest rank) it relays decodes' claims to the other ranks.

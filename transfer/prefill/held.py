@@ -43,9 +43,9 @@ class HeldClaims:
     def __init__(self, keep_s: float) -> None:
         self._keep_s = keep_s
         self._rooms: OrderedDict[int, dict[int, tuple[float, HeldClaim]]] = OrderedDict()
-        # Rooms whose held claims went to a claimant, until the room ends here: given back if
-        # it ends unread (the answer lost, the claimant dead), when no claimant uses them.
-        self._handed: OrderedDict[int, list[HeldClaim]] = OrderedDict()
+        # Rooms whose held claims went to a claimant (its token here), until the room ends
+        # here: given back if that claim ends unread (its answer lost, the claimant gone).
+        self._handed: OrderedDict[int, tuple[str, list[HeldClaim]]] = OrderedDict()
         self.handed_out = 0  # claimants answered from held claims, with no relay
 
     def keep(self, held: HeldClaim) -> tuple[bool, HeldClaim | None]:
@@ -66,10 +66,12 @@ class HeldClaims:
             self._rooms.popitem(last=False)
         return True, None if before is None or before[1].claim == held.claim else before[1]
 
-    def hand_out(self, room: int, others: Sequence[OwnerRef], src_pages: list[int]) -> list[OwnerClaim] | None:
+    def hand_out(
+        self, room: int, others: Sequence[OwnerRef], src_pages: list[int], claimant: str
+    ) -> list[OwnerClaim] | None:
         """Every one of `others`' held claims of `room`, as each would answer the claim, taken
-        out; None (nothing taken) unless each holds one, for the incarnation named and for
-        `src_pages` (the arbiter's), and none has lapsed."""
+        out for `claimant` (its claim's token here); None (nothing taken) unless each holds
+        one, for the incarnation named and for `src_pages` (the arbiter's), none lapsed."""
         by_rank = self._rooms.get(room)
         if by_rank is None:
             return None
@@ -81,7 +83,7 @@ class HeldClaims:
                 return None
             state = msgspec.structs.replace(held.state, src_pages=src_pages)
             answers.append(OwnerClaim(cp_rank=o.cp_rank, state=state, claim=held.claim))
-        self._handed[room] = [held for _, held in self._rooms.pop(room).values()]
+        self._handed[room] = (claimant, [held for _, held in self._rooms.pop(room).values()])
         while len(self._handed) > _MAX_ROOMS:
             self._handed.popitem(last=False)
         self.handed_out += 1
@@ -89,13 +91,21 @@ class HeldClaims:
 
     def pop(self, room: int, unread: bool) -> list[HeldClaim]:
         """`room` ended here: the held claims to give back to their ranks, which end each unread
-        where nothing used it or took it over. Those not handed out; with `unread` (the room
-        ended with no reader: its claimant's answer lost, or the claimant gone) those handed
-        out too, which no reader used then."""
+        where it is still open. Those not handed out; with `unread` (the room ended with no
+        reader) those handed out too."""
         by_rank = self._rooms.pop(room, None)
         back = [] if by_rank is None else [held for _, held in by_rank.values()]
-        handed = self._handed.pop(room, [])
+        _, handed = self._handed.pop(room, ("", []))
         return back + handed if unread else back
+
+    def given_up(self, room: int, claimant: str) -> list[HeldClaim]:
+        """`claimant`'s claim of `room` ended unread here (it gave up, or vanished): the held
+        claims handed to it, to give back (its claims elsewhere end with it)."""
+        got = self._handed.get(room)
+        if got is None or got[0] != claimant:
+            return []
+        del self._handed[room]
+        return got[1]
 
     def _oldest_gone(self, now: float) -> bool:
         oldest = next(iter(self._rooms.values()))

@@ -32,6 +32,7 @@ class Room:
     nonce: int = 0
     ticket: str = ""  # "", "issued" (holds one of the claims), "released"
     held: str = ""  # the open claim this rank holds for its arbiter to hand out, while no reader used it
+    held_token: str = ""  # that claim's token, used or not: the arbiter may give it back (`drop_held`)
     holdable: bool = False  # published to hold a claim for the arbiter (then never a ticket)
     aux: bytes | None = None  # the engine's per-request bytes, given with the last chunk
     pub: int = 0  # this publication of the room id (`publish`'s answer)

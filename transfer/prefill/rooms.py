@@ -90,10 +90,12 @@ class RoomTable:
         pins: np.ndarray | None = None,
         on_change: Callable[[RoomState, set[str]], None] = lambda state, consumers: None,
         on_ended: Callable[[int], None] = lambda room: None,
+        on_given_up: Callable[[int, str], None] = lambda room, token: None,
     ) -> None:
         """`pins`: the int64 pin table decodes READ (zeroed here); None: no tickets.
         `on_change(state, consumers)`: a room moved; `consumers` hold claims on it.
-        `on_ended(room)`: a room ended, however."""
+        `on_ended(room)`: a room ended, however. `on_given_up(room, token)`: claim `token`
+        ended unread (given up, or its consumer gone)."""
         self.layers = layers
         self.num_pages = num_pages
         self.pin_seconds = pin_seconds
@@ -106,6 +108,7 @@ class RoomTable:
         self.counters = RoomCounters()
         self._on_change = on_change
         self._on_ended = on_ended
+        self._on_given_up = on_given_up
         self._pins = pins
         if pins is not None:
             pins[:] = 0
@@ -297,23 +300,27 @@ class RoomTable:
             return None
         if r.ready_upto != self.layers.stop or r.granted >= r.consumers:
             return None
-        r.held = secrets.token_hex(16)
+        r.held = r.held_token = secrets.token_hex(16)
         r.open_claims[r.held] = HELD  # no stream's loss gives it up
         return r.held
 
     def drop_held(self, room: int, token: str, ended: bool) -> bool:
-        """The arbiter will not hand out the claim held under `token`. `ended`: the arbiter's
-        room ended unread, so it ends unread here too, as a give-up of it would; else (the
-        arbiter granted another claimant) its place is free again for that claimant's claim.
-        False, and nothing done, unless it is still the room's held claim, unused."""
+        """The arbiter gives back the claim held under `token`. `ended`: the claim it stood for
+        ended unread there (the room, or the claimant it was handed to: its answer lost, or it
+        gave up or vanished), so it ends unread here too, as a give-up of it would, used or
+        not; else (refused as it came: the arbiter granted another claimant first, unused
+        then) its place is free again for that claimant's claim. False, and nothing done,
+        unless it is still an open claim held for the arbiter (unused, where not `ended`)."""
         self._end_revoked(room)
         r = self._live.get(room)
-        if r is None or not r.held or r.held != token:
+        if r is None or not r.held_token or r.held_token != token or token not in r.open_claims:
             return False
         if ended:
             self.give_up(room, token)
-        else:
+        elif r.held == token:
             self._take_held(r)
+        else:
+            return False
         return True
 
     def _take_held(self, r: Room) -> bool:
@@ -422,6 +429,7 @@ class RoomTable:
             self._used(r, token)
             del r.open_claims[token]
             r.starts.pop(token, None)
+            self._on_given_up(room, token)
         elif r.granted >= r.consumers:  # never the held claim: the arbiter may have handed it out
             raise ClaimLostError(f"room {room}: every claim is held by another consumer; nothing to give up")
         r.released += 1

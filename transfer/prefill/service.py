@@ -268,7 +268,7 @@ class PrefillService:
             relayed: list[OwnerClaim] | None = None
             if first and ask.readers == 1 and state.status is RoomStatus.READY and others:
                 # A group's size must reach every rank: a group is relayed.
-                relayed = self.held.hand_out(room, others, state.src_pages)
+                relayed = self.held.hand_out(room, others, state.src_pages, ask.claim)
             if relayed is None and state.status is not RoomStatus.UNKNOWN and others:
                 assert self._relay is not None  # unpublished here: nothing granted, ask again
                 relayed = await self._relay(ask, list(others), deadline)
@@ -279,6 +279,12 @@ class PrefillService:
         where nobody read it here (the claimant's answer was lost, or it is gone)."""
         unread = self.rooms.state(room).status is RoomStatus.ABORTED
         returned = self.held.pop(room, unread)
+        if returned:
+            self._give_back(room, returned)
+
+    def claim_given_up(self, room: int, token: str) -> None:
+        """Claim `token` of `room` ended unread here: the held claims handed to it go back."""
+        returned = self.held.given_up(room, token)
         if returned:
             self._give_back(room, returned)
 
