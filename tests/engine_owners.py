@@ -103,7 +103,8 @@ def run_owner(
     async def serve() -> None:
         async with PrefillExporter(kv, engine_id, cp_rank, cp_size, registry_url) as exporter:
             for room, pages in rooms.items():
-                exporter.publish_room(room, np.array(pages), hold=False)  # read by ticket
+                # A room read by its ticket holds no claim for the arbiter; one read by claims does.
+                exporter.publish_room(room, np.array(pages), hold=room in unpinned)
                 half = owned.start + max(1, len(owned) // 2)
                 exporter.mark_ready(room, half if room in partial else owned.stop)
             waiting = unpinned | partial
