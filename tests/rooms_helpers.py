@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
 import numpy as np
+import pytest_asyncio
 import torch
 
 from pdkv import DSAKVPool
 from transfer.app.api import PrefillReply, PrefillRequest
+from transfer.app.router import Deployment, DeploymentSpec
 from transfer.app.synthetic import RequestContent, fragmented_page_order, request_seed
+
+
+def module_deployment(spec: DeploymentSpec) -> Callable[..., Any]:
+    """A module-scoped `deployment` fixture: `spec` deployed once for the module's tests."""
+
+    @pytest_asyncio.fixture(loop_scope="module", scope="module")
+    async def deployment() -> AsyncIterator[Deployment]:
+        async with Deployment(spec) as d:
+            yield d
+
+    return deployment
 
 
 async def prefill(deployment, engine, room: int, n: int, consumers: int = 1, ticket: bool = False) -> PrefillReply:  # type: ignore[no-untyped-def]

@@ -15,12 +15,11 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-import pytest_asyncio
 import torch
 
 from pdkv import DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
 from pdkv.errors import DeadlineExceeded, MetadataError, PeerLostError
-from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, module_deployment, prefill
 from tests.scrape import histogram_totals
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient, _Channel
@@ -44,10 +43,7 @@ ENGINE = "prefill0"
 UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def deployment():  # type: ignore[no-untyped-def]
-    async with Deployment(SPEC) as d:
-        yield d
+deployment = module_deployment(SPEC)
 
 
 async def _until_unpinned(deployment: Deployment, within: float = 10.0) -> None:

@@ -12,12 +12,11 @@ import time
 
 import msgspec
 import pytest
-import pytest_asyncio
 import torch
 
 from pdkv import ClaimLostError, DSAKVPool, RoomClaimedError, tiny
 from pdkv.errors import MetadataError
-from tests.rooms_helpers import fragmented_pages, kv_is_exact, prefill
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, module_deployment, prefill
 from tests.scrape import histogram_totals
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient
@@ -46,10 +45,7 @@ ENGINE = "prefill0"
 UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def deployment():  # type: ignore[no-untyped-def]
-    async with Deployment(SPEC) as d:
-        yield d
+deployment = module_deployment(SPEC)
 
 
 async def _stats(deployment: Deployment) -> list[dict[str, int]]:
@@ -79,6 +75,29 @@ async def _whole(deployment: Deployment, room: int, n: int, consumers: int = 1) 
 
 async def _unpinned(deployment: Deployment) -> None:
     await _until(deployment, lambda s: all(r["pinned_pages"] == 0 for r in s))
+
+
+async def _handed_then_given_up(deployment: Deployment, room: int, consumer: str) -> str:
+    """A claimant is handed `room`'s held claims (asserted), then gives its claim up on the
+    arbiter unread, as a fetch whose answer was lost, or the arbiter for a claimant gone, does:
+    its token."""
+    controls = deployment.engines[0].controls
+    fp = DSAKVPool(tiny(size=8192)).layout.fingerprint
+    async with DecodeFetcher(DSAKVPool(tiny(size=8192)), deployment.registry_url, ucx_workers=1) as fetcher:
+        ranks = await fetcher.describe(ENGINE)
+    client = ControlClient(Timeouts())
+    token = secrets.token_hex(16)
+    try:
+        ask = ClaimRequest(room=room, consumer_id=consumer, claim=token)
+        others = [OwnerRef(cp_rank=r, incarnation=ranks[r].incarnation) for r in (1, 2)]
+        call = ClaimAll(ask=ask, others=others, budget_ms=5000)
+        reply = await client.call(f"{controls[0]}/v1/claims", call, ClaimAllReply, fingerprint=fp, timeout=10)
+        assert all(o.claim is not None for o in reply.others)  # handed out
+        notice = ReleaseNotice(room=room, consumer_id=consumer, claim=token, give_up=True)
+        await client.request("POST", f"{controls[0]}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
+        return token
+    finally:
+        await client.aclose()
 
 
 async def test_the_first_claimant_of_a_whole_room_reads_it_with_no_relay(deployment):  # type: ignore[no-untyped-def]
@@ -285,22 +304,12 @@ async def test_a_claimant_whose_answer_was_lost_gives_the_room_up_on_every_rank(
     n, room = 300, 9_590_000
     await _whole(deployment, room, n)
     before = await _stats(deployment)
-    controls = deployment.engines[0].controls
-    pool = DSAKVPool(tiny(size=8192))
-    fp = pool.layout.fingerprint
-    async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
-        ranks = await fetcher.describe(ENGINE)
+    token = await _handed_then_given_up(deployment, room, "lost-answer")
+    notice = ReleaseNotice(room=room, consumer_id="lost-answer", claim=token, give_up=True)
+    fp = DSAKVPool(tiny(size=8192)).layout.fingerprint
     client = ControlClient(Timeouts())
-    token = secrets.token_hex(16)
-    try:
-        ask = ClaimRequest(room=room, consumer_id="lost-answer", claim=token)
-        others = [OwnerRef(cp_rank=r, incarnation=ranks[r].incarnation) for r in (1, 2)]
-        call = ClaimAll(ask=ask, others=others, budget_ms=5000)
-        reply = await client.call(f"{controls[0]}/v1/claims", call, ClaimAllReply, fingerprint=fp, timeout=10)
-        assert all(o.claim is not None for o in reply.others)  # handed out; the claimant never hears it
-        notice = ReleaseNotice(room=room, consumer_id="lost-answer", claim=token, give_up=True)
-        await client.request("POST", f"{controls[0]}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
-        for control in controls[1:]:  # the token it knows holds nothing there: refused, or the room ended already
+    try:  # the token it knows holds nothing there: refused, or the room ended already
+        for control in deployment.engines[0].controls[1:]:
             with contextlib.suppress(ClaimLostError):
                 await client.request("POST", f"{control}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
     finally:
@@ -316,23 +325,9 @@ async def test_the_claims_handed_to_a_claimant_that_gave_up_go_back_while_anothe
     the room ends released on every rank, not at its pin's expiry."""
     n, room = 300, 9_600_000
     await _whole(deployment, room, n, consumers=2)
-    controls = deployment.engines[0].controls
+    await _handed_then_given_up(deployment, room, "gone")
     pool = DSAKVPool(tiny(size=8192))
-    fp = pool.layout.fingerprint
     async with DecodeFetcher(pool, deployment.registry_url, ucx_workers=1) as fetcher:
-        ranks = await fetcher.describe(ENGINE)
-        client = ControlClient(Timeouts())
-        token = secrets.token_hex(16)
-        try:
-            ask = ClaimRequest(room=room, consumer_id="gone", claim=token)
-            others = [OwnerRef(cp_rank=r, incarnation=ranks[r].incarnation) for r in (1, 2)]
-            call = ClaimAll(ask=ask, others=others, budget_ms=5000)
-            reply = await client.call(f"{controls[0]}/v1/claims", call, ClaimAllReply, fingerprint=fp, timeout=10)
-            assert all(o.claim is not None for o in reply.others)  # handed out
-            notice = ReleaseNotice(room=room, consumer_id="gone", claim=token, give_up=True)
-            await client.request("POST", f"{controls[0]}/v1/rooms/{room}/release", ReleaseReply, notice, fingerprint=fp)
-        finally:
-            await client.aclose()
         pages = fragmented_pages(pool, n, 13)
         await fetcher.fetch(ENGINE, room, pages, timeout=20)
     assert kv_is_exact(pool, ENGINE, room, n, pages)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
+
+import msgspec
 
 from pdkv.errors import PdkvError, PeerLostError
 from transfer.control import ControlClient
@@ -36,6 +39,8 @@ from transfer.registry import RegistryClient
 from transfer.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 class Peers:
@@ -75,14 +80,7 @@ class Peers:
                 why = f"cp rank {owner.cp_rank} incarnation {owner.incarnation} is not registered"
                 raise PeerLostError(f"{self._engine_id}: {why}", owner.incarnation)
             call = ClaimAll(ask=ask, others=[], budget_ms=max(1, deadline.to_wire()))
-            answer = await self._client.call(
-                f"{url}/v1/claims",
-                call,
-                ClaimAllReply,
-                fingerprint=self._fp,
-                expect_fingerprint=self._fp,
-                timeout=deadline.left(),
-            )
+            answer = await self._call(url, call, ClaimAllReply, deadline)
             return OwnerClaim(cp_rank=owner.cp_rank, state=answer.arbiter)
         except PdkvError as exc:
             logger.debug("room %d: relaying a claim to cp rank %d: %s", ask.room, owner.cp_rank, exc)
@@ -96,14 +94,7 @@ class Peers:
             url = await self._arbiter_url(deadline)
             if url is None:
                 return None
-            reply = await self._client.call(
-                f"{url}/v1/claims",
-                held,
-                HeldReply,
-                fingerprint=self._fp,
-                expect_fingerprint=self._fp,
-                timeout=deadline.left(),
-            )
+            reply = await self._call(url, held, HeldReply, deadline)
         except PdkvError as exc:
             logger.debug("room %d: telling the arbiter of a held claim: %s", held.state.room, exc)
             self._known.clear()  # looked up again next time: the arbiter may have moved
@@ -124,13 +115,19 @@ class Peers:
             url = urls.get(held.cp_rank)
             if url is None:
                 return  # that incarnation is gone, and its rooms with it
-            back, fp = ReturnHeld(room=room, claim=held.claim), self._fp
             try:
-                await self._client.call(f"{url}/v1/claims", back, HeldReply, fingerprint=fp, timeout=deadline.left())
+                await self._call(url, ReturnHeld(room=room, claim=held.claim), HeldReply, deadline)
             except PdkvError as exc:
                 logger.debug("room %d: returning cp rank %d's held claim: %s", room, held.cp_rank, exc)
 
         await asyncio.gather(*(one(h) for h in returned))
+
+    async def _call(self, url: str, body: msgspec.Struct, reply: type[R], deadline: Deadline) -> R:
+        """One call on the claim channel of the rank at control URL `url`, within `deadline`."""
+        fp = self._fp
+        return await self._client.call(
+            f"{url}/v1/claims", body, reply, fingerprint=fp, expect_fingerprint=fp, timeout=deadline.left()
+        )
 
     async def _arbiter_url(self, deadline: Deadline) -> str | None:
         """The control URL of rank 0, the arbiter decodes ask (None: not registered)."""
