@@ -44,7 +44,7 @@ from prometheus_client import REGISTRY, generate_latest
 from pdkv import errors
 from pdkv.errors import AuthError, CapacityError, DeadlineExceeded, MetadataError, PdkvError, PeerLostError
 from transfer.addresses import http_url, is_wildcard
-from transfer.deadline import Deadline
+from transfer.deadline import Deadline, bounded
 from transfer.http_guard import MAX_CONNECTIONS, ConnectionGuard
 from transfer.logctx import request_context
 from transfer.metadata import ErrorReply, decode, encode, error_from, error_reply
@@ -360,14 +360,15 @@ class _Channel:
         self._pending[call] = answer
 
         async def exchange() -> bytes:
-            await ws.send_bytes(_CALL.pack(call) + data)
+            try:
+                await ws.send_bytes(_CALL.pack(call) + data)
+            except ConnectionError as exc:  # the channel broke, maybe before its reader heard of it
+                self._fail(PeerLostError(f"channel to {self.url}: {exc}", self.url))
+                raise PeerLostError(f"call {self.url}: {exc}", self.url) from exc
             return await answer
 
         try:
             return await _bounded(exchange(), f"call {self.url}", self.url, deadline.left())
-        except ConnectionError as exc:  # the channel broke as the call was sent
-            self._fail(PeerLostError(f"channel to {self.url}: {exc}", self.url))
-            raise PeerLostError(f"call {self.url}: {exc}", self.url) from exc
         except DeadlineExceeded:
             # The peer answers within the budget a call names: one that did not may be gone
             # without a word (a cut link). Later calls open a new channel, which fails fast
@@ -464,33 +465,31 @@ def _error_from_frame(body: bytes, url: str) -> PdkvError:
         return exc
 
 
-Answer = Callable[[bytes], Awaitable[bytes]]
-"""A channel's serving side: a call's envelope in, its reply's out (a pdkv error: refused)."""
+Answer = Callable[[bytes], bytes | Awaitable[bytes]]
+"""A channel's serving side: a call's envelope in, its reply's out (a pdkv error: refused);
+an awaitable where the answer must wait (a claim on a room not published yet)."""
 
 
 async def serve_channel(
     request: web.Request, answer: Answer, closing: set[web.WebSocketResponse]
 ) -> web.StreamResponse:
-    """Serve a channel on `request` (its upgrade passed the app's checks): each call is
-    answered by `answer` in a task of its own, so a call that waits (a claim on a room not
-    published yet) holds up no other. `closing`: the open channels, for the service's close."""
+    """Serve a channel on `request` (its upgrade passed the app's checks). A call answered
+    at once is sent from here; one that must wait is awaited in a task of its own, so that
+    it holds up no other (a task a call would cost a turn of the loop, on a hot path).
+    `closing`: the open channels, for the service's close."""
     # A peer that does not answer the close frame is not waited for beyond the service's shutdown bound.
     ws = web.WebSocketResponse(max_msg_size=MAX_BODY, timeout=request.config_dict[_TIMEOUTS].shutdown)
     await ws.prepare(request)
     closing.add(ws)
     calls: set[asyncio.Task[None]] = set()
 
-    async def one(call: bytes, data: bytes) -> None:
-        try:
-            out = _OK + await answer(data)
-        except PdkvError as exc:
-            out = _ERROR + encode(error_reply(exc))
-        except Exception:  # a bug: the caller hears of it now, not at its deadline
-            logger.exception("a call on %s failed", request.path)
-            out = _ERROR + encode(error_reply(PdkvError("the call failed on the serving side (see its log)")))
+    async def send(call: bytes, out: bytes) -> None:
         if not ws.closed:
             with contextlib.suppress(ConnectionError):
                 await ws.send_bytes(call + out)
+
+    async def later(call: bytes, pending: Awaitable[bytes]) -> None:
+        await send(call, await pending)
 
     try:
         async for msg in ws:
@@ -501,7 +500,11 @@ async def serve_channel(
                 refused = CapacityError(f"{MAX_CALLS} calls in flight on one channel")
                 await ws.send_bytes(call + _ERROR + encode(error_reply(refused)))
                 continue
-            task = asyncio.ensure_future(one(call, data))
+            out = _frame(answer, data, request.path)
+            if isinstance(out, bytes):
+                await send(call, out)
+                continue
+            task = asyncio.ensure_future(later(call, out))
             calls.add(task)
             task.add_done_callback(calls.discard)
     finally:
@@ -513,10 +516,33 @@ async def serve_channel(
     return ws
 
 
+def _frame(answer: Answer, data: bytes, path: str) -> bytes | Awaitable[bytes]:
+    """The body of the frame that answers `data`: the reply or the refusal, or an awaitable of it."""
+    try:
+        out = answer(data)
+    except Exception as exc:
+        return _refusal(exc, path)
+    return _OK + out if isinstance(out, bytes) else _frame_later(out, path)
+
+
+async def _frame_later(pending: Awaitable[bytes], path: str) -> bytes:
+    try:
+        return _OK + await pending
+    except Exception as exc:
+        return _refusal(exc, path)
+
+
+def _refusal(exc: Exception, path: str) -> bytes:
+    if not isinstance(exc, PdkvError):  # a bug: the caller hears of it now, not at its deadline
+        logger.error("a call on %s failed", path, exc_info=exc)
+        exc = PdkvError("the call failed on the serving side (see its log)")
+    return _ERROR + encode(error_reply(exc))
+
+
 async def _bounded(exchange: Awaitable[R], what: str, url: str, limit: float) -> R:
     """One HTTP exchange under `limit` seconds, its failures as pdkv errors."""
     try:
-        return await asyncio.wait_for(exchange, limit)
+        return await bounded(exchange, limit)
     except asyncio.TimeoutError as exc:
         raise DeadlineExceeded(f"{what}: no answer within {limit:.1f}s") from exc
     except aiohttp.ClientError as exc:

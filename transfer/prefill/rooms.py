@@ -238,16 +238,18 @@ class RoomTable:
         """The room's state once it has layers ready beyond `after` (or, by chunks, pages
         beyond `after_pages`), or at `timeout`."""
 
-        def moved() -> bool:
-            r = self._live.get(room)
-            if r is None:
-                return room in self._finished
-            if r.total_pages >= 0 and len(r.src_pages) > after_pages:
-                return True
-            return r.ready_upto > after or r.ready_upto == self.layers.stop
-
-        await wait_until(moved, lambda: self._tick, timeout)
+        await wait_until(lambda: self.moved(room, after, after_pages), lambda: self._tick, timeout)
         return self.state(room)
+
+    def moved(self, room: int, after: int, after_pages: int = -1) -> bool:
+        """Whether `wait` returns at once: the room has ended, or has layers ready beyond
+        `after` (by chunks, pages beyond `after_pages`)."""
+        r = self._live.get(room)
+        if r is None:
+            return room in self._finished
+        if r.total_pages >= 0 and len(r.src_pages) > after_pages:
+            return True
+        return r.ready_upto > after or r.ready_upto == self.layers.stop
 
     def claim(self, room: int, token: str, consumer: str, readers: int = 1) -> RoomState:
         """Grant `token` one of the room's claims (idempotent for a token already granted).

@@ -220,7 +220,9 @@ class PrefillService:
     async def _channel(self, request: web.Request) -> web.StreamResponse:
         return await serve_channel(request, self._call, self._channels)
 
-    async def _call(self, data: bytes) -> bytes:
+    def _call(self, data: bytes) -> bytes | Awaitable[bytes]:
+        """A call on the claim channel: answered at once, or (a claim that waits for its room,
+        or is relayed) an awaitable of the answer."""
         kinds = (ClaimAll, HeldClaim, ReturnHeld)  # as one of them; mypy infers only their base
         asked = cast("ClaimAll | HeldClaim | ReturnHeld", decode_any(data, kinds, self._fp))
         if isinstance(asked, HeldClaim):
@@ -229,7 +231,7 @@ class PrefillService:
             with self.about(asked.room):
                 dropped = self.rooms.drop_held(asked.room, asked.claim, ended=True)
             return encode(HeldReply(room=asked.room, kept=dropped), self._fp)
-        return await self._claim_all(asked)
+        return self._claim_all(asked)
 
     def _keep(self, held: HeldClaim) -> bytes:
         """A higher rank holds a claim of a whole room for this rank to hand out: kept unless
@@ -246,33 +248,52 @@ class PrefillService:
             self._give_back(room, [replaced])
         return encode(HeldReply(room=room, kept=kept, ended=ended), self._fp)
 
-    async def _claim_all(self, asked: ClaimAll) -> bytes:
+    def _claim_all(self, asked: ClaimAll) -> bytes | Awaitable[bytes]:
         """A claim here, then on every other rank the call names: one call for the decode.
 
         Granted here first: a claimant refused here (another won the room) is refused before
         any other rank is asked, so of two racing for a room one holds it everywhere. Every
         claimant asks the same rank first (the lowest), so a rank refuses to arbitrate for a
         lower one. The room's first claimant, where every other rank holds a claim for this
-        one, gets those: no relay (`transfer.prefill.held`)."""
-        ask, others, room = asked.ask, asked.others, asked.ask.room
-        ranks = [o.cp_rank for o in others]
+        one, gets those: no relay (`transfer.prefill.held`), and the answer is made at once."""
+        ranks = [o.cp_rank for o in asked.others]
         if len(set(ranks)) != len(ranks) or any(r <= self._cp_rank for r in ranks):
             raise MetadataError(f"cp rank {self._cp_rank} arbitrates only for distinct higher ranks, asked {ranks}")
-        if self._relay is None and others:
+        if self._relay is None and asked.others:
             raise NotReadyError(f"cp rank {self._cp_rank} relays no claims")
         deadline = Deadline.from_wire(asked.budget_ms)
+        if not self.rooms.moved(asked.ask.room, -1):
+            return self._claim_all_published(asked, deadline)
+        return self._grant(asked, deadline)
+
+    async def _claim_all_published(self, asked: ClaimAll, deadline: Deadline) -> bytes:
+        """`_claim_all` once the room is published here (or, unpublished at the call's budget,
+        answered UNKNOWN: the decode asks again)."""
+        await self.rooms.wait(asked.ask.room, -1, deadline.left(self._timeouts.poll))
+        answer = self._grant(asked, deadline)
+        return answer if isinstance(answer, bytes) else await answer
+
+    def _grant(self, asked: ClaimAll, deadline: Deadline) -> bytes | Awaitable[bytes]:
+        """Grant the claim here; the answer, with the other ranks' claims held for the room's
+        first claimant if it is that (a group's size must reach every rank: a group is
+        relayed), else an awaitable of it once the claim is relayed to them."""
+        ask, room = asked.ask, asked.ask.room
         with self.about(room):
-            await self.rooms.wait(room, -1, deadline.left(self._timeouts.poll))  # until it is published
             first = self.rooms.granted(room) == 0
             state = self.rooms.claim(room, ask.claim, ask.consumer_id, ask.readers)
             relayed: list[OwnerClaim] | None = None
-            if first and ask.readers == 1 and state.status is RoomStatus.READY and others:
-                # A group's size must reach every rank: a group is relayed.
-                relayed = self.held.hand_out(room, others, state.src_pages, ask.claim)
-            if relayed is None and state.status is not RoomStatus.UNKNOWN and others:
-                assert self._relay is not None  # unpublished here: nothing granted, ask again
-                relayed = await self._relay(ask, list(others), deadline)
+            if first and ask.readers == 1 and state.status is RoomStatus.READY and asked.others:
+                relayed = self.held.hand_out(room, asked.others, state.src_pages, ask.claim)
+        if relayed is None and state.status is not RoomStatus.UNKNOWN and asked.others:
+            return self._relayed(asked, state, deadline)
         return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed or []), self._fp)
+
+    async def _relayed(self, asked: ClaimAll, state: RoomState, deadline: Deadline) -> bytes:
+        """The answer once the claim granted here (`state`) was relayed to the other ranks."""
+        assert self._relay is not None  # checked before anything was granted
+        with self.about(asked.ask.room):
+            relayed = await self._relay(asked.ask, list(asked.others), deadline)
+        return encode(ClaimAllReply(arbiter=self.with_pin(state), others=relayed), self._fp)
 
     def room_ended(self, room: int) -> None:
         """`room` ended here: the claims held for it go back, those handed to a claimant too
