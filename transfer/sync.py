@@ -26,7 +26,6 @@ import contextlib
 import enum
 import functools
 import logging
-import sys
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar
@@ -38,6 +37,7 @@ from pdkv.errors import ClosedError, ConflictError, PdkvError
 from pdkv.pages import PageIds
 from transfer.decode import DecodeFetcher, RoomLease
 from transfer.decode.landing import Landing
+from transfer.decode.tasks import eager_task
 from transfer.engine_kv import KVBuffers
 from transfer.metadata import OwnerPin, RankDescriptor, RoomTicket
 from transfer.prefill import PrefillExporter
@@ -203,7 +203,7 @@ class LoopTask(Generic[T]):
             return True
 
     def _start(self, coro: Coroutine[Any, Any, T]) -> None:
-        self._task = _eager_task(self._loop, self._settling(coro))
+        self._task = eager_task(self._settling(coro), self._loop)
         if self._cancel_asked:
             self._cancel()
 
@@ -553,15 +553,6 @@ class SyncExporter:
 def _own(pages: PageIds) -> PageIds:
     """A copy of a caller's page ids, which it may reuse once the call returns."""
     return pages.clone() if isinstance(pages, torch.Tensor) else np.array(pages, copy=True)
-
-
-def _eager_task(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """A task whose first step runs in this call (Python >= 3.12), not at the loop's next
-    turn: a read handed over from another thread then launches before the loop looks for
-    other work (a turn the read would wait for)."""
-    if sys.version_info >= (3, 12):
-        return asyncio.Task(coro, loop=loop, eager_start=True)
-    return loop.create_task(coro)
 
 
 class _Startable(Protocol):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterator, Sequence
+import sys
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -49,6 +50,16 @@ class Fetch:
         return src[self.skip :]
 
 
+def eager_task(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[T]:
+    """A task whose first step runs in this call (Python >= 3.12), not at the loop's next
+    turn, after whatever else is ready: a read handed over from another thread launches, a
+    claim's call is sent, before the loop looks for other work."""
+    loop = loop or asyncio.get_running_loop()
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+    return loop.create_task(coro)
+
+
 class TaskSet:
     """Tasks of owners' work in flight; `cancel_all` ends them when the fetcher closes."""
 
@@ -62,7 +73,8 @@ class TaskSet:
     async def each(self, works: Sequence[Awaitable[T]], abort: Awaitable[None] | None = None) -> list[T]:
         """Run `works` as tasks; all their results, or the first error (`abort` raising
         counts as one), once every task has ended."""
-        return await self.gather([asyncio.ensure_future(w) for w in works], abort)
+        tasks = [eager_task(w) if asyncio.iscoroutine(w) else asyncio.ensure_future(w) for w in works]
+        return await self.gather(tasks, abort)
 
     async def gather(self, tasks: Sequence[asyncio.Future[T]], abort: Awaitable[None] | None = None) -> list[T]:
         """As `each`, for tasks already started."""
