@@ -5,7 +5,9 @@ process, as `scripts/bench_fetch.py`. For each size and run, two rooms are prefi
 one is fetched with its ticket and the other by claims (no ticket, nothing claimed ahead),
 in alternating order, so that both meet the same load. Each control request the claims
 fetch makes is timed where the decode sends it: the table gives the p50 of each path,
-the median of the paired differences (claims minus ticket, run by run), the control
+the median of the paired differences (claims minus ticket, run by run), the same up to
+the room's read (both paths read a whole room alike, `TicketProtocol.read`: the difference
+without the noise of a large room's copy), the control
 requests a claims fetch makes, and how long its requests took: from the fetch's call to
 its first request's answer (the arbiter's claim), to its last claim's answer, and the
 control requests still in flight after that (releases, polls); and the arbiter's relay of
@@ -41,6 +43,7 @@ from transfer.app.router import Deployment, DeploymentSpec  # noqa: E402
 from transfer.app.synthetic import fragmented_allocator  # noqa: E402
 from transfer.control import ControlClient  # noqa: E402
 from transfer.decode import DecodeFetcher  # noqa: E402
+from transfer.decode.tickets import TicketProtocol  # noqa: E402
 
 Sent = tuple[str, float, float]  # (what: claim, release, poll...), sent, answered (perf_counter)
 
@@ -76,6 +79,19 @@ def record_owner_requests(log: list[Sent]) -> Callable[[], None]:
     return undo
 
 
+def record_read_starts(starts: list[float]) -> Callable[[], None]:
+    """Note when each read of a whole room begins (`TicketProtocol.read`, which both paths
+    take), into `starts`; returns the undo."""
+    original = TicketProtocol.read
+
+    async def noted(self: TicketProtocol, *args: Any, **kwargs: Any) -> Any:
+        starts.append(time.perf_counter())
+        return await original(self, *args, **kwargs)
+
+    TicketProtocol.read = noted  # type: ignore[method-assign]
+    return lambda: setattr(TicketProtocol, "read", original)
+
+
 async def relay_seconds(d: Deployment) -> tuple[float, float]:
     """The arbiter's relays so far, as its `/metrics` says: (count, seconds in all)."""
     text = await d.client.get_text(f"{d.engines[0].controls[0]}/metrics")
@@ -96,7 +112,8 @@ async def bench(args: argparse.Namespace) -> None:
     pool.slab.fill_(1)  # first-touch faults are not transfer cost
     alloc = fragmented_allocator(pool.layout.num_pages, 7)
     log: list[Sent] = []
-    undo = record_owner_requests(log)
+    reads: list[float] = []
+    undo, undo_reads = record_owner_requests(log), record_read_starts(reads)
     rows = []
     try:
         async with Deployment(spec) as d, DecodeFetcher(pool, d.registry_url, lane="ucx") as fetcher:
@@ -109,9 +126,11 @@ async def bench(args: argparse.Namespace) -> None:
                 return reply
 
             for n in args.sizes:
-                rows.append((n, await bench_size(fetcher, prefill, lambda: relay_seconds(d), alloc, log, n, args.runs)))
+                relays = lambda: relay_seconds(d)  # noqa: E731
+                rows.append((n, await bench_size(fetcher, prefill, relays, alloc, log, reads, n, args.runs)))
     finally:
         undo()
+        undo_reads()
     print_table(rows, args)
 
 
@@ -121,10 +140,11 @@ async def bench_size(
     relays: Callable[[], Awaitable[tuple[float, float]]],
     alloc: Any,
     log: list[Sent],
+    reads: list[float],
     n: int,
     runs: int,
 ) -> dict[str, list[float]]:
-    keys = ("ticket", "claims", "diff", "msgs", "first", "claimed", "relay", "after", "held")
+    keys = ("ticket", "claims", "diff", "to_read", "msgs", "first", "claimed", "relay", "after", "held")
     s: dict[str, list[float]] = {k: [] for k in keys}
     dst = alloc.alloc(max(1, n // 64))
     try:
@@ -134,8 +154,10 @@ async def bench_size(
             reply = await prefill(room, n, True)
             await prefill(room + 1, n, False)
             took: dict[str, float] = {}
+            to_read: dict[str, float] = {}
             for mode in ("ticket", "claims") if i % 2 else ("claims", "ticket"):
                 log.clear()
+                reads.clear()
                 t0 = time.perf_counter()
                 if mode == "ticket":
                     result = await fetcher.fetch("prefill0", room, dst, ticket=reply.ticket)
@@ -148,6 +170,7 @@ async def bench_size(
                     s["claimed"].append(max(claims) - t0)
                     s["after"].append(sum(1 for what, *_ in log if what != "claim"))
                 took[mode] = result.seconds
+                to_read[mode] = reads[0] - t0 if reads else float("nan")
             count, seconds = await relays()
             if i and count == relayed[0] + 1:  # the claims fetch's one relay
                 s["relay"].append(seconds - relayed[1])
@@ -155,6 +178,7 @@ async def bench_size(
                 s["ticket"].append(took["ticket"])
                 s["claims"].append(took["claims"])
                 s["diff"].append(took["claims"] - took["ticket"])
+                s["to_read"].append(to_read["claims"] - to_read["ticket"])
     finally:
         alloc.free(dst)
     return s
@@ -165,18 +189,21 @@ def print_table(rows: list[tuple[int, dict[str, list[float]]]], args: argparse.N
         f"DSA layout, CP=4 owners on cpu, decode on cpu, {args.runs} runs after a warm-up, ticket and claims "
         "fetches alternating; medians (ms)"
     )
-    head = ["tokens", "ticket p50", "claims p50", "claims-ticket", "ctl msgs", "1st answer", "claims done"]
+    head = ["tokens", "ticket p50", "claims p50", "claims-ticket", "to the read", "ctl msgs", "1st answer"]
+    head += ["claims done"]
     head += ["relay", "after", "held"]
     print("".join(f"{h:>14}" for h in head))
     for n, s in rows:
         med = {k: statistics.median(v) if v else float("nan") for k, v in s.items()}
-        cells = [f"{n:>14}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("ticket", "claims", "diff")]
+        cells = [f"{n:>14}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("ticket", "claims", "diff", "to_read")]
         cells += [f"{med['msgs']:>14.0f}"] + [f"{1e3 * med[k]:>14.2f}" for k in ("first", "claimed", "relay")]
         cells += [f"{med['after']:>14.0f}", f"{statistics.fmean(s['held']) if s['held'] else 0.0:>14.2f}"]
         print("".join(cells))
     print(
-        "1st answer / claims done: from the claims fetch's call; relay: the arbiter's, to the other ranks "
-        "(its /metrics); after: control requests after the claims; held: the share answered from held claims"
+        "to the read: claims - ticket, paired, from the call to the room's read (the same read on both paths: "
+        "without its copy's noise); 1st answer / claims done: from the claims fetch's call; relay: the arbiter's, "
+        "to the other ranks (its /metrics); after: control requests after the claims; held: the share answered "
+        "from held claims"
     )
 
 
