@@ -63,3 +63,26 @@ async def test_a_retry_loop_ends_on_a_cancel_that_wait_for_swallowed():
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(caller, 5)
     assert len(inners) == 1
+
+
+async def test_bounded_returns_the_result_times_out_a_slow_wait_and_starts_nothing_without_time():
+    from transfer.deadline import bounded
+
+    started: list[str] = []
+
+    async def work(name: str, seconds: float) -> str:
+        started.append(name)
+        await asyncio.sleep(seconds)
+        return name
+
+    assert await bounded(work("quick", 0), 5) == "quick"
+    with pytest.raises(TimeoutError):
+        await bounded(work("slow", 10), 0.05)
+    with pytest.raises(TimeoutError):
+        await bounded(work("none left", 0), 0)
+    assert started == ["quick", "slow"]  # a spent budget sends no call
+    task = asyncio.ensure_future(bounded(work("cancelled", 10), 5))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):  # the caller's cancel is not a timeout
+        await task

@@ -217,3 +217,46 @@ async def test_a_call_on_a_kept_channel_that_died_unseen_is_made_again_on_a_new_
         assert client._channels[url] is fresh and not fresh.closed  # a refusal keeps the channel
     finally:
         await client.aclose()
+
+
+async def test_calls_that_lose_one_channel_together_make_their_calls_again_on_one_new_channel(  # type: ignore[no-untyped-def]
+    deployment, monkeypatch
+):
+    """Calls waiting on a kept channel when it breaks (each for a room not published, which
+    the owner waits for within the call's budget) are each made again, all on one new
+    channel: none is left open beside it, where `aclose` would not close it."""
+    import transfer.control as control
+
+    opened: list[_Channel] = []
+
+    class Counted(_Channel):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    monkeypatch.setattr(control, "_Channel", Counted)
+    fp = DSAKVPool(tiny(size=8192)).layout.fingerprint
+    url = f"{deployment.engines[0].controls[0]}/v1/claims"
+
+    def waiting(i: int) -> ClaimAll:
+        ask = ClaimRequest(room=9_500_000 + i, consumer_id="racing", claim=secrets.token_hex(16))
+        return ClaimAll(ask=ask, others=[], budget_ms=400)
+
+    client = ControlClient(Timeouts())
+    try:
+        await client.call(url, waiting(9), ClaimAllReply, fingerprint=fp, timeout=5)
+        kept = client._channels[url]
+        assert kept._ws is not None
+        calls = [
+            asyncio.ensure_future(client.call(url, waiting(i), ClaimAllReply, fingerprint=fp, timeout=5))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0.1)  # sent, and waited on by the owner
+        assert len(kept._pending) == 4
+        kept._ws._response.connection.transport.abort()  # the reader hears it: every call on it fails at once
+        replies = await asyncio.gather(*calls)
+        assert [r.arbiter.status.value for r in replies] == ["unknown"] * 4
+        assert len(opened) == 2 and opened[0] is kept and client._channels[url] is opened[1]
+        assert kept.closed and not opened[1].closed
+    finally:
+        await client.aclose()

@@ -286,8 +286,10 @@ class ControlClient:
                 if not channel.closed:  # the peer's own answer, not a broken channel
                     raise
                 logger.info("%s; calling again on a new channel", exc)
-        channel = self._channels[url] = _Channel(url, self.timeouts.shutdown)
-        return decode(await channel.call(data, self._sess, limit), reply_kind, expect_fingerprint)
+        fresh = self._channels.get(url)
+        if fresh is None or fresh.closed:  # calls that lost one channel together share its successor
+            fresh = self._channels[url] = _Channel(url, self.timeouts.shutdown)
+        return decode(await fresh.call(data, self._sess, limit), reply_kind, expect_fingerprint)
 
     async def stream(self, url: str, *, idle_timeout: float, max_frame: int) -> AsyncIterator[bytes]:
         """The length-prefixed frames of a long-lived GET (b"" for a heartbeat), until the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -22,10 +23,14 @@ T = TypeVar("T")
 
 
 async def bounded(work: Awaitable[T], seconds: float) -> T:
-    """`await work`, cancelled after `seconds` (`TimeoutError`), as `asyncio.wait_for`. Where
-    there is `asyncio.timeout` (3.11+) `work` runs in this task: 3.11's `wait_for` runs it in a
-    task of its own, two turns of the loop more a call (a control call's round trip is ~1 ms)."""
-    timeout = getattr(asyncio, "timeout", None)
+    """`await work`, cancelled after `seconds` (`TimeoutError`; none left: not started), as
+    `asyncio.wait_for`. From 3.11.3 (`asyncio.timeout` as fixed there) `work` runs in this task:
+    3.11's `wait_for` runs it in a task of its own, two turns of the loop more a call."""
+    if seconds <= 0:
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise TimeoutError
+    timeout = getattr(asyncio, "timeout", None) if sys.version_info[:3] >= (3, 11, 3) else None
     if timeout is None:
         return await asyncio.wait_for(work, seconds)
     async with timeout(seconds):

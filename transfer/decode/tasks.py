@@ -71,8 +71,8 @@ class TaskSet:
         return (await self.each([work]))[0]
 
     async def each(self, works: Sequence[Awaitable[T]], abort: Awaitable[None] | None = None) -> list[T]:
-        """Run `works` as tasks; all their results, or the first error (`abort` raising
-        counts as one), once every task has ended."""
+        """Run `works` as tasks (a coroutine's begun in this call, `eager_task`); all their
+        results, or the first error (`abort` raising counts as one), once every task has ended."""
         tasks = [eager_task(w) if asyncio.iscoroutine(w) else asyncio.ensure_future(w) for w in works]
         return await self.gather(tasks, abort)
 

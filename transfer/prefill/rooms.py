@@ -237,7 +237,6 @@ class RoomTable:
     async def wait(self, room: int, after: int, timeout: float, after_pages: int = -1) -> RoomState:
         """The room's state once it has layers ready beyond `after` (or, by chunks, pages
         beyond `after_pages`), or at `timeout`."""
-
         await wait_until(lambda: self.moved(room, after, after_pages), lambda: self._tick, timeout)
         return self.state(room)
 

@@ -262,13 +262,14 @@ class PrefillService:
         if self._relay is None and asked.others:
             raise NotReadyError(f"cp rank {self._cp_rank} relays no claims")
         deadline = Deadline.from_wire(asked.budget_ms)
+        deadline.left()  # a budget spent on the way: refused before anything is granted
         if not self.rooms.moved(asked.ask.room, -1):
             return self._claim_all_published(asked, deadline)
         return self._grant(asked, deadline)
 
     async def _claim_all_published(self, asked: ClaimAll, deadline: Deadline) -> bytes:
-        """`_claim_all` once the room is published here (or, unpublished at the call's budget,
-        answered UNKNOWN: the decode asks again)."""
+        """`_claim_all` once the room is published here (or, still unpublished after the call's
+        budget or `Timeouts.poll`, whichever is shorter, answered UNKNOWN: the decode asks again)."""
         await self.rooms.wait(asked.ask.room, -1, deadline.left(self._timeouts.poll))
         answer = self._grant(asked, deadline)
         return answer if isinstance(answer, bytes) else await answer
