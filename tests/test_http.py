@@ -131,3 +131,45 @@ async def test_beyond_the_limit_a_new_connection_evicts_the_oldest_idle_one():
             w.close()
     finally:
         await svc.aclose()
+
+
+async def test_a_channel_answers_at_once_or_after_a_wait_and_a_refusal_by_the_peer_keeps_it_open():
+    """`serve_channel`: an answer made at once and one awaited come back to their own calls
+    (the one that waits holds up no other); a refusal, `DeadlineExceeded` too (a peer's own,
+    not the caller's timeout), comes back typed and leaves the channel open."""
+    from pdkv.errors import DeadlineExceeded
+    from transfer.control import serve_channel
+    from transfer.metadata import decode
+
+    async def later(state: RoomState) -> bytes:
+        await asyncio.sleep(0.2)
+        return encode(state)
+
+    def answer(data: bytes) -> bytes | object:
+        state = decode(data, RoomState)
+        if state.room == 1:
+            raise DeadlineExceeded("the call's budget was spent on its way")
+        return later(state) if state.room == 2 else encode(state)
+
+    app = make_app(None)
+    channels: set[web.WebSocketResponse] = set()
+
+    async def channel(request: web.Request) -> web.StreamResponse:
+        return await serve_channel(request, answer, channels)
+
+    app.router.add_get("/v1/claims", channel)
+    svc = HttpService(app)
+    url = f"{await svc.start()}/v1/claims"
+    client = ControlClient(Timeouts())
+    try:
+        asks = [RoomState(room=r, status=RoomStatus.READY) for r in (2, 3)]
+        slow, quick = (asyncio.ensure_future(client.call(url, a, RoomState, fingerprint="", timeout=5)) for a in asks)
+        assert (await quick).room == 3 and not slow.done()  # answered at once, past the one that waits
+        assert (await slow).room == 2
+        kept = client._channels[url]
+        with pytest.raises(DeadlineExceeded, match="spent on its way"):
+            await client.call(url, RoomState(room=1, status=RoomStatus.READY), RoomState, fingerprint="", timeout=5)
+        assert client._channels[url] is kept and not kept.closed  # the peer answered: the channel is sound
+    finally:
+        await client.aclose()
+        await svc.aclose()

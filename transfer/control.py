@@ -361,16 +361,19 @@ class _Channel:
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[call] = answer
 
-        async def exchange() -> bytes:
+        async def exchange() -> bytes | PdkvError:
             try:
                 await ws.send_bytes(_CALL.pack(call) + data)
             except ConnectionError as exc:  # the channel broke, maybe before its reader heard of it
                 self._fail(PeerLostError(f"channel to {self.url}: {exc}", self.url))
                 raise PeerLostError(f"call {self.url}: {exc}", self.url) from exc
-            return await answer
+            try:
+                return await answer
+            except PdkvError as exc:  # the peer's refusal (a `DeadlineExceeded` too), or the channel's loss
+                return exc
 
         try:
-            return await _bounded(exchange(), f"call {self.url}", self.url, deadline.left())
+            out = await _bounded(exchange(), f"call {self.url}", self.url, deadline.left())
         except DeadlineExceeded:
             # The peer answers within the budget a call names: one that did not may be gone
             # without a word (a cut link). Later calls open a new channel, which fails fast
@@ -382,6 +385,9 @@ class _Channel:
             if self.closed and not self._pending and self._ws is not None and not self._ws.closed:
                 _BEHIND.add(closing := asyncio.ensure_future(self._ws.close()))
                 closing.add_done_callback(_BEHIND.discard)
+        if isinstance(out, PdkvError):
+            raise out
+        return out
 
     async def _open(
         self, session: Callable[[], aiohttp.ClientSession], deadline: Deadline
