@@ -475,15 +475,15 @@ def _error_from_frame(body: bytes, url: str) -> PdkvError:
 
 Answer = Callable[[bytes], bytes | Awaitable[bytes]]
 """A channel's serving side: a call's envelope in, its reply's out (a pdkv error: refused);
-an awaitable where the answer must wait (a claim on a room not published yet)."""
+an awaitable where the answer must wait (a claim on a room not published yet, or relayed)."""
 
 
 async def serve_channel(
     request: web.Request, answer: Answer, closing: set[web.WebSocketResponse]
 ) -> web.StreamResponse:
     """Serve a channel on `request` (its upgrade passed the app's checks). A call answered
-    at once is sent from here; one that must wait is awaited in a task of its own, so that
-    it holds up no other (a task a call would cost a turn of the loop, on a hot path).
+    at once is sent from here, as a task for every call would cost a claim a turn of the
+    loop; one that must wait is awaited in a task of its own, so that it holds up no other.
     `closing`: the open channels, for the service's close."""
     # A peer that does not answer the close frame is not waited for beyond the service's shutdown bound.
     ws = web.WebSocketResponse(max_msg_size=MAX_BODY, timeout=request.config_dict[_TIMEOUTS].shutdown)
