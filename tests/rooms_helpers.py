@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -61,3 +62,35 @@ def fetch_in_own_process(registry_url: str, engine_id: str, room: int, n: int, s
             out.put((result.freed, result.freed_on, kv_is_exact(pool, engine_id, room, n, pages)))
 
     asyncio.run(run())
+
+
+UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
+
+
+async def one_of_two_reads(  # type: ignore[no-untyped-def]
+    fetchers,
+    pools: list[DSAKVPool],
+    engine_id: str,
+    room: int,
+    n: int,
+    seed: int,
+    refused: tuple[type, ...],
+    *beside: Awaitable[Any],
+) -> None:
+    """Two decodes fetch a single-consumer `room` by claims at once (which asks first by
+    `seed`'s parity), with `beside` awaited meanwhile (its prefill): one reads it exact, the
+    other is refused with one of `refused` and its pool holds none of the room."""
+    from transfer.decode import FetchResult
+
+    for pool in pools:
+        pool.slab.fill_(UNTOUCHED)
+    pages = [fragmented_pages(pool, n, 2 + seed) for pool in pools]
+    order = [1, 0] if seed % 2 else [0, 1]  # either fetcher asks first
+    tasks = {k: asyncio.create_task(fetchers[k].fetch(engine_id, room, pages[k], timeout=30)) for k in order}
+    outcomes = await asyncio.gather(tasks[0], tasks[1], *beside, return_exceptions=True)
+    won = [k for k in (0, 1) if isinstance(outcomes[k], FetchResult)]
+    assert len(won) == 1, outcomes
+    lost = 1 - won[0]
+    assert isinstance(outcomes[lost], refused), outcomes
+    assert kv_is_exact(pools[won[0]], engine_id, room, n, pages[won[0]])
+    assert bool(torch.all(pools[lost].slab == UNTOUCHED)), f"room {room}: bytes landed in the loser's pool"

@@ -19,12 +19,12 @@ import torch
 
 from pdkv import DSAKVPool, RoomClaimedError, UnknownRoomError, tiny
 from pdkv.errors import DeadlineExceeded, MetadataError, PeerLostError
-from tests.rooms_helpers import fragmented_pages, kv_is_exact, module_deployment, prefill
+from tests.rooms_helpers import UNTOUCHED, fragmented_pages, kv_is_exact, module_deployment, one_of_two_reads, prefill
 from tests.scrape import histogram_totals
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient, _Channel
 from transfer.deadline import Deadline
-from transfer.decode import DecodeFetcher, FetchResult
+from transfer.decode import DecodeFetcher
 from transfer.metadata import ClaimAll, ClaimAllReply, ClaimRequest, OwnerRef, encode
 from transfer.timeouts import Timeouts
 
@@ -40,7 +40,6 @@ SPEC = DeploymentSpec(
     hold_claims=False,  # every claim relayed: the relay is what is tested here (held claims: test_protocol_held)
 )
 ENGINE = "prefill0"
-UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
 
 
 deployment = module_deployment(SPEC)
@@ -117,19 +116,8 @@ async def test_two_consumers_racing_for_a_room_one_wins_and_the_loser_gets_no_by
     ):
         for i in range(6):
             room = 9_100_000 + i
-            for pool in pools:
-                pool.slab.fill_(UNTOUCHED)
-            pages = [fragmented_pages(pool, n, 2 + i) for pool in pools]
-            order = [1, 0] if i % 2 else [0, 1]  # either fetcher asks first
-            tasks = {k: asyncio.create_task((a, b)[k].fetch(ENGINE, room, pages[k], timeout=30)) for k in order}
             written = prefill(deployment, deployment.engines[0], room, n)
-            outcomes = await asyncio.gather(tasks[0], tasks[1], written, return_exceptions=True)
-            won = [k for k in (0, 1) if isinstance(outcomes[k], FetchResult)]
-            assert len(won) == 1, outcomes
-            lost = 1 - won[0]
-            assert isinstance(outcomes[lost], (RoomClaimedError, UnknownRoomError)), outcomes
-            assert kv_is_exact(pools[won[0]], ENGINE, room, n, pages[won[0]])
-            assert bool(torch.all(pools[lost].slab == UNTOUCHED)), f"room {room}: bytes landed in the loser's pool"
+            await one_of_two_reads((a, b), pools, ENGINE, room, n, i, (RoomClaimedError, UnknownRoomError), written)
     await _until_unpinned(deployment)
 
 

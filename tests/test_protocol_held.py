@@ -12,15 +12,14 @@ import time
 
 import msgspec
 import pytest
-import torch
 
 from pdkv import ClaimLostError, DSAKVPool, RoomClaimedError, tiny
 from pdkv.errors import MetadataError
-from tests.rooms_helpers import fragmented_pages, kv_is_exact, module_deployment, prefill
+from tests.rooms_helpers import fragmented_pages, kv_is_exact, module_deployment, one_of_two_reads, prefill
 from tests.scrape import histogram_totals
 from transfer.app.router import Deployment, DeploymentSpec
 from transfer.control import ControlClient
-from transfer.decode import DecodeFetcher, FetchResult
+from transfer.decode import DecodeFetcher
 from transfer.metadata import (
     ClaimAll,
     ClaimAllReply,
@@ -42,7 +41,6 @@ SPEC = DeploymentSpec(
     engines=(3,), decoders=0, preset="tiny", prefill_pool_tokens=4096, decode_pool_tokens=8192, start_timeout=180
 )
 ENGINE = "prefill0"
-UNTOUCHED = 77  # what a decode's pool holds where no fetch wrote
 
 
 deployment = module_deployment(SPEC)
@@ -127,18 +125,7 @@ async def test_two_consumers_racing_for_a_whole_room_one_reads_it_and_the_loser_
         for i in range(4):
             room = 9_510_000 + i
             await _whole(deployment, room, n)
-            for pool in pools:
-                pool.slab.fill_(UNTOUCHED)
-            pages = [fragmented_pages(pool, n, 2 + i) for pool in pools]
-            order = [1, 0] if i % 2 else [0, 1]
-            tasks = {k: asyncio.create_task((a, b)[k].fetch(ENGINE, room, pages[k], timeout=30)) for k in order}
-            outcomes = await asyncio.gather(tasks[0], tasks[1], return_exceptions=True)
-            won = [k for k in (0, 1) if isinstance(outcomes[k], FetchResult)]
-            assert len(won) == 1, outcomes
-            lost = 1 - won[0]
-            assert isinstance(outcomes[lost], RoomClaimedError), outcomes
-            assert kv_is_exact(pools[won[0]], ENGINE, room, n, pages[won[0]])
-            assert bool(torch.all(pools[lost].slab == UNTOUCHED)), f"room {room}: bytes landed in the loser's pool"
+            await one_of_two_reads((a, b), pools, ENGINE, room, n, i, (RoomClaimedError,))
     await _unpinned(deployment)
 
 
